@@ -1,0 +1,219 @@
+"""N-gram drafting: propose chains of draft tokens by longest-suffix lookup.
+
+A *draft* is a chain of up to K consecutive tokens guessed for the positions
+right after a sequence's context. Each link is found the same way: take the
+longest suffix of the (context + chain so far) that has been seen before,
+backing off from ``n_max`` to ``n_min`` tokens, and append its most frequent
+continuation. The chain stops early when no suffix matches or when the
+evidence for the next link is weaker than the configured minimum.
+
+Two sources of n-grams are consulted, in this order at each suffix length:
+
+* ``context``: the request's own prompt and generated text (prompt lookup).
+  It is indexed incrementally: each step adds only the new tokens.
+* ``global``: a table learned from earlier requests' outputs. Anything with
+  ``continuations`` and ``observe`` (the ``NGramSource`` protocol) can serve
+  as the global table: ``InMemoryNGramTable`` here, an LMDB-backed store in
+  the drafter service.
+
+This module imports neither grpc nor lmdb; the service wraps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+SOURCE_CONTEXT = "context"
+SOURCE_GLOBAL = "global"
+
+
+@dataclass(frozen=True)
+class NGramConfig:
+    # Longest suffix looked up. Longer keys are more specific (fewer wrong
+    # drafts) but match later; 4 covers identifiers and short phrases.
+    n_max: int = 4
+    # Shortest suffix trusted. Single-token keys fire on almost every token of
+    # open-ended text and are usually wrong, which costs a wider forward pass.
+    n_min: int = 2
+    # A link is kept only if its continuation was seen at least this often in
+    # the global table. The context's own text is always trusted once.
+    min_global_count: int = 2
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_min <= self.n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got n_min={self.n_min}, n_max={self.n_max}")
+        if self.min_global_count < 1:
+            raise ValueError(f"min_global_count must be >= 1, got {self.min_global_count}")
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Why one draft token was proposed."""
+
+    source: str  # SOURCE_CONTEXT or SOURCE_GLOBAL
+    match_length: int  # length of the suffix that matched
+    count: int  # times this continuation followed that suffix
+    total: int  # times any continuation followed that suffix
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int]
+    evidence: list[Evidence] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        assert len(self.tokens) == len(self.evidence), "one evidence record per draft token"
+
+
+class NGramSource(Protocol):
+    def continuations(self, key: tuple[int, ...]) -> dict[int, int] | None:
+        """Next-token counts seen after ``key``, or None when never seen."""
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        """Count every n-gram of ``tokens`` (n_min..n_max) with its next token."""
+
+
+class InMemoryNGramTable:
+    """Counts of next tokens per n-gram, for n in [n_min, n_max].
+
+    tokens [5, 6, 7] with n_min=1, n_max=2 records
+    (5,)->6, (6,)->7, (5, 6)->7.
+    """
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+        self._counts: dict[tuple[int, ...], dict[int, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def continuations(self, key: tuple[int, ...]) -> dict[int, int] | None:
+        return self._counts.get(key)
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        self.extend(tokens, start=1)
+
+    def extend(self, tokens: Sequence[int], start: int) -> None:
+        """Record the n-grams ending just before each position >= ``start``.
+
+        Used incrementally: after appending new tokens to a context, call with
+        ``start`` = the old length so earlier positions are not counted twice.
+        """
+        for position in range(max(start, 1), len(tokens)):
+            following = tokens[position]
+            for n in range(self.n_min, min(self.n_max, position) + 1):
+                key = tuple(tokens[position - n : position])
+                counts = self._counts.setdefault(key, {})
+                counts[following] = counts.get(following, 0) + 1
+
+
+def most_frequent(counts: dict[int, int]) -> tuple[int, int]:
+    """(token, count) with the highest count; ties go to the token seen first.
+
+    Dicts keep insertion order, and max() returns the first maximum, so among
+    equal counts the earliest-recorded continuation wins: deterministic, and
+    for the context it is the continuation of the first occurrence.
+    """
+    token = max(counts, key=counts.__getitem__)
+    return token, counts[token]
+
+
+def lookup_longest(
+    tail: Sequence[int],
+    sources: Sequence[tuple[str, NGramSource]],
+    config: NGramConfig,
+) -> tuple[int, Evidence] | None:
+    """The continuation of the longest matching suffix of ``tail``.
+
+    tail [9, 1, 2], context table holding (1, 2)->3 and (2,)->4, n_max=3:
+    (9, 1, 2) is unknown, (1, 2) matches -> (3, match_length 2).
+    """
+    for n in range(min(config.n_max, len(tail)), config.n_min - 1, -1):
+        key = tuple(tail[len(tail) - n :])
+        for name, source in sources:
+            counts = source.continuations(key)
+            if not counts:
+                continue
+            token, count = most_frequent(counts)
+            if name == SOURCE_GLOBAL and count < config.min_global_count:
+                continue
+            return token, Evidence(name, n, count, sum(counts.values()))
+    return None
+
+
+def propose_chain(
+    context: Sequence[int],
+    sources: Sequence[tuple[str, NGramSource]],
+    k: int,
+    config: NGramConfig,
+) -> Draft:
+    """Up to ``k`` draft tokens continuing ``context``, one lookup per link.
+
+    context [1, 2, 3, 4, 2, 3] indexed as its own source, n_min=n_max=2, k=3:
+    suffix (2, 3) was followed by 4 -> 4; (3, 4) by 2 -> 2; (4, 2) by 3 -> 3;
+    the draft is [4, 2, 3].
+    """
+    tail = list(context[-config.n_max :]) if context else []
+    tokens: list[int] = []
+    evidence: list[Evidence] = []
+    for _ in range(k):
+        hit = lookup_longest(tail, sources, config)
+        if hit is None:
+            break
+        token, why = hit
+        tokens.append(token)
+        evidence.append(why)
+        tail = (tail + [token])[-config.n_max :]
+    return Draft(tokens, evidence)
+
+
+@dataclass
+class _Session:
+    tokens: list[int]
+    table: InMemoryNGramTable
+
+
+class NGramDrafter:
+    """Session-based drafter: the in-process form of the drafter service.
+
+    ``open`` a session with its prompt, call ``propose`` each step with only
+    the tokens appended since the previous call, ``close`` it when the request
+    ends (its output is then observed into the global table).
+    """
+
+    def __init__(self, config: NGramConfig | None = None, global_table: NGramSource | None = None) -> None:
+        self.config = config or NGramConfig()
+        self.global_table = global_table if global_table is not None else InMemoryNGramTable(
+            self.config.n_min, self.config.n_max
+        )
+        self._sessions: dict[str, _Session] = {}
+
+    def open(self, session_id: str, prompt_ids: Sequence[int]) -> None:
+        if session_id in self._sessions:
+            raise KeyError(f"session {session_id!r} is already open")
+        session = _Session(list(prompt_ids), InMemoryNGramTable(self.config.n_min, self.config.n_max))
+        session.table.extend(session.tokens, start=1)
+        self._sessions[session_id] = session
+
+    def propose(self, session_id: str, new_tokens: Iterable[int], k: int) -> Draft:
+        session = self._session(session_id)
+        start = len(session.tokens)
+        session.tokens.extend(new_tokens)
+        session.table.extend(session.tokens, start=start)
+        if k <= 0:
+            return Draft([], [])
+        sources = ((SOURCE_CONTEXT, session.table), (SOURCE_GLOBAL, self.global_table))
+        return propose_chain(session.tokens, sources, k, self.config)
+
+    def close(self, session_id: str, observe: bool = True) -> None:
+        session = self._sessions.pop(session_id, None)
+        if session is not None and observe:
+            self.global_table.observe(session.tokens)
+
+    def _session(self, session_id: str) -> _Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise KeyError(f"unknown session {session_id!r}") from None

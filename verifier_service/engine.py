@@ -1,0 +1,338 @@
+"""The decode loop: prefill, propose, verify, accept, for a batch of sequences.
+
+One loop serves every strategy. A request with ``num_speculative_tokens = 0``
+(or a proposer with nothing to say) takes the plain path: each step feeds one
+token and samples one. With drafts, each step feeds ``[last token] + drafts``
+through the target once and keeps what ``rejection`` accepts. The words
+accepted / rejected / recovered / bonus are defined in ``rejection``.
+
+Sequences join with ``add`` (prefilled alone, then merged into the batch
+cache) and leave when they finish, so a scheduler can run continuous batching
+on top of ``step``; ``generate`` is the simple static-batch driver.
+
+``reference_greedy`` is the plain, obviously-correct path (full recompute, no
+cache, no batching) that the tests hold the fast path against.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicCache
+
+from verifier_service.kv_cache import BatchKVCache
+from verifier_service.rejection import SamplingParams, accept_greedy, accept_sampled, warp_probs
+
+FINISH_STOP = "stop"  # EOS token or a stop string
+FINISH_LENGTH = "length"  # max_new_tokens reached
+
+
+class DraftLike(Protocol):
+    tokens: list[int]
+
+
+class DraftProposer(Protocol):
+    """What the engine needs from a drafter (in-process here, gRPC later)."""
+
+    def open(self, session_id: str, prompt_ids: Sequence[int]) -> None: ...
+
+    def propose(self, session_id: str, new_tokens: Sequence[int], k: int) -> DraftLike: ...
+
+    def close(self, session_id: str, observe: bool = True) -> None: ...
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    # K: draft tokens per step; 0 disables speculation for this request.
+    num_speculative_tokens: int = 5
+    request_id: str = ""
+
+
+@dataclass
+class GenerationStats:
+    target_forward_passes: int = 0  # prefill included: it yields the first token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    generated_tokens: int = 0
+    verify_steps_with_drafts: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted drafts per step that carried drafts."""
+        return self.accepted_tokens / self.verify_steps_with_drafts if self.verify_steps_with_drafts else 0.0
+
+    @property
+    def tokens_per_forward_pass(self) -> float:
+        return self.generated_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # Hard cap on K per step: the verify pass widens with K, and on CPU the
+    # cost of scoring more than ~9 tokens stops being nearly free.
+    max_speculative_tokens: int = 16
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    session_id: str
+    seed: int
+    tokens: list[int]  # prompt + generated, including the last (uncached) token
+    generated: list[int] = field(default_factory=list)
+    unsent: list[int] = field(default_factory=list)  # tokens the proposer has not seen
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    finish_reason: str | None = None
+    stop_text: str | None = None  # output text cut before the stop string that ended it
+
+
+class SpeculativeEngine:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        proposer: DraftProposer | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        self.config = config or EngineConfig()
+        self.device = next(model.parameters()).device
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.cache = BatchKVCache()
+        self.active: list[_Sequence] = []
+        self._session_ids = (f"seq-{n}" for n in itertools.count())
+
+    # -- public driver -------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Run requests as one batch to completion; results in request order."""
+        results: dict[int, GenerationResult] = {}
+        pending = {}
+        for index, request in enumerate(requests):
+            sequence, finished = self.add(request)
+            if finished is not None:
+                results[index] = finished
+            else:
+                pending[id(sequence)] = index
+        while self.active:
+            for sequence, result in self.step():
+                results[pending[id(sequence)]] = result
+        return [results[index] for index in range(len(requests))]
+
+    # -- stages --------------------------------------------------------------
+
+    def validate(self, request: GenerationRequest) -> None:
+        if not request.prompt_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        if not 0 <= request.num_speculative_tokens <= self.config.max_speculative_tokens:
+            raise ValueError(
+                f"num_speculative_tokens must be in [0, {self.config.max_speculative_tokens}], "
+                f"got {request.num_speculative_tokens}"
+            )
+        request.sampling.validate()
+
+    @torch.inference_mode()
+    def add(self, request: GenerationRequest) -> tuple[_Sequence, GenerationResult | None]:
+        """Prefill a request and emit its first token; join the batch unless already finished."""
+        self.validate(request)
+        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
+        sequence = _Sequence(request, next(self._session_ids), seed, list(request.prompt_ids))
+        row_cache = DynamicCache()
+        input_ids = torch.tensor([request.prompt_ids], device=self.device)
+        logits = self.model(input_ids=input_ids, past_key_values=row_cache, use_cache=True).logits[0, -1:]
+        sequence.stats.target_forward_passes += 1
+        first = self._sample(sequence, logits, draft=[])[1]
+        self._emit(sequence, [first])
+        if sequence.finish_reason is not None:
+            return sequence, self._result(sequence)
+        self.cache.add_row(row_cache, len(request.prompt_ids))
+        self.active.append(sequence)
+        if self._speculates(sequence):
+            self.proposer.open(sequence.session_id, request.prompt_ids)
+        return sequence, None
+
+    def propose(self) -> list[list[int]]:
+        drafts = []
+        for sequence in self.active:
+            k = self._draft_budget(sequence)
+            if not self._speculates(sequence):
+                drafts.append([])
+                continue
+            draft = self.proposer.propose(sequence.session_id, sequence.unsent, k)
+            sequence.unsent = []
+            drafts.append(list(draft.tokens[:k]))
+        return drafts
+
+    @torch.inference_mode()
+    def verify(self, drafts: list[list[int]]) -> torch.Tensor:
+        """One target forward pass over every row's ``[last token] + draft``.
+
+        Returns logits [batch, width, vocab], width = 1 + longest draft.
+        """
+        width = 1 + max(len(draft) for draft in drafts)
+        rows = [[seq.tokens[-1], *draft] + [0] * (width - 1 - len(draft)) for seq, draft in zip(self.active, drafts)]
+        input_ids = torch.tensor(rows, device=self.device)  # [batch, width]
+        attention_mask, position_ids = self.cache.step_inputs([1 + len(d) for d in drafts], width, self.device)
+        output = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=self.cache.cache,
+            use_cache=True,
+        )
+        return output.logits
+
+    def accept(self, drafts: list[list[int]], logits: torch.Tensor) -> list[tuple[int, int]]:
+        """(num_accepted, next_token) per row; greedy rows in one vectorised call."""
+        decisions: list[tuple[int, int] | None] = [None] * len(drafts)
+        greedy_rows = [i for i, seq in enumerate(self.active) if seq.request.sampling.greedy]
+        if greedy_rows:
+            width = logits.shape[1]
+            padded = torch.tensor([drafts[i] + [-1] * (width - 1 - len(drafts[i])) for i in greedy_rows], device=logits.device)
+            lengths = torch.tensor([len(drafts[i]) for i in greedy_rows], device=logits.device)
+            counts, tokens = accept_greedy(logits[greedy_rows], padded.view(len(greedy_rows), width - 1), lengths)
+            for i, count, token in zip(greedy_rows, counts.tolist(), tokens.tolist()):
+                decisions[i] = (count, token)
+        for i, sequence in enumerate(self.active):
+            if decisions[i] is None:
+                decisions[i] = self._sample(sequence, logits[i, : len(drafts[i]) + 1], drafts[i])
+        return decisions
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[_Sequence, GenerationResult]]:
+        """One propose-verify-accept round for the whole batch; returns finished sequences."""
+        if not self.active:
+            return []
+        drafts = self.propose()
+        old_columns = self.cache.columns
+        logits = self.verify(drafts)
+        decisions = self.accept(drafts, logits)
+        self.cache.commit(old_columns, [1 + count for count, _ in decisions])
+        for sequence, draft, (count, token) in zip(self.active, drafts, decisions):
+            stats = sequence.stats
+            stats.target_forward_passes += 1
+            if draft:
+                stats.draft_tokens += len(draft)
+                stats.accepted_tokens += count
+                stats.verify_steps_with_drafts += 1
+            self._emit(sequence, draft[:count] + [token])
+        return self._retire_finished()
+
+    # -- helpers -------------------------------------------------------------
+
+    def _speculates(self, sequence: _Sequence) -> bool:
+        return self.proposer is not None and sequence.request.num_speculative_tokens > 0
+
+    def _draft_budget(self, sequence: _Sequence) -> int:
+        # Never draft past max_new_tokens: the step always adds one token of
+        # its own (recovered or bonus), so K drafts can fill at most K + 1.
+        remaining = sequence.request.max_new_tokens - len(sequence.generated)
+        return max(0, min(sequence.request.num_speculative_tokens, remaining - 1))
+
+    def _sample(self, sequence: _Sequence, logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
+        """Acceptance for one row. logits: [len(draft) + 1, vocab]."""
+        sampling = sequence.request.sampling
+        if sampling.greedy:
+            choice = logits.argmax(dim=-1).tolist()
+            count = next((i for i, d in enumerate(draft) if choice[i] != d), len(draft))
+            return count, choice[count]
+        probs = warp_probs(logits, sampling)
+        return accept_sampled(probs, draft, sequence.seed, first_position=len(sequence.generated))
+
+    def _emit(self, sequence: _Sequence, tokens: list[int]) -> None:
+        """Append tokens, stopping exactly at EOS, a stop string or max_new_tokens."""
+        request = sequence.request
+        for token in tokens:
+            sequence.generated.append(token)
+            sequence.tokens.append(token)
+            sequence.unsent.append(token)
+            if token in self.eos_token_ids:
+                sequence.finish_reason = FINISH_STOP
+            elif request.stop and self._hits_stop_string(sequence):
+                sequence.finish_reason = FINISH_STOP
+            elif len(sequence.generated) >= request.max_new_tokens:
+                sequence.finish_reason = FINISH_LENGTH
+            if sequence.finish_reason is not None:
+                break
+        sequence.stats.generated_tokens = len(sequence.generated)
+
+    def _hits_stop_string(self, sequence: _Sequence) -> bool:
+        text = self.tokenizer.decode(sequence.generated, skip_special_tokens=True)
+        positions = [text.find(stop) for stop in sequence.request.stop if stop in text]
+        if not positions:
+            return False
+        sequence.stop_text = text[: min(positions)]  # the stop string itself is not returned
+        return True
+
+    def _retire_finished(self) -> list[tuple[_Sequence, GenerationResult]]:
+        finished = [(seq, self._result(seq)) for seq in self.active if seq.finish_reason is not None]
+        for sequence, _ in finished:
+            if self._speculates(sequence):
+                self.proposer.close(sequence.session_id, observe=True)
+        if finished:
+            keep = [i for i, seq in enumerate(self.active) if seq.finish_reason is None]
+            self.cache.keep_rows(keep)
+            self.active = [self.active[i] for i in keep]
+        return finished
+
+    def _result(self, sequence: _Sequence) -> GenerationResult:
+        text = sequence.stop_text
+        if text is None:
+            text = self.tokenizer.decode(sequence.generated, skip_special_tokens=True)
+        return GenerationResult(sequence.request.request_id, list(sequence.generated), text, sequence.finish_reason, sequence.stats)
+
+
+def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return frozenset()
+    return frozenset([ids] if isinstance(ids, int) else ids)
+
+
+@torch.inference_mode()
+def reference_greedy(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: frozenset[int]) -> list[int]:
+    """Plain greedy decoding by full recomputation: slow, and obviously right."""
+    device = next(model.parameters()).device
+    tokens = list(prompt_ids)
+    generated: list[int] = []
+    while len(generated) < max_new_tokens:
+        logits = model(input_ids=torch.tensor([tokens], device=device), use_cache=False).logits[0, -1]
+        token = int(logits.argmax())
+        generated.append(token)
+        tokens.append(token)
+        if token in eos_token_ids:
+            break
+    return generated

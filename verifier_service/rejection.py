@@ -37,10 +37,20 @@ from dataclasses import dataclass
 
 import torch
 
-# splitmix64's increment: spreads (seed, position) pairs over the generator's
-# seed space so neighbouring seeds do not give correlated streams.
-_SEED_MIX = 0x9E3779B97F4A7C15
-_SEED_MASK = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(value: int) -> int:
+    """splitmix64's finaliser: every input bit flips about half the output bits.
+
+    torch's CPU generator (mt19937) keeps only the low 32 bits of its seed, and
+    streams from nearly equal seeds start out correlated; mixing first makes
+    the (seed, position) streams independent in practice.
+    """
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
 
 
 @dataclass(frozen=True)
@@ -111,7 +121,7 @@ def accept_greedy(
 def position_generator(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator for one output position of one request."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(((seed & _SEED_MASK) * _SEED_MIX + position) & _SEED_MASK)
+    generator.manual_seed(_splitmix64(_splitmix64(seed & _MASK64) ^ position))
     return generator
 
 

@@ -378,11 +378,12 @@ def test_close_without_observe_does_not_learn():
 
 
 def test_default_min_global_count_needs_two_sessions_to_agree():
-    drafter = NGramDrafter()  # n_min=2, n_max=4, min_global_count=2
+    drafter = NGramDrafter()  # n_min=2, n_max=4, min_global_count=2, trusted match 4
     drafter.open("a", [1, 2, 3, 4])
     drafter.close("a")
     drafter.open("b", [7, 1, 2])
-    # Every global continuation was seen once, below min_global_count=2.
+    # Every global continuation was seen once, below min_global_count=2, and
+    # the matches (2 and 3 tokens) are shorter than the trusted length 4.
     assert drafter.propose("b", [], k=3) == Draft([], [])
 
     drafter.open("c", [1, 2, 3, 4])
@@ -391,6 +392,18 @@ def test_default_min_global_count_needs_two_sessions_to_agree():
     # 3-token (1, 2, 3) -> 4 (count 2); nothing ever followed (3, 4).
     assert drafter.propose("b", [], k=3) == Draft(
         [3, 4], [Evidence(SOURCE_GLOBAL, 2, 2, 2), Evidence(SOURCE_GLOBAL, 3, 2, 2)]
+    )
+
+
+def test_a_long_global_match_is_trusted_after_one_sighting():
+    drafter = NGramDrafter()  # n_min=2, n_max=4, min_global_count=2, trusted match 4
+    drafter.open("a", [1, 2, 3, 4, 5, 6])
+    drafter.close("a")
+    drafter.open("b", [9, 1, 2, 3, 4])
+    # (1, 2, 3, 4) -> 5 was seen once, but a 4-token match is trusted; then
+    # (2, 3, 4, 5) -> 6 likewise; nothing followed (3, 4, 5, 6) or shorter.
+    assert drafter.propose("b", [], k=3) == Draft(
+        [5, 6], [Evidence(SOURCE_GLOBAL, 4, 1, 1), Evidence(SOURCE_GLOBAL, 4, 1, 1)]
     )
 
 

@@ -1,0 +1,337 @@
+"""The decode loop on a tiny seeded random Llama: exactness, drafters, edge cases."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency, chisquare
+
+from drafter_service.ngram import NGramDrafter
+from verifier_service.engine import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationRequest,
+    SpeculativeEngine,
+    reference_greedy,
+)
+from verifier_service.rejection import SamplingParams, warp_probs
+
+TINY_VOCAB = 64
+PROMPTS = [[5, 6, 7], [9, 3, 3, 9, 3, 3, 9, 3], [12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]]
+NO_EOS = frozenset()
+
+
+@dataclass
+class ScriptedDraft:
+    tokens: list[int]
+
+
+@dataclass
+class ScriptedProposer:
+    """Proposes from a function of the full context; records every call."""
+
+    guess: callable
+    contexts: dict = field(default_factory=dict)
+    calls: list = field(default_factory=list)
+    closed: list = field(default_factory=list)
+
+    def open(self, session_id, prompt_ids):
+        self.contexts[session_id] = list(prompt_ids)
+
+    def propose(self, session_id, new_tokens, k):
+        self.contexts[session_id].extend(new_tokens)
+        self.calls.append((session_id, list(new_tokens), k))
+        return ScriptedDraft(self.guess(self.contexts[session_id], k)[:k])
+
+    def close(self, session_id, observe=True):
+        self.closed.append(session_id)
+
+
+def greedy_truth(model, prompt, length):
+    return reference_greedy(model, prompt, length, NO_EOS)
+
+
+def oracle(model, length=64):
+    """Drafts the true greedy continuation of any context it is shown."""
+    truths = {}
+
+    def guess(context, k):
+        for prompt in PROMPTS:
+            if context[: len(prompt)] == prompt:
+                if tuple(prompt) not in truths:
+                    truths[tuple(prompt)] = greedy_truth(model, prompt, length)
+                truth = truths[tuple(prompt)]
+                done = len(context) - len(prompt)
+                return truth[done : done + k]
+        raise AssertionError("oracle asked about an unknown prompt")
+
+    return guess
+
+
+def engine_without_eos(model, tokenizer, proposer):
+    engine = SpeculativeEngine(model, tokenizer, proposer)
+    engine.eos_token_ids = NO_EOS  # random weights: keep sequences running to max_new_tokens
+    return engine
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 5, 8])
+@pytest.mark.parametrize("batched", [False, True])
+def test_greedy_matches_reference_for_every_k_and_batching(tiny_model, tiny_tokenizer, k, batched):
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, NGramDrafter())
+    requests = [GenerationRequest(p, 24, num_speculative_tokens=k) for p in PROMPTS]
+    results = engine.generate(requests) if batched else [engine.generate([r])[0] for r in requests]
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == greedy_truth(tiny_model, prompt, 24)
+        assert result.finish_reason == FINISH_LENGTH
+
+
+def test_greedy_matches_transformers_generate(tiny_model, tiny_tokenizer):
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, NGramDrafter())
+    results = engine.generate([GenerationRequest(p, 20, num_speculative_tokens=4) for p in PROMPTS])
+    for prompt, result in zip(PROMPTS, results):
+        expected = tiny_model.generate(
+            torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :]
+        assert result.token_ids == expected.tolist()
+
+
+def test_oracle_drafts_are_all_accepted(tiny_model, tiny_tokenizer):
+    proposer = ScriptedProposer(oracle(tiny_model))
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, proposer)
+    [result] = engine.generate([GenerationRequest(PROMPTS[0], 21, num_speculative_tokens=4)])
+    assert result.token_ids == greedy_truth(tiny_model, PROMPTS[0], 21)
+    # Prefill gives token 1; each step then accepts 4 drafts plus a bonus: 20 more tokens in 4 steps.
+    assert result.stats.target_forward_passes == 1 + 4
+    assert result.stats.acceptance_rate == 1.0
+    assert result.stats.mean_accepted_length == 4.0
+
+
+def test_wrong_drafts_leave_output_unchanged(tiny_model, tiny_tokenizer):
+    truth = greedy_truth(tiny_model, PROMPTS[1], 24)
+
+    def always_wrong(context, k):
+        # The true next token is truth[len(context) - len(prompt)]; shift it to be certainly wrong.
+        done = len(context) - len(PROMPTS[1])
+        return [(truth[done + i] + 1) % 64 if done + i < len(truth) else 0 for i in range(k)]
+
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, ScriptedProposer(always_wrong))
+    [result] = engine.generate([GenerationRequest(PROMPTS[1], 24, num_speculative_tokens=5)])
+    assert result.token_ids == truth
+    assert result.stats.accepted_tokens == 0
+    assert result.stats.target_forward_passes == 24  # one token per pass, like plain decoding
+
+
+def test_batch_mixes_oracle_wrong_and_empty_drafts(tiny_model, tiny_tokenizer):
+    right = oracle(tiny_model)
+
+    def mixed(context, k):
+        if context[:1] == [5]:
+            return right(context, k)
+        if context[:1] == [9]:
+            return [63] * k  # rejected at once (63 never follows in these greedy paths)
+        return []  # empty draft: plain step for this row
+
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, ScriptedProposer(mixed))
+    results = engine.generate([GenerationRequest(p, 30, num_speculative_tokens=6) for p in PROMPTS])
+    assert [r.token_ids for r in results] == [greedy_truth(tiny_model, p, 30) for p in PROMPTS]
+    assert results[0].stats.acceptance_rate == 1.0
+    assert results[2].stats.draft_tokens == 0
+
+
+def test_never_overshoots_max_new_tokens(tiny_model, tiny_tokenizer):
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, ScriptedProposer(oracle(tiny_model)))
+    for length in (1, 2, 5, 9, 10):
+        [result] = engine.generate([GenerationRequest(PROMPTS[0], length, num_speculative_tokens=8)])
+        assert len(result.token_ids) == length
+        assert result.finish_reason == FINISH_LENGTH
+
+
+def test_draft_budget_never_exceeds_remaining_tokens(tiny_model, tiny_tokenizer):
+    proposer = ScriptedProposer(oracle(tiny_model))
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, proposer)
+    engine.generate([GenerationRequest(PROMPTS[0], 7, num_speculative_tokens=8)])
+    # After prefill 6 tokens remain, so 5 drafts + 1 bonus fill them exactly.
+    assert [k for _, _, k in proposer.calls] == [5]
+
+
+def test_max_new_tokens_one_is_prefill_only(tiny_model, tiny_tokenizer):
+    proposer = ScriptedProposer(oracle(tiny_model))
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, proposer)
+    [result] = engine.generate([GenerationRequest(PROMPTS[0], 1, num_speculative_tokens=5)])
+    assert result.token_ids == greedy_truth(tiny_model, PROMPTS[0], 1)
+    assert result.stats.target_forward_passes == 1
+    assert proposer.calls == []  # finished at prefill: never drafted, never opened
+    assert engine.active == []
+
+
+def test_eos_inside_accepted_drafts_stops_there(tiny_model, tiny_tokenizer):
+    truth = greedy_truth(tiny_model, PROMPTS[0], 12)
+    eos = truth[5]  # pretend the 6th greedy token is EOS
+    first_eos = truth.index(eos)
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, ScriptedProposer(oracle(tiny_model)))
+    engine.eos_token_ids = frozenset([eos])
+    [result] = engine.generate([GenerationRequest(PROMPTS[0], 12, num_speculative_tokens=8)])
+    # The oracle drafts past EOS and all drafts are accepted, yet nothing after EOS is emitted.
+    assert result.token_ids == truth[: first_eos + 1]
+    assert result.finish_reason == FINISH_STOP
+
+
+def test_stop_string_cuts_text_and_tokens(tiny_model, tiny_tokenizer):
+    truth = greedy_truth(tiny_model, PROMPTS[0], 12)
+    stop = f"t{truth[3]}"  # the word for the 4th greedy token
+    cut = next(i for i, t in enumerate(truth) if f"t{t}" == stop)
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, ScriptedProposer(oracle(tiny_model)))
+    [result] = engine.generate([GenerationRequest(PROMPTS[0], 12, stop=(stop,), num_speculative_tokens=8)])
+    assert result.token_ids == truth[: cut + 1]  # up to the token that completed the stop string
+    assert result.text == tiny_tokenizer.decode(truth[:cut]) + " "  # text ends before it
+    assert result.finish_reason == FINISH_STOP
+
+
+def test_prompt_shorter_than_ngram_and_single_token(tiny_model, tiny_tokenizer):
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, NGramDrafter())
+    [result] = engine.generate([GenerationRequest([12], 16, num_speculative_tokens=5)])
+    assert result.token_ids == greedy_truth(tiny_model, [12], 16)
+
+
+def test_proposer_receives_only_new_tokens(tiny_model, tiny_tokenizer):
+    proposer = ScriptedProposer(lambda context, k: [])
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, proposer)
+    [result] = engine.generate([GenerationRequest(PROMPTS[0], 4, num_speculative_tokens=3)])
+    # Empty drafts: one new token per step (the first comes from prefill).
+    assert [new for _, new, _ in proposer.calls] == [[t] for t in result.token_ids[:3]]
+    assert proposer.closed == [proposer.calls[0][0]]
+
+
+def test_sequences_join_and_leave_between_steps(tiny_model, tiny_tokenizer):
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, NGramDrafter())
+    first, _ = engine.add(GenerationRequest(PROMPTS[3], 10, num_speculative_tokens=3))
+    finished = []
+    for _ in range(2):
+        finished += engine.step()
+    engine.add(GenerationRequest(PROMPTS[1], 30, num_speculative_tokens=3))
+    engine.add(GenerationRequest(PROMPTS[2], 5, num_speculative_tokens=0))
+    while engine.active:
+        finished += engine.step()
+    outputs = {tuple(seq.request.prompt_ids): result.token_ids for seq, result in finished}
+    for prompt, length in ((PROMPTS[3], 10), (PROMPTS[1], 30), (PROMPTS[2], 5)):
+        assert outputs[tuple(prompt)] == greedy_truth(tiny_model, prompt, length)
+    assert engine.cache.batch_size == 0
+
+
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        (GenerationRequest([], 5), "prompt is empty"),
+        (GenerationRequest([1, 64], 5), "outside the vocabulary"),
+        (GenerationRequest([1, -1], 5), "outside the vocabulary"),
+        (GenerationRequest([1], 0), "max_new_tokens must be >= 1"),
+        (GenerationRequest([1], 5, num_speculative_tokens=-1), "num_speculative_tokens"),
+        (GenerationRequest([1], 5, num_speculative_tokens=17), "num_speculative_tokens"),
+        (GenerationRequest([1], 5, SamplingParams(temperature=float("nan"))), "temperature"),
+        (GenerationRequest([1], 5, SamplingParams(temperature=1.0, top_p=0.0)), "top_p"),
+    ],
+)
+def test_bad_requests_are_refused_before_any_model_work(tiny_model, tiny_tokenizer, request_, message):
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, NGramDrafter())
+    with pytest.raises(ValueError, match=message):
+        engine.add(request_)
+    assert engine.active == [] and engine.cache.batch_size == 0
+
+
+SAMPLING = SamplingParams(temperature=0.9, top_k=20, top_p=0.95)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_drafts(tiny_model, tiny_tokenizer, k):
+    """Coupled per-position randomness: the draft never changes a seeded output."""
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, ScriptedProposer(oracle(tiny_model)))
+    for seed in range(8):
+        params = SamplingParams(SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p, seed=seed)
+        plain, spec = engine.generate(
+            [GenerationRequest(PROMPTS[0], 16, params, num_speculative_tokens=0),
+             GenerationRequest(PROMPTS[0], 16, params, num_speculative_tokens=k)]
+        )
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.draft_tokens > 0
+
+
+def warped(model, context, params):
+    with torch.inference_mode():
+        return warp_probs(model(torch.tensor([context])).logits[0, -1:], params)[0]
+
+
+def exact_marginal(model, prompt, position, params):
+    """P(token at output ``position``), summed exactly over every earlier path the sampler can take."""
+    marginal = torch.zeros(TINY_VOCAB, dtype=torch.float64)
+
+    def walk(context, weight, depth):
+        probs = warped(model, context, params).double()
+        if depth == position:
+            marginal.add_(weight * probs)
+            return
+        for token in probs.nonzero().flatten().tolist():
+            walk(context + [token], weight * probs[token], depth + 1)
+
+    walk(list(prompt), 1.0, 0)
+    return marginal
+
+
+def sample_tokens(engine, params, seeds, k, length=4):
+    requests = [
+        GenerationRequest(PROMPTS[0], length, dataclasses.replace(params, seed=seed), num_speculative_tokens=k)
+        for seed in seeds
+    ]
+    return engine.generate(requests)
+
+
+def goodness_of_fit_pvalue(tokens, expected_probs):
+    counts = np.bincount(tokens, minlength=TINY_VOCAB)
+    expected = expected_probs.numpy() * len(tokens)
+    # Pool the cells too sparse for the chi-square approximation into one.
+    sparse = expected < 5
+    observed = np.append(counts[~sparse], counts[sparse].sum())
+    expected = np.append(expected[~sparse], expected[sparse].sum())
+    return chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
+
+
+# 3000 samples: the position-2 marginal has ~40 cells above 5 expected counts,
+# enough power to reject temperature 1.2 for 0.9 (see the companion test),
+# and the whole file still runs in seconds on the tiny model.
+SAMPLES = 3000
+
+
+def test_speculative_sampling_matches_the_exact_marginal(tiny_model, tiny_tokenizer):
+    """Token at output position 2 (made by a verification step) vs its exactly enumerated law."""
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, ScriptedProposer(oracle(tiny_model)))
+    results = sample_tokens(engine, SAMPLING, range(SAMPLES), k=3)
+    # The rejection path and the acceptance path both ran, many times each.
+    accepted = sum(r.stats.accepted_tokens for r in results)
+    drafted = sum(r.stats.draft_tokens for r in results)
+    assert 0.1 * drafted < accepted < 0.9 * drafted
+    exact = exact_marginal(tiny_model, PROMPTS[0], 2, SAMPLING)
+    assert goodness_of_fit_pvalue([r.token_ids[2] for r in results], exact) > 0.001
+
+
+def test_speculative_sampling_matches_plain_sampling(tiny_model, tiny_tokenizer):
+    """Token at output position 3: speculative vs plain (K=0) sampling, on disjoint seeds."""
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, ScriptedProposer(oracle(tiny_model)))
+    speculative = sample_tokens(engine, SAMPLING, range(SAMPLES), k=3)
+    plain = sample_tokens(engine, SAMPLING, range(SAMPLES, 2 * SAMPLES), k=0)
+    table = np.stack([
+        np.bincount([r.token_ids[3] for r in speculative], minlength=TINY_VOCAB),
+        np.bincount([r.token_ids[3] for r in plain], minlength=TINY_VOCAB),
+    ])
+    table = table[:, table.sum(axis=0) >= 10]  # drop cells too sparse for the chi-square approximation
+    assert chi2_contingency(table).pvalue > 0.001
+
+
+def test_distribution_harness_detects_a_wrong_sampler(tiny_model, tiny_tokenizer):
+    """The same harness rejects sampling at temperature 1.2 when 0.9 is the law."""
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, ScriptedProposer(oracle(tiny_model)))
+    results = sample_tokens(engine, dataclasses.replace(SAMPLING, temperature=1.2), range(SAMPLES), k=3)
+    exact = exact_marginal(tiny_model, PROMPTS[0], 2, SAMPLING)
+    assert goodness_of_fit_pvalue([r.token_ids[2] for r in results], exact) < 0.001

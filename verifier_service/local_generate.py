@@ -1,0 +1,77 @@
+"""Generate locally with speculative decoding on the default model.
+
+    python -m verifier_service.local_generate ["prompt" ...] [--k 5] [--max-new-tokens 96]
+
+Without prompts it runs two samples: an input-grounded edit (where drafts
+copied from the prompt are accepted in long runs) and an open question. It
+prints each output with its statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import textwrap
+import time
+
+from drafter_service.ngram import NGramDrafter
+from verifier_service.engine import GenerationRequest, SpeculativeEngine
+from verifier_service.model_loading import DEFAULT_MODEL, load_model
+from verifier_service.rejection import SamplingParams
+
+SAMPLE_CODE = '''def mean(values):
+    total = 0
+    for value in values:
+        total += value
+    return total / len(values)
+'''
+SAMPLE_PROMPTS = (
+    "Rename the function `mean` to `average` in this code and show the full result:\n" + SAMPLE_CODE,
+    "What is speculative decoding in language models? Answer in two sentences.",
+)
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    if tokenizer.chat_template:
+        messages = [{"role": "user", "content": prompt}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return tokenizer(prompt).input_ids
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("prompts", nargs="*", default=list(SAMPLE_PROMPTS))
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--k", type=int, default=5, help="draft tokens per step (0 = plain decoding)")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    started = time.perf_counter()
+    loaded = load_model(args.model)
+    print(f"loaded {args.model} on {loaded.device} in {time.perf_counter() - started:.1f}s")
+    engine = SpeculativeEngine(loaded.model, loaded.tokenizer, NGramDrafter())
+    sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
+    for prompt in args.prompts:
+        request = GenerationRequest(
+            chat_prompt_ids(loaded.tokenizer, prompt), args.max_new_tokens, sampling, num_speculative_tokens=args.k
+        )
+        started = time.perf_counter()
+        [result] = engine.generate([request])
+        elapsed = time.perf_counter() - started
+        stats = result.stats
+        print("\n=== prompt\n" + textwrap.indent(prompt.strip(), "  "))
+        print("=== output\n" + textwrap.indent(result.text.strip(), "  "))
+        print(
+            f"=== {stats.generated_tokens} tokens in {elapsed:.2f}s ({stats.generated_tokens / elapsed:.1f} tok/s), "
+            f"finish={result.finish_reason}, forward passes={stats.target_forward_passes}, "
+            f"drafted={stats.draft_tokens}, accepted={stats.accepted_tokens}, "
+            f"acceptance={stats.acceptance_rate:.2f}, mean accepted length={stats.mean_accepted_length:.2f}, "
+            f"tokens/forward pass={stats.tokens_per_forward_pass:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,646 @@
+"""The persistent global n-gram table: an LMDB-backed ``NGramSource``.
+
+``LMDBNGramStore`` holds what ``InMemoryNGramTable`` holds — for every n-gram
+of earlier requests' outputs (n in [n_min, n_max]) the counts of the tokens
+that followed it — but on disk: it survives restarts and kill -9, stays within
+a configured size, forgets stale n-grams, and serves lookups from many threads
+while one thread writes.
+
+On-disk format, version 1 (``FORMAT_VERSION``)
+----------------------------------------------
+One LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``) with
+four named sub-databases. Every integer is big-endian, so byte order is
+numeric order and keys sharing a prefix sort together. No pickle anywhere.
+
+``meta``
+    ``b"format_version"`` -> uint8, 1. ``b"epoch"`` -> uint32, the current
+    epoch. ``b"epoch_tokens"`` -> uint64, tokens applied since it began.
+    ``b"tracked_bytes"`` -> uint64, see *Size*. ``b"evictions"`` -> uint64,
+    records evicted so far.
+``ngrams``
+    key = namespace (8 bytes) | n (uint8) | n tokens (uint32 each).
+    value = version (uint8, 1) | last-touched epoch (uint32) | total (uint32)
+    | k pairs (token uint32, count uint32), 1 <= k <= max_continuations,
+    count descending, ties in the order they were stored. Counts are as of
+    the last-touched epoch; total is their sum (saturating at 2**32-1).
+``coldness``
+    key = last-touched epoch (uint32) | total (uint32) | the ``ngrams`` key;
+    value empty. Exactly one per ``ngrams`` record: this sub-db's key order
+    is the eviction order.
+``applied``
+    key = epoch applied (uint32) | namespace (8 bytes) | observe id (UTF-8);
+    value empty. Oldest first, so expiry and eviction read from the front.
+
+Opening a file whose ``format_version`` is not 1, or reading a value whose
+version byte is not 1, raises ``StoreFormatError``.
+
+Namespaces
+----------
+The namespace is a fingerprint of the tokenizer's vocabulary
+(``vocabulary_fingerprint``): token 42 means different text under another
+tokenizer, so a store reads and writes only keys with its own namespace.
+Epochs, the size bound and eviction are shared by all namespaces in a file.
+
+Epochs and decay
+----------------
+The epoch advances by one per ``epoch_observations`` tokens applied (items
+skipped as already applied do not count), checked at the end of each apply:
+counting tokens, not calls, keeps decay independent of how clients batch.
+A stored count c that is ``a`` epochs old is worth ``c >> (a *
+decay_shift_per_epoch)`` (halved per epoch by default); continuations worth 0
+are dropped, and a key all of whose continuations are worth 0 reads as
+absent. Reads apply the decay on the fly; writes store it (lazy decay).
+
+Merging an apply (one write transaction, at the epoch E it started in)
+----------------------------------------------------------------------
+1. Each item with an observe id already applied in the last
+   ``applied_id_retention_epochs`` epochs (or earlier in the same batch) is
+   skipped and reported False; the others are recorded under epoch E.
+2. The new items' n-grams are counted together, as
+   ``InMemoryNGramTable.observe`` counts them (per key: next-token counts in
+   first-seen order).
+3. Per key: decay the stored pairs to E, add the new counts (tokens not yet
+   stored go after the stored ones), sort by count descending (stable) and
+   keep the first ``max_continuations``; last-touched becomes E.
+4. The epoch advances by the tokens applied; ids older than the retention
+   (epoch < E' - retention) are deleted.
+5. Eviction (below), in the same transaction.
+An empty batch does nothing.
+
+Size and eviction
+-----------------
+``tracked_bytes`` = sum over the ``ngrams``, ``coldness`` and ``applied``
+records of len(key) + len(value) + ``RECORD_OVERHEAD_BYTES``: what the B-tree
+leaves must hold, maintained in each write transaction, so it is exact and
+deterministic (a page count would depend on LMDB's page splits). Records are
+evicted in ``coldness`` order — oldest last-touched epoch first, then lowest
+total, then key bytes; only when no n-gram is left, the oldest applied ids.
+Each apply, after merging, evicts while tracked_bytes > low-water
+(``low_water_fraction * max_bytes``), at most ``eviction_chunk_records``
+records, and beyond that limit only while tracked_bytes > high-water
+(``high_water_fraction * max_bytes``). So after every apply tracked_bytes <=
+high-water; under steady load it drains towards low-water at a bounded cost
+per apply instead of in one long stall. Because this happens in the apply's
+own transaction, no crash leaves the table above the high-water mark. (A
+store reopened with a smaller max_bytes evicts in chunked transactions.)
+
+The file (``data.mdb``) is larger than ``tracked_bytes``: B-tree pages are
+partly full (live pages measured ~1.3-1.6x tracked_bytes), and copy-on-write
+keeps the pages the last two transactions replaced out of reuse. LMDB reuses
+freed pages, so the file stops growing at about the live pages plus two
+transactions' copies, and never shrinks (``backup`` writes a compact copy).
+Measured with random tokens: ~2.4x max_bytes for a 4 MiB table fed
+100-token applies; ~4.7x for a 256 KiB table that every transaction rewrites
+whole; 5.8x when each apply adds 60% of max_bytes. ``FILE_BYTES_PER_MAX_BYTE``
+(6) is the documented bound for applies up to a quarter of max_bytes. The map is reserved
+once, sparse, and never resized; if a transaction still hits
+``MapFullError``, apply aborts it, evicts (chunked) to
+``HARD_EVICTION_FRACTION`` of the low-water mark, retries once, then applies
+the items one transaction each; an item too large for the map on its own is
+dropped with a logged error. No ``MapFullError`` reaches a caller.
+
+Durability and concurrency
+--------------------------
+Commits use LMDB's default durability (fsync on commit), so whatever
+``apply`` acknowledged survives kill -9 without a repair step. Each
+``continuations`` call reads in its own read transaction (MVCC: it never waits
+for the writer) and copies the value out before it ends. Writes are serialised
+by a lock, so any thread may call ``apply``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import lmdb
+
+FORMAT_VERSION = 1
+NAMESPACE_BYTES = 8
+UINT32_MAX = 0xFFFFFFFF
+
+# LMDB's default build rejects keys over 511 bytes: an n-gram key is 9 + 4n
+# bytes and an applied-id key 12 + the id's UTF-8 length.
+LMDB_MAX_KEY_BYTES = 511
+MAX_OBSERVE_ID_BYTES = LMDB_MAX_KEY_BYTES - 4 - NAMESPACE_BYTES
+MAX_N = (LMDB_MAX_KEY_BYTES - NAMESPACE_BYTES - 1) // 4
+# Charged per record on top of key and value: LMDB's 8-byte leaf-node header
+# plus the record's 2-byte slot in its page's offset array.
+RECORD_OVERHEAD_BYTES = 10
+# After a MapFullError, evict to this fraction of the low-water mark before
+# the one retry: the failed transaction needed more room than the usual margin.
+HARD_EVICTION_FRACTION = 0.5
+# Documented bound on data.mdb per byte of max_bytes: live pages (<= ~1.6x
+# tracked) plus two transactions' copy-on-write copies of them, when a
+# transaction rewrites the whole tree (small tables); measured <= 4.7x.
+FILE_BYTES_PER_MAX_BYTE = 6
+# Default map per byte of max_bytes: above the file bound, with room for one
+# oversized batch; a sparse map costs address space only.
+MAP_BYTES_PER_MAX_BYTE = 8
+# Smallest default map: small tables with big batches need room for a whole
+# batch's dirty pages, and 64 MiB of address space is free.
+MIN_MAP_BYTES = 64 << 20
+# Named sub-databases: ngrams, coldness, applied, meta.
+SUB_DATABASES = 4
+
+_HEADER = struct.Struct(">BII")  # version, last-touched epoch, total
+_PAIR_BYTES = 8
+_UINT32 = struct.Struct(">I")
+_UINT64 = struct.Struct(">Q")
+_META_VERSION = b"format_version"
+_META_EPOCH = b"epoch"
+_META_EPOCH_TOKENS = b"epoch_tokens"
+_META_TRACKED = b"tracked_bytes"
+_META_EVICTIONS = b"evictions"
+
+log = logging.getLogger(__name__)
+
+
+class StoreFormatError(RuntimeError):
+    """The file was written in a format this code does not read."""
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    # Directory of the LMDB environment (data.mdb, lock.mdb); created if missing.
+    path: str
+    # vocabulary_fingerprint() of the tokenizer. No default: a shared default
+    # would silently mix token ids of different vocabularies.
+    namespace: bytes
+    # Same suffix range as NGramConfig's: keys outside it are never looked up.
+    n_min: int = 2
+    n_max: int = 4
+    # Bound on tracked_bytes (see module docstring). 1 GiB holds roughly ten
+    # million n-grams with a few continuations each: days of a busy service.
+    max_bytes: int = 1 << 30
+    # The drafter uses the most frequent continuation; keeping 8 lets
+    # runners-up overtake it, and bounds a value to 9 + 64 bytes.
+    max_continuations: int = 8
+    # Ceiling on tracked_bytes after every apply, as a fraction of max_bytes:
+    # 1.0 makes max_bytes itself the bound an operator sets.
+    high_water_fraction: float = 1.0
+    # Soft target each apply evicts towards (eviction_chunk_records at a time):
+    # a 10% margin means most applies stay under the ceiling without evicting
+    # past their chunk, so eviction cost is spread out instead of bursting.
+    low_water_fraction: float = 0.9
+    # Tokens per epoch: ~minutes of a busy service's output, so an n-gram
+    # unseen for an hour or so has decayed to nothing.
+    epoch_observations: int = 1_000_000
+    # Counts shift right this many bits per epoch of age: 1 halves them; 0
+    # disables decay. An integer shift keeps decay exact and reproducible.
+    decay_shift_per_epoch: int = 1
+    # A client retries within seconds; four epochs of tokens is far longer,
+    # and expiry keeps the applied-id table bounded.
+    applied_id_retention_epochs: int = 4
+    # LMDB map in bytes, reserved once and never resized; None means
+    # max(MAP_BYTES_PER_MAX_BYTE * max_bytes, MIN_MAP_BYTES).
+    map_size: int | None = None
+    # Records one apply evicts beyond what the high-water mark demands (~100
+    # KB): drains towards low-water within a few applies at a bounded cost each.
+    eviction_chunk_records: int = 1024
+    # Reader slots: each concurrent continuations() call holds one briefly,
+    # so this must cover the serving thread pool.
+    max_readers: int = 512
+
+    def __post_init__(self) -> None:
+        if len(self.namespace) != NAMESPACE_BYTES:
+            raise ValueError(f"namespace must be {NAMESPACE_BYTES} bytes (vocabulary_fingerprint), got {len(self.namespace)}")
+        if not 1 <= self.n_min <= self.n_max <= MAX_N:
+            raise ValueError(f"need 1 <= n_min <= n_max <= {MAX_N}, got n_min={self.n_min}, n_max={self.n_max}")
+        positive = ("max_continuations", "epoch_observations", "max_bytes", "eviction_chunk_records")
+        if any(getattr(self, name) < 1 for name in positive):
+            raise ValueError(f"{', '.join(positive)} must be >= 1")
+        if self.decay_shift_per_epoch < 0 or self.applied_id_retention_epochs < 0:
+            raise ValueError("decay_shift_per_epoch and applied_id_retention_epochs must be >= 0")
+        if not 0.0 < self.low_water_fraction <= self.high_water_fraction <= 1.0:
+            raise ValueError(
+                f"need 0 < low_water_fraction <= high_water_fraction <= 1, "
+                f"got {self.low_water_fraction}, {self.high_water_fraction}"
+            )
+        if self.map_size is not None and self.map_size < self.max_bytes:
+            raise ValueError(f"map_size {self.map_size} is below max_bytes {self.max_bytes}")
+
+    @property
+    def map_size_bytes(self) -> int:
+        if self.map_size is not None:
+            return self.map_size
+        return max(MAP_BYTES_PER_MAX_BYTE * self.max_bytes, MIN_MAP_BYTES)
+
+    @property
+    def high_water_bytes(self) -> int:
+        return int(self.max_bytes * self.high_water_fraction)
+
+    @property
+    def low_water_bytes(self) -> int:
+        return int(self.max_bytes * self.low_water_fraction)
+
+
+def vocabulary_fingerprint(items: Iterable[tuple[str, int]]) -> bytes:
+    """8 bytes of the sha256 of the vocabulary, independent of item order.
+
+    Hashes, in id order, uint32 id | uint32 length | UTF-8 token per item, so
+    {"a": 0, "b": 1} and {"a": 1, "b": 0} differ.
+    """
+    digest = hashlib.sha256()
+    for token, token_id in sorted(items, key=lambda item: (item[1], item[0])):
+        encoded = token.encode("utf-8")
+        digest.update(_UINT32.pack(token_id) + _UINT32.pack(len(encoded)) + encoded)
+    return digest.digest()[:NAMESPACE_BYTES]
+
+
+# --- pure format and merge functions ------------------------------------------
+
+
+def encode_value(epoch: int, pairs: Sequence[tuple[int, int]]) -> bytes:
+    """The ``ngrams`` value: header, then (token, count) pairs as stored."""
+    flat = [number for pair in pairs for number in pair]
+    return _HEADER.pack(FORMAT_VERSION, epoch, total_count(pairs)) + struct.pack(f">{len(flat)}I", *flat)
+
+
+def decode_value(value: bytes) -> tuple[int, int, list[tuple[int, int]]]:
+    """(last-touched epoch, total, pairs) of an ``ngrams`` value; asserts the version."""
+    if not value or value[0] != FORMAT_VERSION:
+        version = value[0] if value else None
+        raise StoreFormatError(f"n-gram value has format version {version}; this code reads version {FORMAT_VERSION}")
+    if (len(value) - _HEADER.size) % _PAIR_BYTES:
+        raise StoreFormatError(f"n-gram value of {len(value)} bytes is not a header plus whole pairs")
+    _version, epoch, total = _HEADER.unpack_from(value)
+    flat = struct.unpack_from(f">{(len(value) - _HEADER.size) // 4}I", value, _HEADER.size)
+    return epoch, total, list(zip(flat[0::2], flat[1::2]))
+
+
+def total_count(pairs: Sequence[tuple[int, int]]) -> int:
+    return min(UINT32_MAX, sum(count for _token, count in pairs))
+
+
+def decayed(pairs: Sequence[tuple[int, int]], age: int, decay_shift: int) -> list[tuple[int, int]]:
+    """Pairs worth something after ``age`` epochs: [(7, 4), (9, 1)], age 2, shift 1 -> [(7, 1)]."""
+    shift = age * decay_shift
+    return [(token, count >> shift) for token, count in pairs if count >> shift]
+
+
+def merge_continuations(
+    stored: Sequence[tuple[int, int]],
+    age: int,
+    additions: dict[int, int],
+    decay_shift: int,
+    max_continuations: int,
+) -> list[tuple[int, int]]:
+    """Stored pairs decayed by ``age`` epochs plus ``additions``, top-k by count.
+
+    stored [(7, 4), (9, 1)] two epochs old, shift 1: 7 is worth 1, 9 nothing;
+    additions {8: 1, 9: 1} -> [(7, 1), (8, 1), (9, 1)] (a stable sort keeps
+    stored before new, new in first-seen order); max_continuations 2 ->
+    [(7, 1), (8, 1)].
+    """
+    merged = dict(decayed(stored, age, decay_shift))
+    for token, count in additions.items():
+        merged[token] = min(UINT32_MAX, merged.get(token, 0) + count)
+    ranked = sorted(merged.items(), key=lambda pair: -pair[1])
+    return ranked[:max_continuations]
+
+
+def count_ngrams(
+    sequences: Iterable[tuple[Sequence[int], bytes]], namespace: bytes, n_min: int, n_max: int
+) -> dict[bytes, dict[int, int]]:
+    """Next-token counts per ``ngrams`` key over (tokens, packed tokens) pairs.
+
+    tokens [5, 6, 7], n_min=1, n_max=2 counts (5,)->6, (6,)->7, (5, 6)->7,
+    as InMemoryNGramTable.observe does, keyed by namespace | n | tokens.
+    """
+    counts: dict[bytes, dict[int, int]] = {}
+    prefixes = [namespace + bytes((n,)) for n in range(n_max + 1)]
+    for tokens, packed in sequences:
+        for position in range(1, len(tokens)):
+            following = tokens[position]
+            for n in range(n_min, min(n_max, position) + 1):
+                key = prefixes[n] + packed[4 * (position - n) : 4 * position]
+                continuation = counts.setdefault(key, {})
+                continuation[following] = continuation.get(following, 0) + 1
+    return counts
+
+
+def record_bytes(key: bytes, value: bytes) -> int:
+    return len(key) + len(value) + RECORD_OVERHEAD_BYTES
+
+
+def coldness_key(epoch: int, total: int, ngram_key: bytes) -> bytes:
+    return _UINT32.pack(epoch) + _UINT32.pack(total) + ngram_key
+
+
+def applied_key(epoch: int, namespace: bytes, observe_id: bytes) -> bytes:
+    return _UINT32.pack(epoch) + namespace + observe_id
+
+
+# --- the store --------------------------------------------------------------
+
+
+@dataclass
+class _Meta:
+    epoch: int
+    epoch_tokens: int
+    tracked_bytes: int
+    evictions: int
+
+
+class _Observation(NamedTuple):
+    observe_id: bytes | None  # UTF-8
+    tokens: list[int]
+    packed: bytes  # tokens as big-endian uint32
+
+
+class LMDBNGramStore:
+    """The global n-gram table on disk; an ``NGramSource`` (see module docstring)."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self._write_lock = threading.Lock()
+        os.makedirs(config.path, exist_ok=True)
+        self._env = lmdb.open(
+            config.path,
+            map_size=config.map_size_bytes,
+            max_dbs=SUB_DATABASES,
+            max_readers=config.max_readers,
+            readahead=False,  # random point reads: readahead would only evict useful pages
+            lock=True,
+        )
+        self._env.reader_check()  # free slots left by killed readers
+        with self._env.begin(write=True) as txn:
+            self._ngrams = self._env.open_db(b"ngrams", txn=txn)
+            self._coldness = self._env.open_db(b"coldness", txn=txn)
+            self._applied = self._env.open_db(b"applied", txn=txn)
+            self._meta = self._env.open_db(b"meta", txn=txn)
+            self._initialise_meta(txn)
+        self._evict_if_needed()  # a kill between an apply and its eviction
+
+    # -- NGramSource
+
+    def continuations(self, key: tuple[int, ...]) -> dict[int, int] | None:
+        """Decayed next-token counts after ``key``, most frequent first, or None."""
+        if not self.config.n_min <= len(key) <= self.config.n_max:
+            return None
+        try:
+            ngram_key = self.config.namespace + bytes((len(key),)) + struct.pack(f">{len(key)}I", *key)
+        except struct.error:
+            return None  # a token id outside uint32 was never stored
+        with self._env.begin() as txn:
+            value = txn.get(ngram_key, db=self._ngrams)
+            if value is None:
+                return None
+            epoch = _UINT32.unpack(txn.get(_META_EPOCH, db=self._meta))[0]
+        last_touched, _total, pairs = decode_value(value)
+        return dict(decayed(pairs, epoch - last_touched, self.config.decay_shift_per_epoch)) or None
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        self.apply([(None, tokens)])
+
+    # -- writing
+
+    def apply(self, batch: Sequence[tuple[str | None, Sequence[int]]]) -> list[bool]:
+        """Count a batch of (observe id or None, tokens) in one transaction.
+
+        Returns per item True if counted now, False if skipped: its id was
+        already applied (a retry), or, logged, it does not fit in the map.
+        """
+        observations = [self._validate(observe_id, tokens) for observe_id, tokens in batch]
+        if not observations:
+            return []
+        with self._write_lock:
+            return self._commit_with_recovery(observations)
+
+    def advance_epoch(self, epochs: int = 1) -> None:
+        """Age every count by ``epochs`` epochs now (tests; a time-based policy)."""
+        if epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {epochs}")
+        with self._write_lock, self._env.begin(write=True) as txn:
+            meta = self._read_meta(txn)
+            self._advance_epoch(txn, meta, epochs)
+            self._write_meta(txn, meta)
+
+    # -- inspection and lifecycle
+
+    def stats(self) -> dict[str, int]:
+        with self._env.begin() as txn:
+            meta = self._read_meta(txn)
+            entries = txn.stat(self._ngrams)["entries"]
+            applied_ids = txn.stat(self._applied)["entries"]
+            dbs = (None, self._ngrams, self._coldness, self._applied, self._meta)
+            pages = sum(_tree_pages(txn.stat(db) if db is not None else txn.stat()) for db in dbs)
+        return {
+            "entries": entries,  # n-gram keys, all namespaces
+            "bytes": meta.tracked_bytes,  # what max_bytes bounds
+            "page_bytes": pages * self._env.stat()["psize"],  # live B-tree pages
+            "file_bytes": os.path.getsize(os.path.join(self.config.path, "data.mdb")),
+            "epoch": meta.epoch,
+            "epoch_tokens": meta.epoch_tokens,
+            "evictions": meta.evictions,
+            "applied_ids": applied_ids,
+        }
+
+    def backup(self, destination_path: str | os.PathLike[str]) -> None:
+        """A consistent, compacted copy in ``destination_path`` (created; must be empty), while serving."""
+        os.makedirs(destination_path, exist_ok=True)
+        self._env.copy(os.fspath(destination_path), compact=True)
+
+    def close(self) -> None:
+        with self._write_lock:
+            if self._env is not None:
+                self._env.sync(True)
+                self._env.close()
+                self._env = None
+
+    def __enter__(self) -> LMDBNGramStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals: meta
+
+    def _initialise_meta(self, txn: lmdb.Transaction) -> None:
+        version = txn.get(_META_VERSION, db=self._meta)
+        if version is None:
+            txn.put(_META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
+            self._write_meta(txn, _Meta(epoch=0, epoch_tokens=0, tracked_bytes=0, evictions=0))
+        elif version != bytes((FORMAT_VERSION,)):
+            raise StoreFormatError(
+                f"{self.config.path} has store format version {version[0]}; this code reads version {FORMAT_VERSION}"
+            )
+
+    def _read_meta(self, txn: lmdb.Transaction) -> _Meta:
+        def get(key: bytes, layout: struct.Struct) -> int:
+            return layout.unpack(txn.get(key, db=self._meta))[0]
+
+        return _Meta(
+            epoch=get(_META_EPOCH, _UINT32),
+            epoch_tokens=get(_META_EPOCH_TOKENS, _UINT64),
+            tracked_bytes=get(_META_TRACKED, _UINT64),
+            evictions=get(_META_EVICTIONS, _UINT64),
+        )
+
+    def _write_meta(self, txn: lmdb.Transaction, meta: _Meta) -> None:
+        txn.put(_META_EPOCH, _UINT32.pack(meta.epoch), db=self._meta)
+        txn.put(_META_EPOCH_TOKENS, _UINT64.pack(meta.epoch_tokens), db=self._meta)
+        txn.put(_META_TRACKED, _UINT64.pack(meta.tracked_bytes), db=self._meta)
+        txn.put(_META_EVICTIONS, _UINT64.pack(meta.evictions), db=self._meta)
+
+    # -- internals: applying
+
+    def _validate(self, observe_id: str | None, tokens: Sequence[int]) -> _Observation:
+        id_bytes = None if observe_id is None else observe_id.encode("utf-8")
+        if id_bytes is not None and not 0 < len(id_bytes) <= MAX_OBSERVE_ID_BYTES:
+            raise ValueError(f"observe id must be 1..{MAX_OBSERVE_ID_BYTES} UTF-8 bytes, got {len(id_bytes)}")
+        tokens = list(tokens)
+        try:
+            packed = struct.pack(f">{len(tokens)}I", *tokens)
+        except struct.error:
+            raise ValueError(f"token ids must be integers in [0, 2**32), got {tokens[:8]}...") from None
+        return _Observation(id_bytes, tokens, packed)
+
+    def _commit_with_recovery(self, observations: list[_Observation]) -> list[bool]:
+        for attempt in range(2):
+            try:
+                return self._commit_batch(observations)
+            except lmdb.MapFullError:
+                log.warning("n-gram store map full applying %d items (attempt %d)", len(observations), attempt + 1)
+                if attempt == 0:
+                    self._evict_to(int(self.config.low_water_bytes * HARD_EVICTION_FRACTION))
+        if len(observations) == 1:
+            log.error("an observation of %d tokens does not fit in the map; dropped", len(observations[0].tokens))
+            return [False]
+        results: list[bool] = []
+        for observation in observations:
+            results += self._commit_with_recovery([observation])
+        return results
+
+    def _commit_batch(self, observations: list[_Observation]) -> list[bool]:
+        with self._env.begin(write=True) as txn:
+            meta = self._read_meta(txn)
+            results = self._claim_ids(txn, observations, meta)
+            fresh = [(item.tokens, item.packed) for item, new in zip(observations, results) if new]
+            counts = count_ngrams(fresh, self.config.namespace, self.config.n_min, self.config.n_max)
+            for key in sorted(counts):  # key order: neighbouring writes share pages
+                self._merge_key(txn, key, counts[key], meta)
+            meta.epoch_tokens += sum(len(tokens) for tokens, _packed in fresh)
+            epochs, meta.epoch_tokens = divmod(meta.epoch_tokens, self.config.epoch_observations)
+            if epochs:
+                self._advance_epoch(txn, meta, epochs)
+            # Same transaction: no crash leaves the table above the high-water mark.
+            self._evict(txn, meta, self.config.low_water_bytes, self.config.eviction_chunk_records, self.config.high_water_bytes)
+            self._write_meta(txn, meta)
+        return results
+
+    def _claim_ids(self, txn: lmdb.Transaction, observations: list[_Observation], meta: _Meta) -> list[bool]:
+        results = []
+        for item in observations:
+            if item.observe_id is not None and self._id_applied(txn, item.observe_id, meta.epoch):
+                results.append(False)
+                continue
+            if item.observe_id is not None:
+                self._put_record(txn, self._applied, applied_key(meta.epoch, self.config.namespace, item.observe_id), meta)
+            results.append(True)
+        return results
+
+    def _id_applied(self, txn: lmdb.Transaction, observe_id: bytes, epoch: int) -> bool:
+        # Ids live under the epoch that applied them; only the retained epochs can hold one.
+        oldest = max(0, epoch - self.config.applied_id_retention_epochs)
+        namespace = self.config.namespace
+        return any(txn.get(applied_key(e, namespace, observe_id), db=self._applied) is not None for e in range(oldest, epoch + 1))
+
+    def _merge_key(self, txn: lmdb.Transaction, key: bytes, additions: dict[int, int], meta: _Meta) -> None:
+        stored: list[tuple[int, int]] = []
+        age = 0
+        old = txn.get(key, db=self._ngrams)
+        if old is not None:
+            old_epoch, old_total, stored = decode_value(old)
+            age = meta.epoch - old_epoch
+            self._delete_record(txn, self._coldness, coldness_key(old_epoch, old_total, key), meta)
+            meta.tracked_bytes -= record_bytes(key, old)
+        pairs = merge_continuations(stored, age, additions, self.config.decay_shift_per_epoch, self.config.max_continuations)
+        value = encode_value(meta.epoch, pairs)
+        txn.put(key, value, db=self._ngrams)
+        meta.tracked_bytes += record_bytes(key, value)
+        self._put_record(txn, self._coldness, coldness_key(meta.epoch, total_count(pairs), key), meta)
+
+    def _advance_epoch(self, txn: lmdb.Transaction, meta: _Meta, epochs: int) -> None:
+        if meta.epoch + epochs > UINT32_MAX:
+            raise OverflowError("epoch counter exhausted")
+        meta.epoch += epochs
+        cutoff = meta.epoch - self.config.applied_id_retention_epochs
+        cursor = txn.cursor(db=self._applied)
+        while cursor.first() and _UINT32.unpack_from(cursor.key())[0] < cutoff:
+            meta.tracked_bytes -= record_bytes(cursor.key(), cursor.value())
+            cursor.delete()
+
+    def _put_record(self, txn: lmdb.Transaction, db: object, key: bytes, meta: _Meta) -> None:
+        txn.put(key, b"", db=db)
+        meta.tracked_bytes += record_bytes(key, b"")
+
+    def _delete_record(self, txn: lmdb.Transaction, db: object, key: bytes, meta: _Meta) -> None:
+        if txn.delete(key, db=db):
+            meta.tracked_bytes -= record_bytes(key, b"")
+
+    # -- internals: eviction
+
+    def _evict_if_needed(self) -> None:
+        with self._env.begin() as txn:
+            tracked = self._read_meta(txn).tracked_bytes
+        if tracked > self.config.high_water_bytes:
+            self._evict_to(self.config.low_water_bytes)
+
+    def _evict_to(self, target_bytes: int) -> None:
+        """Evict coldest-first, one bounded transaction at a time, until tracked <= target."""
+        chunk = self.config.eviction_chunk_records
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    meta = self._read_meta(txn)
+                    removed = self._evict(txn, meta, target_bytes, chunk, ceiling_bytes=None)
+                    self._write_meta(txn, meta)
+            except lmdb.MapFullError:
+                if chunk == 1:
+                    log.error("n-gram store map full even for a one-record eviction; eviction stopped")
+                    return
+                chunk = max(1, chunk // 2)  # deletions need copy-on-write pages too
+                continue
+            if removed < chunk:
+                return
+
+    def _evict(
+        self, txn: lmdb.Transaction, meta: _Meta, target_bytes: int, limit: int, ceiling_bytes: int | None
+    ) -> int:
+        """Evict coldest-first while above ``target_bytes``: ``limit`` records, more while above the ceiling."""
+
+        def more() -> bool:
+            if meta.tracked_bytes <= target_bytes:
+                return False
+            return removed < limit or (ceiling_bytes is not None and meta.tracked_bytes > ceiling_bytes)
+
+        removed = 0
+        coldness = txn.cursor(db=self._coldness)
+        while more() and coldness.first():
+            index_key = coldness.key()
+            ngram_key = index_key[2 * _UINT32.size :]
+            value = txn.pop(ngram_key, db=self._ngrams)
+            if value is not None:
+                meta.tracked_bytes -= record_bytes(ngram_key, value)
+            meta.tracked_bytes -= record_bytes(index_key, b"")
+            coldness.delete()
+            removed += 1
+        applied = txn.cursor(db=self._applied)
+        while more() and applied.first():
+            meta.tracked_bytes -= record_bytes(applied.key(), b"")
+            applied.delete()
+            removed += 1
+        meta.evictions += removed
+        return removed
+
+
+def _tree_pages(stat: dict[str, int]) -> int:
+    return stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]

@@ -1,0 +1,586 @@
+"""Tests for drafter_service.store: format, merge, decay, eviction, durability.
+
+Record sizes used below (module docstring, RECORD_OVERHEAD_BYTES = 10): a
+2-gram key is 8 + 1 + 2*4 = 17 bytes, a value with one pair 9 + 8 = 17, its
+coldness key 8 + 17 = 25; so one 2-gram with one continuation tracks
+17 + 17 + 10 + 25 + 10 = 79 bytes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import random
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+
+import lmdb
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from drafter_service.ngram import SOURCE_GLOBAL, InMemoryNGramTable, NGramConfig, NGramDrafter
+from drafter_service.store import (
+    FILE_BYTES_PER_MAX_BYTE,
+    UINT32_MAX,
+    LMDBNGramStore,
+    StoreConfig,
+    StoreFormatError,
+    vocabulary_fingerprint,
+)
+
+NAMESPACE = b"testvoc0"
+OTHER_NAMESPACE = b"othervoc"
+BYTES_PER_BIGRAM = 79  # see the module docstring
+
+
+def make_config(tmp_path, **overrides) -> StoreConfig:
+    return StoreConfig(path=str(tmp_path / "store"), namespace=overrides.pop("namespace", NAMESPACE), **overrides)
+
+
+def contents(store, keys):
+    return {key: store.continuations(key) for key in keys}
+
+
+# --- format ---------------------------------------------------------------------
+
+
+def test_vocabulary_fingerprint_hashes_the_sorted_vocabulary():
+    # Golden value: sha256(uint32 0 | uint32 1 | "a" | uint32 1 | uint32 1 | "b")[:8].
+    # If it changes, every stored table is orphaned, so the change must be deliberate.
+    assert vocabulary_fingerprint([("a", 0), ("b", 1)]).hex() == "55a99400f7af5c63"
+    assert vocabulary_fingerprint([("b", 1), ("a", 0)]).hex() == "55a99400f7af5c63"  # item order is irrelevant
+    assert vocabulary_fingerprint([("a", 1), ("b", 0)]).hex() == "650457edecc9ca4d"  # ids matter
+
+
+def test_config_rejects_a_namespace_that_is_not_8_bytes(tmp_path):
+    with pytest.raises(ValueError, match="namespace must be 8 bytes"):
+        make_config(tmp_path, namespace=b"short")
+
+
+def test_tracked_bytes_follow_the_documented_record_sizes(tmp_path):
+    with LMDBNGramStore(make_config(tmp_path, n_min=2, n_max=2)) as store:
+        store.observe([1, 2, 3])
+        assert store.stats()["bytes"] == BYTES_PER_BIGRAM
+        # An applied id "ab" adds key 4 + 8 + 2 = 14 bytes, empty value, 10 overhead.
+        store.apply([("ab", [])])
+        assert store.stats()["bytes"] == BYTES_PER_BIGRAM + 24
+
+
+def test_an_unknown_value_version_raises_a_clear_error(tmp_path):
+    config = make_config(tmp_path, n_min=2, n_max=2)
+    LMDBNGramStore(config).close()
+    env = lmdb.open(config.path, max_dbs=4)
+    with env.begin(write=True) as txn:
+        ngrams = env.open_db(b"ngrams", txn=txn)
+        key = NAMESPACE + bytes([2]) + struct.pack(">II", 1, 2)
+        txn.put(key, bytes([9]) + struct.pack(">IIII", 0, 1, 3, 1), db=ngrams)
+    env.close()
+    with LMDBNGramStore(config) as store, pytest.raises(StoreFormatError, match="format version 9; this code reads version 1"):
+        store.continuations((1, 2))
+
+
+def test_an_unknown_file_version_is_refused_on_open(tmp_path):
+    config = make_config(tmp_path)
+    LMDBNGramStore(config).close()
+    env = lmdb.open(config.path, max_dbs=4)
+    with env.begin(write=True) as txn:
+        txn.put(b"format_version", bytes([2]), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with pytest.raises(StoreFormatError, match="store format version 2"):
+        LMDBNGramStore(config)
+
+
+# --- counting and merging ------------------------------------------------------------
+
+
+def test_observe_counts_what_the_in_memory_table_counts(tmp_path):
+    reference = InMemoryNGramTable(n_min=2, n_max=3)
+    reference.observe([5, 6, 7, 8])
+    with LMDBNGramStore(make_config(tmp_path, n_min=2, n_max=3)) as store:
+        store.observe([5, 6, 7, 8])
+        expected = {(5, 6): {7: 1}, (6, 7): {8: 1}, (5, 6, 7): {8: 1}}
+        assert contents(store, expected) == expected
+        assert contents(reference, expected) == expected
+        assert store.stats()["entries"] == 3  # and nothing else was stored
+        # The last token has no continuation; (6,) is below n_min; (5, 6, 7, 8) above n_max.
+        assert contents(store, [(7, 8), (6,), (5, 6, 7, 8)]) == {(7, 8): None, (6,): None, (5, 6, 7, 8): None}
+
+
+def test_continuations_are_most_frequent_first_and_ties_keep_stored_order(tmp_path):
+    with LMDBNGramStore(make_config(tmp_path, n_min=2, n_max=2)) as store:
+        store.observe([1, 2, 3])
+        store.observe([1, 2, 4])
+        assert list(store.continuations((1, 2)).items()) == [(3, 1), (4, 1)]  # tie: 3 was stored first
+        store.observe([1, 2, 4])
+        assert list(store.continuations((1, 2)).items()) == [(4, 2), (3, 1)]
+        store.observe([1, 2, 3])
+        # Tie again; the stored order is now [4, 3], which the stable sort keeps
+        # (InMemoryNGramTable would put 3 first: it orders by first sighting).
+        assert list(store.continuations((1, 2)).items()) == [(4, 2), (3, 2)]
+
+
+def test_max_continuations_keeps_the_top_counts(tmp_path):
+    with LMDBNGramStore(make_config(tmp_path, n_min=2, n_max=2, max_continuations=2)) as store:
+        store.apply([(None, [1, 2, 3])] * 3 + [(None, [1, 2, 4])] * 2)
+        store.observe([1, 2, 5])
+        # {3: 3, 4: 2, 5: 1} ranked and cut to two: 5 is dropped.
+        assert list(store.continuations((1, 2)).items()) == [(3, 3), (4, 2)]
+        store.apply([(None, [1, 2, 5])] * 3)
+        # 5 arrives with 3 in one batch: ties 3 (stored first), beats 4.
+        assert list(store.continuations((1, 2)).items()) == [(3, 3), (5, 3)]
+
+
+def test_counts_saturate_at_uint32_max(tmp_path):
+    config = make_config(tmp_path, n_min=2, n_max=2)
+    LMDBNGramStore(config).close()
+    env = lmdb.open(config.path, max_dbs=4)
+    with env.begin(write=True) as txn:  # a count one below the maximum, written in the documented format
+        key = NAMESPACE + bytes([2]) + struct.pack(">II", 1, 2)
+        txn.put(key, struct.pack(">BIIII", 1, 0, UINT32_MAX - 1, 3, UINT32_MAX - 1), db=env.open_db(b"ngrams", txn=txn))
+    env.close()
+    with LMDBNGramStore(config) as store:
+        store.apply([(None, [1, 2, 3])] * 2)
+        assert store.continuations((1, 2)) == {3: UINT32_MAX}
+
+
+# --- ids, epochs, decay ---------------------------------------------------------------
+
+
+def test_apply_skips_ids_already_applied_even_after_reopen(tmp_path):
+    config = make_config(tmp_path, n_min=2, n_max=2)
+    with LMDBNGramStore(config) as store:
+        assert store.apply([("a", [1, 2, 3]), ("a", [1, 2, 3]), ("b", [1, 2, 3]), (None, [1, 2, 3])]) == [
+            True,
+            False,  # the same id earlier in the batch
+            True,
+            True,  # no id: always counted
+        ]
+        assert store.apply([("a", [1, 2, 3])]) == [False]
+    with LMDBNGramStore(config) as store:
+        assert store.apply([("b", [1, 2, 3])]) == [False]
+        assert store.continuations((1, 2)) == {3: 3}
+        assert store.stats()["applied_ids"] == 2
+
+
+def test_applied_ids_expire_after_the_retention(tmp_path):
+    with LMDBNGramStore(make_config(tmp_path, applied_id_retention_epochs=1, decay_shift_per_epoch=0)) as store:
+        store.apply([("a", [1, 2, 3])])  # recorded under epoch 0
+        store.advance_epoch()
+        assert store.apply([("a", [1, 2, 3])]) == [False]  # epoch 1: 0 >= 1 - 1 is still retained
+        store.advance_epoch()
+        assert store.stats()["applied_ids"] == 0  # epoch 2: 0 < 2 - 1 expired
+        assert store.apply([("a", [1, 2, 3])]) == [True]
+
+
+def test_epoch_advances_every_epoch_observations_tokens(tmp_path):
+    with LMDBNGramStore(make_config(tmp_path, epoch_observations=10)) as store:
+        store.observe([1, 2, 3, 4])
+        assert (store.stats()["epoch"], store.stats()["epoch_tokens"]) == (0, 4)
+        store.apply([("x", [1] * 7)])
+        assert (store.stats()["epoch"], store.stats()["epoch_tokens"]) == (1, 1)  # 4 + 7 = 11 = one epoch + 1
+        store.apply([("x", [1] * 30)])
+        assert (store.stats()["epoch"], store.stats()["epoch_tokens"]) == (1, 1)  # a skipped item counts no tokens
+        store.observe([1] * 29)
+        assert (store.stats()["epoch"], store.stats()["epoch_tokens"]) == (4, 0)
+
+
+def test_counts_halve_per_epoch_and_zero_counts_are_dropped(tmp_path):
+    with LMDBNGramStore(make_config(tmp_path, n_min=2, n_max=2, decay_shift_per_epoch=1)) as store:
+        store.apply([(None, [1, 2, 3])] * 4 + [(None, [1, 2, 4])])
+        assert store.continuations((1, 2)) == {3: 4, 4: 1}
+        store.advance_epoch()
+        assert store.continuations((1, 2)) == {3: 2}  # 1 >> 1 = 0: dropped
+        store.advance_epoch()
+        assert store.continuations((1, 2)) == {3: 1}
+        store.advance_epoch()
+        assert store.continuations((1, 2)) is None  # every continuation is worth 0
+        store.observe([1, 2, 4])
+        # Stored {3: 4, 4: 1} is three epochs old: both decay to 0 on write.
+        assert list(store.continuations((1, 2)).items()) == [(4, 1)]
+
+
+# --- eviction and size ----------------------------------------------------------------
+
+
+def test_eviction_removes_oldest_epoch_then_lowest_total_then_lowest_key(tmp_path):
+    config = make_config(
+        tmp_path, n_min=2, n_max=2, decay_shift_per_epoch=0, max_bytes=3 * BYTES_PER_BIGRAM, low_water_fraction=1.0
+    )
+    with LMDBNGramStore(config) as store:
+        store.observe([1, 2, 3])  # epoch 0
+        store.advance_epoch()
+        store.observe([4, 5, 6])
+        store.apply([(None, [7, 8, 9])] * 2)  # total 2
+        assert store.stats()["bytes"] == 3 * BYTES_PER_BIGRAM  # at the ceiling, nothing evicted yet
+        store.observe([10, 11, 12])
+        assert store.continuations((1, 2)) is None  # oldest epoch
+        store.observe([13, 14, 15])
+        assert store.continuations((4, 5)) is None  # epoch 1, total 1, key below (10, 11)
+        store.observe([16, 17, 18])
+        assert store.continuations((10, 11)) is None  # (7, 8) has total 2; (10, 11) < (13, 14) < (16, 17)
+        assert contents(store, [(7, 8), (13, 14), (16, 17)]) == {(7, 8): {9: 2}, (13, 14): {15: 1}, (16, 17): {18: 1}}
+        assert store.stats()["evictions"] == 3
+
+
+def test_each_apply_evicts_one_chunk_towards_low_water_and_more_only_above_the_ceiling(tmp_path):
+    # Ceiling 3 bigrams, low-water 80 bytes (one bigram), one record per apply.
+    config = make_config(
+        tmp_path, n_min=2, n_max=2, max_bytes=3 * BYTES_PER_BIGRAM, low_water_fraction=0.34, eviction_chunk_records=1
+    )
+    with LMDBNGramStore(config) as store:
+        store.observe([1, 2, 3, 4, 5, 6])  # 4 bigrams: over the ceiling, one eviction suffices
+        assert (store.stats()["entries"], store.stats()["evictions"]) == (3, 1)
+        store.apply([(None, [])])  # adds nothing, still drains one record towards low-water
+        assert (store.stats()["entries"], store.stats()["evictions"]) == (2, 2)
+        store.apply([(None, [10, 11, 12, 13, 14, 15, 16])])  # 2 + 5 bigrams: 4 must go, beyond the chunk
+        assert (store.stats()["entries"], store.stats()["evictions"]) == (3, 6)
+
+
+def test_file_stays_bounded_when_fed_far_more_than_max_bytes(tmp_path):
+    max_bytes = 256 << 10
+    # One epoch per apply, so the newest batch is the warmest and must survive.
+    config = make_config(tmp_path, max_bytes=max_bytes, epoch_observations=200, decay_shift_per_epoch=0)
+    rng = random.Random(7)
+    with LMDBNGramStore(config) as store:
+        for _ in range(80):  # 80 * 600 n-grams * ~100 bytes: ~19x max_bytes
+            batch = [(None, [rng.randrange(1000) for _ in range(100)]) for _ in range(2)]
+            store.apply(batch)
+            assert store.stats()["bytes"] <= max_bytes
+        stats = store.stats()
+        assert stats["evictions"] > 30_000  # most of what was fed was evicted
+        assert stats["file_bytes"] <= FILE_BYTES_PER_MAX_BYTE * max_bytes
+        for tokens in (tokens for _id, tokens in batch):
+            for position in range(4, 100):
+                assert tokens[position] in store.continuations(tuple(tokens[position - 4 : position]))
+
+
+def test_map_full_never_reaches_the_caller(tmp_path, caplog):
+    # A 30-item batch of ~900 KB of records cannot fit in a 512 KiB map at once;
+    # item by item (each evicting down to 64 KiB), it does.
+    config = make_config(
+        tmp_path, max_bytes=64 << 10, map_size=512 << 10, epoch_observations=100, decay_shift_per_epoch=0
+    )
+    rng = random.Random(0)
+    batch = [(f"item{index}", [rng.randrange(1000) for _ in range(100)]) for index in range(30)]
+    with caplog.at_level(logging.WARNING, logger="drafter_service.store"), LMDBNGramStore(config) as store:
+        assert store.apply(batch) == [True] * 30
+        assert "map full applying 30 items" in caplog.text  # the recovery path did run
+        assert store.stats()["bytes"] <= 64 << 10
+        last = batch[-1][1]  # applied in the newest epoch, so never evicted
+        assert all(last[p] in store.continuations(tuple(last[p - 4 : p])) for p in range(4, 100))
+        assert store.apply([batch[-1]]) == [False]
+
+
+# --- persistence, backup, integration, concurrency -----------------------------------------
+
+
+def test_entries_and_epoch_persist_across_close_and_reopen(tmp_path):
+    config = make_config(tmp_path, n_min=2, n_max=3, decay_shift_per_epoch=0)
+    keys = [(5, 6), (6, 7), (5, 6, 7), (6, 9)]
+    with LMDBNGramStore(config) as store:
+        store.apply([("a", [5, 6, 7, 8]), ("b", [5, 6, 9])])
+        store.advance_epoch()
+        before = store.stats()
+    with LMDBNGramStore(config) as store:
+        assert contents(store, keys) == {(5, 6): {7: 1, 9: 1}, (6, 7): {8: 1}, (5, 6, 7): {8: 1}, (6, 9): None}
+        assert store.stats() == before  # epoch 1, 7 tokens, 2 ids, the same bytes and file
+        assert store.apply([("a", [5, 6, 7, 8])]) == [False]
+
+
+def test_namespaces_in_one_file_do_not_see_each_other(tmp_path):
+    with LMDBNGramStore(make_config(tmp_path, n_min=2, n_max=2)) as store:
+        store.apply([("same-id", [1, 2, 3])])
+    with LMDBNGramStore(make_config(tmp_path, n_min=2, n_max=2, namespace=OTHER_NAMESPACE)) as other:
+        assert other.continuations((1, 2)) is None
+        assert other.apply([("same-id", [1, 2, 4])]) == [True]  # ids are per namespace too
+        assert other.continuations((1, 2)) == {4: 1}
+        assert other.stats()["entries"] == 2  # one file: entries of both namespaces
+    with LMDBNGramStore(make_config(tmp_path, n_min=2, n_max=2)) as store:
+        assert store.continuations((1, 2)) == {3: 1}
+
+
+def test_backup_is_a_compact_copy_holding_the_same_entries(tmp_path):
+    keys = [(1, 2), (2, 3), (3, 1), (1, 2, 3), (2, 3, 1), (3, 1, 2)]
+    with LMDBNGramStore(make_config(tmp_path, n_min=2, n_max=3)) as store:
+        store.apply([("a", [1, 2, 3, 1, 2, 3]), (None, [3, 1, 2])])
+        store.backup(tmp_path / "backup")
+        original = contents(store, keys)
+        original_stats = store.stats()
+    with LMDBNGramStore(StoreConfig(path=str(tmp_path / "backup"), namespace=NAMESPACE, n_min=2, n_max=3)) as copy:
+        assert contents(copy, keys) == original
+        assert original[(3, 1)] == {2: 2}  # the copy holds real counts, not just Nones
+        assert copy.apply([("a", [7, 8, 9])]) == [False]  # applied ids are copied too
+        assert copy.stats()["bytes"] == original_stats["bytes"]
+        assert copy.stats()["file_bytes"] <= original_stats["file_bytes"]
+
+
+def test_the_store_serves_as_the_drafters_global_table_after_reopen(tmp_path):
+    config = make_config(tmp_path)  # n_min=2, n_max=4, as NGramConfig's defaults
+    with LMDBNGramStore(config) as store:
+        drafter = NGramDrafter(NGramConfig(), global_table=store)
+        drafter.open("first", [1, 2, 3, 4, 5, 6])
+        drafter.close("first")  # observes [1..6] into the store
+    with LMDBNGramStore(config) as store:
+        drafter = NGramDrafter(NGramConfig(), global_table=store)
+        drafter.open("second", [1, 2, 3, 4])
+        draft = drafter.propose("second", [], k=3)
+    # (1, 2, 3, 4) -> 5 and (2, 3, 4, 5) -> 6 are 4-token matches, trusted at
+    # count 1; (3, 4, 5, 6) was never followed by anything, so the chain stops.
+    assert draft.tokens == [5, 6]
+    assert [why.source for why in draft.evidence] == [SOURCE_GLOBAL, SOURCE_GLOBAL]
+
+
+def test_readers_see_only_committed_counts_while_a_writer_applies(tmp_path):
+    writes = 30
+    with LMDBNGramStore(make_config(tmp_path, n_min=2, n_max=2)) as store:
+        done = threading.Event()
+        seen: list[list[int]] = [[] for _ in range(4)]
+
+        def read(log: list[int]) -> None:
+            while not done.is_set():
+                counts = store.continuations((1, 2))
+                log.append(0 if counts is None else counts[3])
+
+        readers = [threading.Thread(target=read, args=(log,)) for log in seen]
+        for reader in readers:
+            reader.start()
+        for _ in range(writes):
+            store.observe([1, 2, 3])
+        done.set()
+        for reader in readers:
+            reader.join()
+        assert store.continuations((1, 2)) == {3: writes}
+    for log in seen:
+        assert log == sorted(log) and set(log) <= set(range(writes + 1))  # never backwards, never torn
+    assert any(0 < count < writes for log in seen for count in log)  # reads did overlap the writes
+
+
+# --- kill -9 --------------------------------------------------------------------------
+
+
+def crash_batch(index: int) -> list[tuple[str, list[int]]]:
+    """Batch ``index``: 5 items of 20 tokens, no token shared with another batch."""
+    return [(f"batch{index}-item{item}", [index * 1000 + item * 100 + t for t in range(20)]) for item in range(5)]
+
+
+CRASH_STORE = dict(namespace=b"crashns0", n_min=2, n_max=4, max_bytes=64 << 20, epoch_observations=10**9)
+
+CHILD = """
+import sys
+from drafter_service.store import LMDBNGramStore, StoreConfig
+{batch_source}
+store = LMDBNGramStore(StoreConfig(path=sys.argv[1], **{store}))
+for index in range(int(sys.argv[2]), 10**6):
+    store.apply(crash_batch(index))
+    print(index, flush=True)
+"""
+
+
+def batch_presence(store: LMDBNGramStore, index: int) -> set[bool]:
+    """{True} if every n-gram of the batch is stored exactly once, {False} if none is."""
+    present = set()
+    for _id, tokens in crash_batch(index):
+        for position in range(2, len(tokens)):
+            counts = store.continuations(tuple(tokens[position - 2 : position]))
+            assert counts in (None, {tokens[position]: 1}), f"batch {index} counted {counts}"
+            present.add(counts is not None)
+    return present
+
+
+def test_every_acknowledged_batch_survives_kill_9(tmp_path):
+    path = str(tmp_path / "store")
+    child = CHILD.format(batch_source=inspect.getsource(crash_batch), store=CRASH_STORE)
+    rng = random.Random(1234)
+    next_index = 0
+    for _kill in range(5):
+        process = subprocess.Popen(
+            [sys.executable, "-c", child, path, str(next_index)], stdout=subprocess.PIPE, text=True
+        )
+        acknowledged = [int(process.stdout.readline()) for _ in range(rng.randint(1, 8))]
+        threading.Event().wait(rng.uniform(0.0, 0.01))  # land anywhere inside a later apply
+        process.send_signal(signal.SIGKILL)
+        acknowledged += [int(line) for line in process.stdout.read().split()]
+        process.wait()
+        with LMDBNGramStore(StoreConfig(path=path, **CRASH_STORE)) as store:  # no repair step
+            for index in range(acknowledged[-1] + 1):
+                assert batch_presence(store, index) == {True}, f"acknowledged batch {index} lost"
+            in_flight = acknowledged[-1] + 1
+            committed = batch_presence(store, in_flight)
+            assert committed in ({True}, {False})  # atomic: all of the batch or none of it
+            # The client retries the unacknowledged batch: counted once either way.
+            assert store.apply(crash_batch(in_flight)) == [committed == {False}] * 5
+            assert batch_presence(store, in_flight) == {True}
+        next_index = in_flight + 1
+
+
+# --- the model: an executable spec of the module docstring ------------------------------
+
+
+class StoreModel:
+    """The documented semantics on plain dicts, for one namespace (record sizes from the docstring)."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.epoch = 0
+        self.epoch_tokens = 0
+        self.evictions = 0
+        self.ngrams: dict[tuple[int, ...], tuple[int, list[tuple[int, int]]]] = {}  # key -> (last-touched, pairs)
+        self.applied: dict[str, int] = {}  # id -> epoch applied
+
+    def tracked_bytes(self) -> int:
+        total = 0
+        for key, (_epoch, pairs) in self.ngrams.items():
+            key_bytes = 9 + 4 * len(key)
+            total += key_bytes + 9 + 8 * len(pairs) + 10  # ngrams record
+            total += 8 + key_bytes + 10  # coldness record
+        return total + sum(4 + 8 + len(observe_id.encode()) + 10 for observe_id in self.applied)
+
+    def decayed(self, pairs, age):
+        shift = age * self.config.decay_shift_per_epoch
+        return [(token, count >> shift) for token, count in pairs if count >> shift]
+
+    def continuations(self, key):
+        if key not in self.ngrams:
+            return None
+        last_touched, pairs = self.ngrams[key]
+        return dict(self.decayed(pairs, self.epoch - last_touched)) or None
+
+    def apply(self, batch) -> list[bool]:
+        if not batch:
+            return []  # an empty batch is no apply: no transaction, no eviction
+        results, fresh = [], []
+        for observe_id, tokens in batch:
+            new = observe_id is None or observe_id not in self.applied
+            if observe_id is not None and new:
+                self.applied[observe_id] = self.epoch
+            results.append(new)
+            if new:
+                fresh.append(tokens)
+        for key, additions in self.count(fresh).items():
+            self.merge(key, additions)
+        epochs, self.epoch_tokens = divmod(self.epoch_tokens + sum(map(len, fresh)), self.config.epoch_observations)
+        if epochs:
+            self.advance_epoch(epochs)
+        self.evict()
+        return results
+
+    def count(self, sequences):
+        counts: dict[tuple[int, ...], dict[int, int]] = {}
+        for tokens in sequences:
+            for position in range(1, len(tokens)):
+                for n in range(self.config.n_min, min(self.config.n_max, position) + 1):
+                    following = counts.setdefault(tuple(tokens[position - n : position]), {})
+                    following[tokens[position]] = following.get(tokens[position], 0) + 1
+        return counts
+
+    def merge(self, key, additions) -> None:
+        last_touched, pairs = self.ngrams.get(key, (self.epoch, []))
+        merged = dict(self.decayed(pairs, self.epoch - last_touched))
+        for token, count in additions.items():
+            merged[token] = min(UINT32_MAX, merged.get(token, 0) + count)
+        ranked = sorted(merged.items(), key=lambda pair: -pair[1])
+        self.ngrams[key] = (self.epoch, ranked[: self.config.max_continuations])
+
+    def advance_epoch(self, epochs: int) -> None:
+        self.epoch += epochs
+        cutoff = self.epoch - self.config.applied_id_retention_epochs
+        self.applied = {observe_id: epoch for observe_id, epoch in self.applied.items() if epoch >= cutoff}
+
+    def evict(self) -> None:
+        def coldness(key):
+            last_touched, pairs = self.ngrams[key]
+            return (last_touched, min(UINT32_MAX, sum(count for _token, count in pairs)), len(key), key)
+
+        removed = 0
+        while self.tracked_bytes() > self.config.low_water_bytes and (
+            removed < self.config.eviction_chunk_records or self.tracked_bytes() > self.config.high_water_bytes
+        ):
+            if self.ngrams:
+                del self.ngrams[min(self.ngrams, key=coldness)]
+            else:
+                del self.applied[min(self.applied, key=lambda i: (self.applied[i], i.encode()))]
+            removed += 1
+        self.evictions += removed
+
+
+TOKENS = st.lists(st.integers(0, 5), max_size=8)
+IDS = st.one_of(st.none(), st.sampled_from(["a", "b", "c", "d"]))
+
+
+class StoreMatchesModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.directory = tempfile.mkdtemp(prefix="store-machine-")
+        # ~15 bigrams fit; every path of the eviction rule is reachable.
+        self.config = StoreConfig(
+            path=self.directory,
+            namespace=NAMESPACE,
+            n_min=1,
+            n_max=3,
+            max_bytes=1500,
+            high_water_fraction=0.9,
+            low_water_fraction=0.6,
+            eviction_chunk_records=3,
+            max_continuations=2,
+            epoch_observations=15,
+            decay_shift_per_epoch=1,
+            applied_id_retention_epochs=1,
+        )
+        self.store = LMDBNGramStore(self.config)
+        self.model = StoreModel(self.config)
+        self.keys_ever_written: set[tuple[int, ...]] = set()
+
+    def remember(self, sequences) -> None:
+        self.keys_ever_written.update(self.model.count(sequences))
+
+    @rule(tokens=TOKENS)
+    def observe(self, tokens):
+        self.store.observe(tokens)
+        self.model.apply([(None, tokens)])
+        self.remember([tokens])
+
+    @rule(batch=st.lists(st.tuples(IDS, TOKENS), max_size=4))
+    def apply(self, batch):
+        assert self.store.apply(batch) == self.model.apply(batch)
+        self.remember([tokens for _id, tokens in batch])
+
+    @rule()
+    def reopen(self):
+        self.store.close()
+        self.store = LMDBNGramStore(self.config)
+
+    @rule(epochs=st.integers(1, 2))
+    def advance_epoch(self, epochs):
+        self.store.advance_epoch(epochs)
+        self.model.advance_epoch(epochs)
+
+    @invariant()
+    def continuations_agree(self):
+        for key in self.keys_ever_written:
+            expected = self.model.continuations(key)
+            actual = self.store.continuations(key)
+            assert actual == expected and (actual is None or list(actual.items()) == list(expected.items())), key
+
+    @invariant()
+    def bookkeeping_agrees_and_size_is_bounded(self):
+        stats = self.store.stats()
+        assert stats["bytes"] == self.model.tracked_bytes() <= self.config.high_water_bytes
+        assert (stats["entries"], stats["applied_ids"]) == (len(self.model.ngrams), len(self.model.applied))
+        assert (stats["epoch"], stats["epoch_tokens"]) == (self.model.epoch, self.model.epoch_tokens)
+        assert stats["evictions"] == self.model.evictions
+
+    def teardown(self):
+        self.store.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+StoreMatchesModel.TestCase.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+TestStoreMatchesModel = StoreMatchesModel.TestCase

@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench install clean
+.PHONY: run test bench install protos check-protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,11 +19,24 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) -m verifier_service.local_generate
 
-test: $(STAMP)
+test: $(STAMP) check-protos
 	$(PY) -m pytest
 
 bench: $(STAMP)
 	$(PY) -m bench.bench_core
+
+# Python stubs for proto/ are generated into specdec/ and committed. The -I
+# root is proto/, so generated modules import each other as specdec.v1.*.
+PROTOS := $(wildcard proto/specdec/v1/*.proto)
+protos: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+# Fails when the committed stubs differ from what proto/ generates now.
+check-protos: $(STAMP)
+	rm -rf .protos-check && mkdir .protos-check
+	$(PY) -m grpc_tools.protoc -I proto --python_out=.protos-check --pyi_out=.protos-check --grpc_python_out=.protos-check $(PROTOS)
+	for f in $$(cd .protos-check && find specdec -name '*_pb2*'); do cmp -s .protos-check/$$f $$f || { echo "stale generated stub: $$f (run make protos)"; rm -rf .protos-check; exit 1; }; done
+	rm -rf .protos-check
 
 clean:
 	rm -rf $(VENV)

@@ -530,7 +530,7 @@ class LMDBNGramStore:
             meta.epoch_tokens += sum(len(tokens) for tokens, _packed in fresh)
             epochs, meta.epoch_tokens = divmod(meta.epoch_tokens, self.config.epoch_observations)
             if epochs:
-                self._advance_epoch(txn, meta, epochs)
+                meta.epoch += epochs
             # Same transaction: no crash leaves the table above the high-water mark.
             self._evict(txn, meta, self.config.low_water_bytes, self.config.eviction_chunk_records, self.config.high_water_bytes)
             self._write_meta(txn, meta)

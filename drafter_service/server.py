@@ -1,0 +1,445 @@
+"""The drafter as a gRPC service: sessions in memory, the global table in LMDB.
+
+Sessions (a request's prompt and output, indexed incrementally) live in this
+process only: they are cheap to rebuild, and a restarted drafter answers
+NOT_FOUND for them, which the verifier treats as "reopen". The global table
+is an ``LMDBNGramStore`` per vocabulary fingerprint, under ``db/<fingerprint>``,
+so what was learned survives restarts, redeploys and kill -9.
+
+Writes never block ``Propose``: ``Observe`` and ``CloseSessions`` hand their
+sequences to one writer thread, which commits whatever has queued in a single
+transaction (group commit) and only then acknowledges: acknowledged means
+durable. Reads run in their own LMDB read transactions and never wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, InMemoryNGramTable, NGramConfig, propose_chain
+from drafter_service.store import LMDBNGramStore, StoreConfig
+from specdec.v1 import drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+VOCABULARY_PATTERN = re.compile(r"^[0-9a-f]{16}$")
+_SOURCES = {SOURCE_CONTEXT: drafter_pb2.DRAFT_SOURCE_CONTEXT, SOURCE_GLOBAL: drafter_pb2.DRAFT_SOURCE_GLOBAL}
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    # 0 picks a free port (tests, several instances on one host).
+    port: int = 50051
+    host: str = "127.0.0.1"
+    # Directory holding one LMDB environment per vocabulary fingerprint.
+    db: str = "data/drafter"
+    # Size bound per vocabulary's table; 1 GiB is days of a busy service's n-grams.
+    max_bytes: int = 1 << 30
+    ngram: NGramConfig = field(default_factory=NGramConfig)
+    # Longest chain a caller may ask for: verification cost grows with K and
+    # n-gram chains rarely stay right for more than a few dozen tokens.
+    max_draft_tokens: int = 32
+    # Token ids must be below this: above every real vocabulary (~260k), far
+    # below uint32 overflow, so a corrupt id fails loudly instead of polluting the table.
+    max_token_id: int = 1 << 24
+    # Sessions held at once; each is a small dict of its context's n-grams.
+    max_sessions: int = 10_000
+    # A session untouched this long is closed (its verifier request is surely gone).
+    session_idle_timeout_s: float = 600.0
+    # Sequences per Propose/Observe call: a verifier batch is at most a few hundred.
+    max_sequences_per_call: int = 1024
+    # Tokens in one call: a long prompt plus margin; bounds work done under the lock.
+    max_tokens_per_call: int = 1 << 20
+    # Observations waiting for the writer; beyond it Observe answers RESOURCE_EXHAUSTED.
+    max_pending_observations: int = 4096
+    # gRPC message size cap (bytes): 1M uint32 tokens encode to at most ~5 MB.
+    max_message_bytes: int = 8 << 20
+    # Time SIGTERM gives in-flight calls to finish.
+    grace_s: float = 5.0
+    max_workers: int = 16
+
+
+class StoreRegistry:
+    """One store per vocabulary fingerprint, opened on first use and kept open."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        self.config = config
+        self.root = Path(config.db)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._stores: dict[str, LMDBNGramStore] = {}
+        self._lock = threading.Lock()
+        for existing in sorted(self.root.iterdir()):  # reopen warm tables at start-up
+            if existing.is_dir() and VOCABULARY_PATTERN.match(existing.name):
+                self.get(existing.name)
+
+    def get(self, vocabulary: str) -> LMDBNGramStore:
+        store = self._stores.get(vocabulary)
+        if store is not None:
+            return store
+        with self._lock:
+            if vocabulary not in self._stores:
+                store_config = StoreConfig(
+                    path=str(self.root / vocabulary),
+                    namespace=bytes.fromhex(vocabulary),
+                    n_min=self.config.ngram.n_min,
+                    n_max=self.config.ngram.n_max,
+                    max_bytes=self.config.max_bytes,
+                )
+                self._stores[vocabulary] = LMDBNGramStore(store_config)
+            return self._stores[vocabulary]
+
+    def all(self) -> dict[str, LMDBNGramStore]:
+        return dict(self._stores)
+
+    def close(self) -> None:
+        with self._lock:
+            for store in self._stores.values():
+                store.close()
+            self._stores.clear()
+
+
+@dataclass
+class _Session:
+    vocabulary: str
+    tokens: list[int]
+    table: InMemoryNGramTable
+    last_used: float
+
+
+@dataclass
+class _Pending:
+    store: LMDBNGramStore
+    observe_id: str | None
+    tokens: list[int]
+    done: threading.Event = field(default_factory=threading.Event)
+    applied: bool = False
+    error: BaseException | None = None
+
+
+class ObservationWriter(threading.Thread):
+    """The only writer: commits queued observations in groups, then acknowledges them."""
+
+    def __init__(self, max_pending: int) -> None:
+        super().__init__(name="drafter-writer", daemon=True)
+        self.queue: queue.Queue[_Pending | None] = queue.Queue(maxsize=max_pending)
+
+    def submit(self, items: list[_Pending]) -> None:
+        for item in items:
+            self.queue.put_nowait(item)  # queue.Full -> the caller answers RESOURCE_EXHAUSTED
+
+    def run(self) -> None:
+        while True:
+            first = self.queue.get()
+            if first is None:
+                return
+            group = [first]
+            while True:
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self.queue.put(None)  # stop after this group
+                    break
+                group.append(item)
+            self._commit(group)
+
+    def _commit(self, group: list[_Pending]) -> None:
+        by_store: dict[int, list[_Pending]] = {}
+        for item in group:
+            by_store.setdefault(id(item.store), []).append(item)
+        for items in by_store.values():
+            try:
+                results = items[0].store.apply([(item.observe_id, item.tokens) for item in items])
+                for item, applied in zip(items, results):
+                    item.applied = applied
+            except BaseException as error:  # reported to each caller, never kills the writer
+                log.exception("observation commit failed")
+                for item in items:
+                    item.error = error
+            for item in items:
+                item.done.set()
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        self.join()
+
+
+class InvalidRequest(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _check(condition: bool, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
+    if not condition:
+        raise InvalidRequest(code, message)
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, config: DrafterConfig, stores: StoreRegistry, writer: ObservationWriter) -> None:
+        self.config = config
+        self.stores = stores
+        self.writer = writer
+        self.sessions: dict[str, _Session] = {}
+        self.lock = threading.Lock()
+        self.counters = dict.fromkeys(
+            ("propose_calls", "proposed_tokens", "context_hits", "global_hits", "misses", "observed_tokens"), 0
+        )
+
+    # -- validation (always before any state changes) -------------------------
+
+    def _check_vocabulary(self, vocabulary: str) -> None:
+        _check(
+            bool(VOCABULARY_PATTERN.match(vocabulary)),
+            f"vocabulary must be the 16-hex-digit fingerprint of the tokenizer, got {vocabulary!r}",
+        )
+
+    def _check_tokens(self, tokens, where: str) -> None:
+        limit = self.config.max_token_id
+        bad = next((t for t in tokens if t >= limit), None)
+        _check(bad is None, f"{where}: token id {bad} is out of range (must be < {limit})")
+
+    def _check_propose(self, request: drafter_pb2.ProposeRequest) -> None:
+        self._check_vocabulary(request.vocabulary)
+        _check(
+            len(request.sequences) <= self.config.max_sequences_per_call,
+            f"{len(request.sequences)} sequences in one call; the limit is {self.config.max_sequences_per_call}",
+        )
+        total = sum(len(s.new_tokens) for s in request.sequences)
+        _check(total <= self.config.max_tokens_per_call, f"{total} tokens in one call; the limit is {self.config.max_tokens_per_call}")
+        seen = set()
+        opening = sum(1 for s in request.sequences if s.open)
+        for index, sequence in enumerate(request.sequences):
+            where = f"sequences[{index}]"
+            _check(bool(sequence.session_id), f"{where}: session_id is empty")
+            _check(sequence.session_id not in seen, f"{where}: session {sequence.session_id!r} appears twice in one call")
+            seen.add(sequence.session_id)
+            _check(
+                sequence.num_draft_tokens <= self.config.max_draft_tokens,
+                f"{where}: num_draft_tokens {sequence.num_draft_tokens} is out of range [0, {self.config.max_draft_tokens}]",
+            )
+            self._check_tokens(sequence.new_tokens, where)
+            session = self.sessions.get(sequence.session_id)
+            if sequence.open:
+                _check(session is None, f"{where}: session {sequence.session_id!r} is already open", grpc.StatusCode.ALREADY_EXISTS)
+            else:
+                _check(session is not None, f"{where}: unknown session {sequence.session_id!r} (open it first)", grpc.StatusCode.NOT_FOUND)
+                _check(
+                    session.vocabulary == request.vocabulary,
+                    f"{where}: session {sequence.session_id!r} was opened under another vocabulary",
+                )
+        _check(
+            len(self.sessions) + opening <= self.config.max_sessions,
+            f"too many open sessions ({len(self.sessions)}, limit {self.config.max_sessions}); close finished ones",
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        )
+
+    def _check_sequences(self, sequences) -> None:
+        _check(
+            len(sequences) <= self.config.max_sequences_per_call,
+            f"{len(sequences)} sequences in one call; the limit is {self.config.max_sequences_per_call}",
+        )
+        total = 0
+        for index, sequence in enumerate(sequences):
+            self._check_tokens(sequence.tokens, f"sequences[{index}]")
+            total += len(sequence.tokens)
+        _check(total <= self.config.max_tokens_per_call, f"{total} tokens in one call; the limit is {self.config.max_tokens_per_call}")
+
+    # -- RPCs -------------------------------------------------------------------
+
+    def Propose(self, request, context):
+        with self.lock:
+            try:
+                self._check_propose(request)
+            except InvalidRequest as invalid:
+                context.abort(invalid.code, str(invalid))
+            store = self.stores.get(request.vocabulary)
+            now = time.monotonic()
+            updates = [(update, self._advance(request.vocabulary, update, now)) for update in request.sequences]
+        # Drafting reads only this call's sessions and LMDB read transactions.
+        drafts = [self._draft(update, session, store) for update, session in updates]
+        with self.lock:
+            self._count(drafts, asked=[update.num_draft_tokens > 0 for update, _ in updates])
+        return drafter_pb2.ProposeResponse(drafts=drafts)
+
+    def _count(self, drafts: list[drafter_pb2.SequenceDraft], asked: list[bool]) -> None:
+        counters = self.counters
+        counters["propose_calls"] += 1
+        for draft, wanted in zip(drafts, asked):
+            counters["proposed_tokens"] += len(draft.tokens)
+            counters["context_hits"] += sum(1 for why in draft.evidence if why.source == drafter_pb2.DRAFT_SOURCE_CONTEXT)
+            counters["global_hits"] += sum(1 for why in draft.evidence if why.source == drafter_pb2.DRAFT_SOURCE_GLOBAL)
+            counters["misses"] += wanted and not draft.tokens
+
+    def _advance(self, vocabulary: str, update, now: float) -> _Session:
+        if update.open:
+            session = _Session(vocabulary, [], InMemoryNGramTable(self.config.ngram.n_min, self.config.ngram.n_max), now)
+            self.sessions[update.session_id] = session
+        session = self.sessions[update.session_id]
+        start = len(session.tokens)
+        session.tokens.extend(update.new_tokens)
+        session.table.extend(session.tokens, start=start)
+        session.last_used = now
+        return session
+
+    def _draft(self, update, session: _Session, store: LMDBNGramStore) -> drafter_pb2.SequenceDraft:
+        k = update.num_draft_tokens
+        draft = drafter_pb2.SequenceDraft(session_id=update.session_id)
+        if k == 0:
+            return draft
+        sources = ((SOURCE_CONTEXT, session.table), (SOURCE_GLOBAL, store))
+        chain = propose_chain(session.tokens, sources, k, self.config.ngram)
+        draft.tokens.extend(chain.tokens)
+        for why in chain.evidence:
+            draft.evidence.add(source=_SOURCES[why.source], match_length=why.match_length, count=why.count, total=why.total)
+        return draft
+
+    def Observe(self, request, context):
+        try:
+            self._check_vocabulary(request.vocabulary)
+            _check(bool(request.observe_id), "observe_id is empty: give each Observe a unique id so retries are not counted twice")
+            _check(len(request.observe_id.encode()) <= 400, "observe_id is longer than 400 bytes")
+            self._check_sequences(request.sequences)
+        except InvalidRequest as invalid:
+            context.abort(invalid.code, str(invalid))
+        store = self.stores.get(request.vocabulary)
+        items = [
+            _Pending(store, f"{request.observe_id}/{index}", list(sequence.tokens))
+            for index, sequence in enumerate(request.sequences)
+        ]
+        self._commit(items, context)
+        with self.lock:
+            self.counters["observed_tokens"] += sum(len(item.tokens) for item in items if item.applied)
+        return drafter_pb2.ObserveResponse(applied=any(item.applied for item in items) or not items)
+
+    def CloseSessions(self, request, context):
+        try:
+            self._check_vocabulary(request.vocabulary)
+            _check(not request.observe or bool(request.observe_id), "observe_id is required when observe is set")
+        except InvalidRequest as invalid:
+            context.abort(invalid.code, str(invalid))
+        with self.lock:
+            closed = [self.sessions.pop(sid) for sid in request.session_ids if sid in self.sessions]
+        if request.observe and closed:
+            store = self.stores.get(request.vocabulary)
+            items = [_Pending(store, f"{request.observe_id}/{i}", session.tokens) for i, session in enumerate(closed)]
+            self._commit(items, context)
+        return drafter_pb2.CloseSessionsResponse(closed=len(closed))
+
+    def _commit(self, items: list[_Pending], context) -> None:
+        try:
+            self.writer.submit(items)
+        except queue.Full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the drafter's write queue is full; retry with backoff")
+        for item in items:
+            item.done.wait()
+            if item.error is not None:
+                context.abort(grpc.StatusCode.INTERNAL, f"could not store the observation: {item.error}")
+
+    def Stats(self, request, context):
+        if request.vocabulary:
+            try:
+                self._check_vocabulary(request.vocabulary)
+            except InvalidRequest as invalid:
+                context.abort(invalid.code, str(invalid))
+            stores = [self.stores.get(request.vocabulary)]
+        else:
+            stores = list(self.stores.all().values())
+        totals = {"entries": 0, "bytes": 0, "file_bytes": 0, "evictions": 0}
+        for store in stores:
+            stats = store.stats()
+            for name in totals:
+                totals[name] += stats.get(name, 0)
+        return drafter_pb2.StatsResponse(
+            **totals, max_bytes=self.config.max_bytes * max(1, len(stores)), open_sessions=len(self.sessions), **self.counters
+        )
+
+    def Backup(self, request, context):
+        try:
+            self._check_vocabulary(request.vocabulary)
+            _check(bool(request.destination), "destination is empty")
+            _check(not Path(request.destination).exists(), f"destination {request.destination!r} already exists")
+            _check(request.vocabulary in self.stores.all(), f"no table for vocabulary {request.vocabulary}", grpc.StatusCode.NOT_FOUND)
+        except InvalidRequest as invalid:
+            context.abort(invalid.code, str(invalid))
+        destination = Path(request.destination)
+        destination.mkdir(parents=True)
+        self.stores.get(request.vocabulary).backup(str(destination))
+        size = sum(f.stat().st_size for f in destination.iterdir())
+        return drafter_pb2.BackupResponse(bytes=size)
+
+    def expire_idle_sessions(self) -> int:
+        deadline = time.monotonic() - self.config.session_idle_timeout_s
+        with self.lock:
+            stale = [sid for sid, session in self.sessions.items() if session.last_used < deadline]
+            for sid in stale:
+                del self.sessions[sid]
+        return len(stale)
+
+
+@dataclass
+class DrafterServer:
+    server: grpc.Server
+    port: int
+    servicer: DrafterServicer
+    health: health.HealthServicer
+    stores: StoreRegistry
+    writer: ObservationWriter
+    _stop_janitor: threading.Event = field(default_factory=threading.Event)
+
+    def start_janitor(self) -> None:
+        interval = max(1.0, min(60.0, self.servicer.config.session_idle_timeout_s / 4))
+
+        def loop() -> None:
+            while not self._stop_janitor.wait(interval):
+                self.servicer.expire_idle_sessions()
+
+        threading.Thread(target=loop, name="drafter-janitor", daemon=True).start()
+
+    def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING, let in-flight calls finish, then flush writes and close the stores."""
+        self.health.enter_graceful_shutdown()
+        self._stop_janitor.set()
+        self.server.stop(self.servicer.config.grace_s if grace is None else grace).wait()
+        self.writer.stop()
+        self.stores.close()
+
+
+def create_server(config: DrafterConfig) -> DrafterServer:
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+    ]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), options=options)
+    health_servicer = health.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise RuntimeError(f"could not bind {config.host}:{config.port}")
+    stores = StoreRegistry(config)
+    writer = ObservationWriter(config.max_pending_observations)
+    servicer = DrafterServicer(config, stores, writer)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    drafter = DrafterServer(server, port, servicer, health_servicer, stores, writer)
+    writer.start()
+    server.start()
+    drafter.start_janitor()
+    for name in ("", SERVICE_NAME):  # the stores are open: ready
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return drafter

@@ -1,0 +1,153 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_SOURCE_UNSPECIFIED: _ClassVar[DraftSource]
+    DRAFT_SOURCE_CONTEXT: _ClassVar[DraftSource]
+    DRAFT_SOURCE_GLOBAL: _ClassVar[DraftSource]
+DRAFT_SOURCE_UNSPECIFIED: DraftSource
+DRAFT_SOURCE_CONTEXT: DraftSource
+DRAFT_SOURCE_GLOBAL: DraftSource
+
+class SequenceUpdate(_message.Message):
+    __slots__ = ("session_id", "new_tokens", "open", "num_draft_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    open: bool
+    num_draft_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., open: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("vocabulary", "sequences")
+    VOCABULARY_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    vocabulary: str
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceUpdate]
+    def __init__(self, vocabulary: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ...) -> None: ...
+
+class Evidence(_message.Message):
+    __slots__ = ("source", "match_length", "count", "total")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MATCH_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    source: DraftSource
+    match_length: int
+    count: int
+    total: int
+    def __init__(self, source: _Optional[_Union[DraftSource, str]] = ..., match_length: _Optional[int] = ..., count: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class SequenceDraft(_message.Message):
+    __slots__ = ("session_id", "tokens", "evidence")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    evidence: _containers.RepeatedCompositeFieldContainer[Evidence]
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., evidence: _Optional[_Iterable[_Union[Evidence, _Mapping]]] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("drafts",)
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    drafts: _containers.RepeatedCompositeFieldContainer[SequenceDraft]
+    def __init__(self, drafts: _Optional[_Iterable[_Union[SequenceDraft, _Mapping]]] = ...) -> None: ...
+
+class TokenSequence(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ObserveRequest(_message.Message):
+    __slots__ = ("vocabulary", "observe_id", "sequences")
+    VOCABULARY_FIELD_NUMBER: _ClassVar[int]
+    OBSERVE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    vocabulary: str
+    observe_id: str
+    sequences: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    def __init__(self, vocabulary: _Optional[str] = ..., observe_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+
+class ObserveResponse(_message.Message):
+    __slots__ = ("applied",)
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    def __init__(self, applied: _Optional[bool] = ...) -> None: ...
+
+class CloseSessionsRequest(_message.Message):
+    __slots__ = ("vocabulary", "session_ids", "observe", "observe_id")
+    VOCABULARY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVE_ID_FIELD_NUMBER: _ClassVar[int]
+    vocabulary: str
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    observe: bool
+    observe_id: str
+    def __init__(self, vocabulary: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ..., observe: _Optional[bool] = ..., observe_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionsResponse(_message.Message):
+    __slots__ = ("closed",)
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    closed: int
+    def __init__(self, closed: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("vocabulary",)
+    VOCABULARY_FIELD_NUMBER: _ClassVar[int]
+    vocabulary: str
+    def __init__(self, vocabulary: _Optional[str] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("entries", "bytes", "file_bytes", "max_bytes", "evictions", "open_sessions", "propose_calls", "proposed_tokens", "context_hits", "global_hits", "misses", "observed_tokens")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_CALLS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_HITS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    bytes: int
+    file_bytes: int
+    max_bytes: int
+    evictions: int
+    open_sessions: int
+    propose_calls: int
+    proposed_tokens: int
+    context_hits: int
+    global_hits: int
+    misses: int
+    observed_tokens: int
+    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., propose_calls: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., context_hits: _Optional[int] = ..., global_hits: _Optional[int] = ..., misses: _Optional[int] = ..., observed_tokens: _Optional[int] = ...) -> None: ...
+
+class BackupRequest(_message.Message):
+    __slots__ = ("vocabulary", "destination")
+    VOCABULARY_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    vocabulary: str
+    destination: str
+    def __init__(self, vocabulary: _Optional[str] = ..., destination: _Optional[str] = ...) -> None: ...
+
+class BackupResponse(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...

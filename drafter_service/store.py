@@ -302,7 +302,7 @@ def merge_continuations(
     merged = dict(decayed(stored, age, decay_shift))
     for token, count in additions.items():
         merged[token] = min(UINT32_MAX, merged.get(token, 0) + count)
-    ranked = sorted(merged.items(), key=lambda pair: -pair[1])
+    ranked = sorted(merged.items(), key=lambda pair: (-pair[1], pair[0]))
     return ranked[:max_continuations]
 
 
@@ -530,7 +530,7 @@ class LMDBNGramStore:
             meta.epoch_tokens += sum(len(tokens) for tokens, _packed in fresh)
             epochs, meta.epoch_tokens = divmod(meta.epoch_tokens, self.config.epoch_observations)
             if epochs:
-                meta.epoch += epochs
+                self._advance_epoch(txn, meta, epochs)
             # Same transaction: no crash leaves the table above the high-water mark.
             self._evict(txn, meta, self.config.low_water_bytes, self.config.eviction_chunk_records, self.config.high_water_bytes)
             self._write_meta(txn, meta)

@@ -1,0 +1,284 @@
+"""The drafter as a real process on a free loopback port: restarts, kill -9, bad input, health."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.v1 import drafter_pb2 as pb
+from specdec.v1 import drafter_pb2_grpc as rpc
+
+VOCABULARY = "00112233445566aa"
+OTHER_VOCABULARY = "ffeeddccbbaa9988"
+STARTUP_TIMEOUT_S = 30
+
+
+class DrafterProcess:
+    def __init__(self, db, *extra):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "drafter_service", "--port", "0", "--db", str(db), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        line = self.process.stdout.readline()
+        match = re.search(r"listening on [\d.]+:(\d+)", line)
+        if not match:
+            self.process.kill()
+            raise RuntimeError(f"drafter did not start: {line!r} {self.process.stderr.read()}")
+        self.port = int(match.group(1))
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = rpc.DrafterStub(self.channel)
+        grpc.channel_ready_future(self.channel).result(timeout=STARTUP_TIMEOUT_S)
+
+    def kill9(self):
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+        self.channel.close()
+
+    def terminate(self):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            code = self.process.wait(timeout=30)
+            self.channel.close()
+            return code
+        return self.process.returncode
+
+
+@contextmanager
+def drafter(db, *extra):
+    process = DrafterProcess(db, *extra)
+    try:
+        yield process
+    finally:
+        if process.process.poll() is None:
+            process.process.kill()
+            process.process.wait(timeout=10)
+
+
+def propose(stub, session, tokens, k, open_=False, vocabulary=VOCABULARY):
+    request = pb.ProposeRequest(
+        vocabulary=vocabulary,
+        sequences=[pb.SequenceUpdate(session_id=session, new_tokens=tokens, open=open_, num_draft_tokens=k)],
+    )
+    return stub.Propose(request, timeout=5).drafts[0]
+
+
+def observe(stub, observe_id, *sequences, vocabulary=VOCABULARY):
+    request = pb.ObserveRequest(
+        vocabulary=vocabulary, observe_id=observe_id, sequences=[pb.TokenSequence(tokens=s) for s in sequences]
+    )
+    return stub.Observe(request, timeout=10)
+
+
+def test_propose_chains_from_context_and_batches_sessions(tmp_path):
+    with drafter(tmp_path / "db") as server:
+        request = pb.ProposeRequest(
+            vocabulary=VOCABULARY,
+            sequences=[
+                pb.SequenceUpdate(session_id="a", new_tokens=[1, 2, 3, 4, 2, 3], open=True, num_draft_tokens=3),
+                pb.SequenceUpdate(session_id="b", new_tokens=[9, 8], open=True, num_draft_tokens=3),
+            ],
+        )
+        first, second = server.stub.Propose(request, timeout=5).drafts
+        # Context [1,2,3,4,2,3]: (2,3)->4, (3,4)->2, (4,2)->3 -- the 2-gram chain,
+        # lengthened to 3- and 4-token matches as the chain reuses the context.
+        assert list(first.tokens) == [4, 2, 3]
+        assert [e.source for e in first.evidence] == [pb.DRAFT_SOURCE_CONTEXT] * 3
+        assert list(second.tokens) == []  # nothing seen before
+        # Later calls send only the new tokens: after 4 the context continues 2, 3, 4.
+        assert list(propose(server.stub, "a", [4], 3).tokens) == [2, 3, 4]
+        assert server.terminate() == 0
+
+
+def test_acknowledged_observations_survive_kill_9_and_proposals_are_identical(tmp_path):
+    db = tmp_path / "db"
+    rng = random.Random(7)
+    sequences = [[rng.randrange(1000) for _ in range(40)] for _ in range(20)]
+    with drafter(db) as server:
+        for index, sequence in enumerate(sequences):
+            assert observe(server.stub, f"obs-{index}", sequence).applied
+        before = [list(propose(server.stub, f"s{i}", s[:6], 8, open_=True).tokens) for i, s in enumerate(sequences)]
+        server.kill9()
+    with drafter(db) as server:
+        after = [list(propose(server.stub, f"s{i}", s[:6], 8, open_=True).tokens) for i, s in enumerate(sequences)]
+        # A 4-token match is trusted once: each sequence's own next 8 tokens come back.
+        assert after == before == [s[6:14] for s in sequences]
+        # Retrying an acknowledged id after the restart is not counted twice.
+        assert not observe(server.stub, "obs-0", sequences[0]).applied
+        assert server.terminate() == 0
+
+
+def test_kill_9_during_concurrent_observes_loses_nothing_acknowledged(tmp_path):
+    db = tmp_path / "db"
+    rng = random.Random(11)
+    acknowledged = {}
+    for round_ in range(3):
+        with drafter(db) as server:
+            stop = threading.Event()
+            lock = threading.Lock()
+
+            def writer(worker):
+                for index in range(1000):
+                    if stop.is_set():
+                        return
+                    sequence = [rng.randrange(50_000) for _ in range(12)]
+                    key = f"r{round_}-w{worker}-{index}"
+                    try:
+                        observe(server.stub, key, sequence)
+                    except grpc.RpcError:
+                        return  # the server died mid-call: not acknowledged
+                    with lock:
+                        acknowledged[key] = sequence
+
+            threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+            for thread in threads:
+                thread.start()
+            time.sleep(0.5 + rng.random())
+            server.kill9()
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=30)
+    assert len(acknowledged) > 20
+    with drafter(db) as server:  # reopens without any repair step
+        for key, sequence in acknowledged.items():
+            # Every acknowledged sequence is in the table: its first 4 tokens draft the rest.
+            draft = propose(server.stub, key, sequence[:4], 8, open_=True)
+            assert list(draft.tokens) == sequence[4:12], key
+        assert server.terminate() == 0
+
+
+def test_vocabularies_never_share_drafts(tmp_path):
+    with drafter(tmp_path / "db") as server:
+        observe(server.stub, "o1", [5, 6, 7, 8, 9, 10])
+        assert list(propose(server.stub, "x", [5, 6, 7, 8], 2, open_=True, vocabulary=OTHER_VOCABULARY).tokens) == []
+        assert list(propose(server.stub, "y", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]
+
+
+def test_health_serves_and_reflection_lists_the_service(tmp_path):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with drafter(tmp_path / "db") as server:
+        health = health_pb2_grpc.HealthStub(server.channel)
+        for service in ("", "specdec.v1.Drafter"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        reflection_stub = reflection_pb2_grpc.ServerReflectionStub(server.channel)
+        responses = reflection_stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        names = {s.name for s in next(responses).list_services_response.service}
+        assert {"specdec.v1.Drafter", "grpc.health.v1.Health"} <= names
+
+
+def test_backup_is_a_consistent_copy_that_serves_the_same_drafts(tmp_path):
+    with drafter(tmp_path / "db") as server:
+        observe(server.stub, "o1", [5, 6, 7, 8, 9, 10])
+        response = server.stub.Backup(pb.BackupRequest(vocabulary=VOCABULARY, destination=str(tmp_path / "copy")), timeout=30)
+        assert response.bytes > 0
+        assert server.terminate() == 0
+    restored = tmp_path / "restored"
+    restored.mkdir()
+    (tmp_path / "copy").rename(restored / VOCABULARY)
+    with drafter(restored) as server:
+        assert list(propose(server.stub, "y", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]
+
+
+def test_stats_count_table_and_hits(tmp_path):
+    with drafter(tmp_path / "db") as server:
+        observe(server.stub, "o1", [5, 6, 7, 8, 9, 10])
+        propose(server.stub, "a", [5, 6, 7, 8], 2, open_=True)  # 2 global hits
+        propose(server.stub, "b", [1, 2], 2, open_=True)  # a miss
+        stats = server.stub.Stats(pb.StatsRequest(vocabulary=VOCABULARY), timeout=5)
+        # [5..10] has 5 tokens with a predecessor: 4 keys of n=2, 3 of n=3, 2 of n=4.
+        assert stats.entries == 9
+        assert (stats.global_hits, stats.context_hits, stats.misses) == (2, 0, 1)
+        assert stats.observed_tokens == 6 and stats.open_sessions == 2
+
+
+BAD_INPUTS = [
+    # (name, rpc, request, status, message fragment)
+    ("bad vocabulary", "Propose", pb.ProposeRequest(vocabulary="xyz"), grpc.StatusCode.INVALID_ARGUMENT, "16-hex-digit"),
+    ("unknown session", "Propose",
+     pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="ghost", num_draft_tokens=2)]),
+     grpc.StatusCode.NOT_FOUND, "unknown session 'ghost'"),
+    ("empty session id", "Propose",
+     pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(open=True, new_tokens=[1])]),
+     grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty"),
+    ("huge token id", "Propose",
+     pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="s", open=True, new_tokens=[1, 4_000_000_000])]),
+     grpc.StatusCode.INVALID_ARGUMENT, "token id 4000000000 is out of range"),
+    ("K out of range", "Propose",
+     pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="s", open=True, num_draft_tokens=33)]),
+     grpc.StatusCode.INVALID_ARGUMENT, "num_draft_tokens 33 is out of range [0, 32]"),
+    ("duplicate session in a call", "Propose",
+     pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="d", open=True)] * 2),
+     grpc.StatusCode.INVALID_ARGUMENT, "appears twice"),
+    ("observe without id", "Observe",
+     pb.ObserveRequest(vocabulary=VOCABULARY, sequences=[pb.TokenSequence(tokens=[1, 2, 3])]),
+     grpc.StatusCode.INVALID_ARGUMENT, "observe_id is empty"),
+    ("observe huge token", "Observe",
+     pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="o", sequences=[pb.TokenSequence(tokens=[1, 1 << 25])]),
+     grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
+    ("backup over an existing path", "Backup", None, grpc.StatusCode.INVALID_ARGUMENT, "already exists"),
+]
+
+
+@pytest.mark.parametrize("name, method, request_, code, fragment", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_gets_a_clear_status_and_changes_nothing(tmp_path, name, method, request_, code, fragment):
+    with drafter(tmp_path / "db") as server:
+        observe(server.stub, "seed", [5, 6, 7, 8, 9, 10])
+        if request_ is None:
+            request_ = pb.BackupRequest(vocabulary=VOCABULARY, destination=str(tmp_path))
+        before = server.stub.Stats(pb.StatsRequest(), timeout=5)
+        with pytest.raises(grpc.RpcError) as raised:
+            getattr(server.stub, method)(request_, timeout=5)
+        assert raised.value.code() == code
+        assert fragment in raised.value.details()
+        after = server.stub.Stats(pb.StatsRequest(), timeout=5)
+        assert (after.entries, after.open_sessions, after.observed_tokens) == (before.entries, before.open_sessions, before.observed_tokens)
+        # The server still works and still knows what it learned.
+        assert list(propose(server.stub, "ok", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]
+
+
+def test_oversized_message_is_refused_and_server_keeps_serving(tmp_path):
+    with drafter(tmp_path / "db") as server:
+        huge = pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="big", sequences=[pb.TokenSequence(tokens=[1 << 23] * 3_000_000)])  # ~12 MB > the 8 MB cap
+        with pytest.raises(grpc.RpcError) as raised:
+            server.stub.Observe(huge, timeout=10)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert observe(server.stub, "small", [1, 2, 3]).applied
+
+
+def test_reopening_an_open_session_is_already_exists(tmp_path):
+    with drafter(tmp_path / "db") as server:
+        propose(server.stub, "a", [1, 2], 0, open_=True)
+        with pytest.raises(grpc.RpcError) as raised:
+            propose(server.stub, "a", [1, 2], 0, open_=True)
+        assert raised.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+def test_sigterm_drains_and_exits_zero(tmp_path):
+    with drafter(tmp_path / "db", "--grace", "2") as server:
+        observe(server.stub, "o1", [1, 2, 3, 4, 5])
+        started = time.monotonic()
+        assert server.terminate() == 0
+        assert time.monotonic() - started < 15
+
+
+def test_flags_come_from_environment_variables(tmp_path):
+    env = dict(os.environ, SPECDEC_DRAFTER_DB=str(tmp_path / "envdb"), SPECDEC_DRAFTER_PORT="0")
+    process = subprocess.Popen([sys.executable, "-m", "drafter_service"], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = process.stdout.readline()
+        assert f"(db {tmp_path / 'envdb'})" in line
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0

@@ -210,7 +210,9 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         if len(self.namespace) != NAMESPACE_BYTES:
-            raise ValueError(f"namespace must be {NAMESPACE_BYTES} bytes (vocabulary_fingerprint), got {len(self.namespace)}")
+            raise ValueError(
+                f"namespace must be {NAMESPACE_BYTES} bytes (vocabulary_fingerprint), got {len(self.namespace)}"
+            )
         if not 1 <= self.n_min <= self.n_max <= MAX_N:
             raise ValueError(f"need 1 <= n_min <= n_max <= {MAX_N}, got n_min={self.n_min}, n_max={self.n_max}")
         positive = ("max_continuations", "epoch_observations", "max_bytes", "eviction_chunk_records")
@@ -302,7 +304,7 @@ def merge_continuations(
     merged = dict(decayed(stored, age, decay_shift))
     for token, count in additions.items():
         merged[token] = min(UINT32_MAX, merged.get(token, 0) + count)
-    ranked = sorted(merged.items(), key=lambda pair: (-pair[1], pair[0]))
+    ranked = sorted(merged.items(), key=lambda pair: -pair[1])
     return ranked[:max_continuations]
 
 
@@ -377,7 +379,7 @@ class LMDBNGramStore:
             self._applied = self._env.open_db(b"applied", txn=txn)
             self._meta = self._env.open_db(b"meta", txn=txn)
             self._initialise_meta(txn)
-        self._evict_if_needed()  # a kill between an apply and its eviction
+        self._evict_if_needed()  # a file last written under a larger max_bytes
 
     # -- NGramSource
 
@@ -407,6 +409,8 @@ class LMDBNGramStore:
 
         Returns per item True if counted now, False if skipped: its id was
         already applied (a retry), or, logged, it does not fit in the map.
+        Raises ValueError, writing nothing, for a token id outside uint32 or
+        an id longer than MAX_OBSERVE_ID_BYTES.
         """
         observations = [self._validate(observe_id, tokens) for observe_id, tokens in batch]
         if not observations:
@@ -532,7 +536,8 @@ class LMDBNGramStore:
             if epochs:
                 self._advance_epoch(txn, meta, epochs)
             # Same transaction: no crash leaves the table above the high-water mark.
-            self._evict(txn, meta, self.config.low_water_bytes, self.config.eviction_chunk_records, self.config.high_water_bytes)
+            config = self.config
+            self._evict(txn, meta, config.low_water_bytes, config.eviction_chunk_records, config.high_water_bytes)
             self._write_meta(txn, meta)
         return results
 
@@ -543,7 +548,8 @@ class LMDBNGramStore:
                 results.append(False)
                 continue
             if item.observe_id is not None:
-                self._put_record(txn, self._applied, applied_key(meta.epoch, self.config.namespace, item.observe_id), meta)
+                key = applied_key(meta.epoch, self.config.namespace, item.observe_id)
+                self._put_record(txn, self._applied, key, meta)
             results.append(True)
         return results
 
@@ -551,7 +557,8 @@ class LMDBNGramStore:
         # Ids live under the epoch that applied them; only the retained epochs can hold one.
         oldest = max(0, epoch - self.config.applied_id_retention_epochs)
         namespace = self.config.namespace
-        return any(txn.get(applied_key(e, namespace, observe_id), db=self._applied) is not None for e in range(oldest, epoch + 1))
+        keys = (applied_key(applied, namespace, observe_id) for applied in range(oldest, epoch + 1))
+        return any(txn.get(key, db=self._applied) is not None for key in keys)
 
     def _merge_key(self, txn: lmdb.Transaction, key: bytes, additions: dict[int, int], meta: _Meta) -> None:
         stored: list[tuple[int, int]] = []
@@ -562,7 +569,8 @@ class LMDBNGramStore:
             age = meta.epoch - old_epoch
             self._delete_record(txn, self._coldness, coldness_key(old_epoch, old_total, key), meta)
             meta.tracked_bytes -= record_bytes(key, old)
-        pairs = merge_continuations(stored, age, additions, self.config.decay_shift_per_epoch, self.config.max_continuations)
+        config = self.config
+        pairs = merge_continuations(stored, age, additions, config.decay_shift_per_epoch, config.max_continuations)
         value = encode_value(meta.epoch, pairs)
         txn.put(key, value, db=self._ngrams)
         meta.tracked_bytes += record_bytes(key, value)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import random
 import shutil
 import signal
@@ -18,7 +17,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 
 import lmdb
@@ -83,8 +81,9 @@ def test_an_unknown_value_version_raises_a_clear_error(tmp_path):
         key = NAMESPACE + bytes([2]) + struct.pack(">II", 1, 2)
         txn.put(key, bytes([9]) + struct.pack(">IIII", 0, 1, 3, 1), db=ngrams)
     env.close()
-    with LMDBNGramStore(config) as store, pytest.raises(StoreFormatError, match="format version 9; this code reads version 1"):
-        store.continuations((1, 2))
+    with LMDBNGramStore(config) as store:
+        with pytest.raises(StoreFormatError, match="format version 9; this code reads version 1"):
+            store.continuations((1, 2))
 
 
 def test_an_unknown_file_version_is_refused_on_open(tmp_path):

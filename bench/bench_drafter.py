@@ -43,7 +43,7 @@ def corpus_tokens(limit: int) -> list[int]:
     """Word ids over the standard library's source: real, repetitive text."""
     ids: dict[str, int] = {}
     tokens: list[int] = []
-    for path in sorted(Path(re.__file__).parent.glob("*.py")):
+    for path in sorted(Path(json.__file__).parent.parent.glob("*.py")):  # the stdlib root
         for word in re.findall(r"\w+|[^\w\s]", path.read_text(errors="replace")):
             tokens.append(ids.setdefault(word, len(ids)))
             if len(tokens) >= limit:

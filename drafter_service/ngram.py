@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 SOURCE_CONTEXT = "context"
 SOURCE_GLOBAL = "global"
@@ -52,9 +52,8 @@ class NGramConfig:
             raise ValueError(f"min_global_count must be >= 1, got {self.min_global_count}")
 
 
-@dataclass(frozen=True)
-class Evidence:
-    """Why one draft token was proposed."""
+class Evidence(NamedTuple):
+    """Why one draft token was proposed (a NamedTuple: built once per draft token, on the hot path)."""
 
     source: str  # SOURCE_CONTEXT or SOURCE_GLOBAL
     match_length: int  # length of the suffix that matched

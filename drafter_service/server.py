@@ -27,7 +27,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, InMemoryNGramTable, NGramConfig, propose_chain
+from drafter_service.ngram import (
+    SOURCE_CONTEXT,
+    SOURCE_GLOBAL,
+    InMemoryNGramTable,
+    NGramConfig,
+    NGramSource,
+    propose_chain,
+)
 from drafter_service.store import LMDBNGramStore, StoreConfig
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -269,8 +276,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             store = self.stores.get(request.vocabulary)
             now = time.monotonic()
             updates = [(update, self._advance(request.vocabulary, update, now)) for update in request.sequences]
-        # Drafting reads only this call's sessions and LMDB read transactions.
-        drafts = [self._draft(update, session, store) for update, session in updates]
+        # Drafting reads only this call's sessions and one LMDB read transaction.
+        with store.snapshot() as table:
+            drafts = [self._draft(update, session, table) for update, session in updates]
         with self.lock:
             self._count(drafts, asked=[update.num_draft_tokens > 0 for update, _ in updates])
         return drafter_pb2.ProposeResponse(drafts=drafts)
@@ -295,12 +303,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         session.last_used = now
         return session
 
-    def _draft(self, update, session: _Session, store: LMDBNGramStore) -> drafter_pb2.SequenceDraft:
+    def _draft(self, update, session: _Session, table: NGramSource) -> drafter_pb2.SequenceDraft:
         k = update.num_draft_tokens
         draft = drafter_pb2.SequenceDraft(session_id=update.session_id)
         if k == 0:
             return draft
-        sources = ((SOURCE_CONTEXT, session.table), (SOURCE_GLOBAL, store))
+        sources = ((SOURCE_CONTEXT, session.table), (SOURCE_GLOBAL, table))
         chain = propose_chain(session.tokens, sources, k, self.config.ngram)
         draft.tokens.extend(chain.tokens)
         for why in chain.evidence:

@@ -115,7 +115,9 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -146,12 +148,18 @@ MAP_BYTES_PER_MAX_BYTE = 8
 # Smallest default map: small tables with big batches need room for a whole
 # batch's dirty pages, and 64 MiB of address space is free.
 MIN_MAP_BYTES = 64 << 20
+# Continuations kept per key at most: a drafter uses the first; 255 is far
+# beyond any useful ranking and bounds a value to 9 + 2040 bytes.
+MAX_CONTINUATIONS = 255
 # Named sub-databases: ngrams, coldness, applied, meta.
 SUB_DATABASES = 4
 
 _HEADER = struct.Struct(">BII")  # version, last-touched epoch, total
 _PAIR_BYTES = 8
 _UINT32 = struct.Struct(">I")
+_EPOCH_TOTAL = struct.Struct(">II")
+# Packers for 0..MAX_CONTINUATIONS (token, count) pairs, built once: values are encoded per write.
+_PAIRS = [struct.Struct(f">{2 * n}I") for n in range(MAX_CONTINUATIONS + 1)]
 _UINT64 = struct.Struct(">Q")
 _META_VERSION = b"format_version"
 _META_EPOCH = b"epoch"
@@ -215,6 +223,8 @@ class StoreConfig:
             )
         if not 1 <= self.n_min <= self.n_max <= MAX_N:
             raise ValueError(f"need 1 <= n_min <= n_max <= {MAX_N}, got n_min={self.n_min}, n_max={self.n_max}")
+        if self.max_continuations > MAX_CONTINUATIONS:
+            raise ValueError(f"max_continuations must be <= {MAX_CONTINUATIONS}, got {self.max_continuations}")
         positive = ("max_continuations", "epoch_observations", "max_bytes", "eviction_chunk_records")
         if any(getattr(self, name) < 1 for name in positive):
             raise ValueError(f"{', '.join(positive)} must be >= 1")
@@ -259,10 +269,12 @@ def vocabulary_fingerprint(items: Iterable[tuple[str, int]]) -> bytes:
 # --- pure format and merge functions ------------------------------------------
 
 
-def encode_value(epoch: int, pairs: Sequence[tuple[int, int]]) -> bytes:
+def encode_value(epoch: int, pairs: Sequence[tuple[int, int]], total: int | None = None) -> bytes:
     """The ``ngrams`` value: header, then (token, count) pairs as stored."""
     flat = [number for pair in pairs for number in pair]
-    return _HEADER.pack(FORMAT_VERSION, epoch, total_count(pairs)) + struct.pack(f">{len(flat)}I", *flat)
+    if total is None:
+        total = total_count(pairs)
+    return _HEADER.pack(FORMAT_VERSION, epoch, total) + _PAIRS[len(pairs)].pack(*flat)
 
 
 def decode_value(value: bytes) -> tuple[int, int, list[tuple[int, int]]]:
@@ -278,7 +290,10 @@ def decode_value(value: bytes) -> tuple[int, int, list[tuple[int, int]]]:
 
 
 def total_count(pairs: Sequence[tuple[int, int]]) -> int:
-    return min(UINT32_MAX, sum(count for _token, count in pairs))
+    total = 0
+    for _token, count in pairs:
+        total += count
+    return total if total < UINT32_MAX else UINT32_MAX
 
 
 def decayed(pairs: Sequence[tuple[int, int]], age: int, decay_shift: int) -> list[tuple[int, int]]:
@@ -304,8 +319,12 @@ def merge_continuations(
     merged = dict(decayed(stored, age, decay_shift))
     for token, count in additions.items():
         merged[token] = min(UINT32_MAX, merged.get(token, 0) + count)
-    ranked = sorted(merged.items(), key=lambda pair: -pair[1])
+    ranked = sorted(merged.items(), key=_by_count_descending)
     return ranked[:max_continuations]
+
+
+def _by_count_descending(pair: tuple[int, int]) -> int:
+    return -pair[1]
 
 
 def count_ngrams(
@@ -317,14 +336,15 @@ def count_ngrams(
     as InMemoryNGramTable.observe does, keyed by namespace | n | tokens.
     """
     counts: dict[bytes, dict[int, int]] = {}
-    prefixes = [namespace + bytes((n,)) for n in range(n_max + 1)]
     for tokens, packed in sequences:
-        for position in range(1, len(tokens)):
-            following = tokens[position]
-            for n in range(n_min, min(n_max, position) + 1):
-                key = prefixes[n] + packed[4 * (position - n) : 4 * position]
+        for n in range(n_min, n_max + 1):
+            prefix = namespace + bytes((n,))
+            keys = [prefix + packed[4 * (position - n) : 4 * position] for position in range(n, len(tokens))]
+            # Counter keeps first-seen order, so each key's continuations stay in
+            # the order they first followed it, as in InMemoryNGramTable.
+            for (key, following), count in Counter(zip(keys, tokens[n:])).items():
                 continuation = counts.setdefault(key, {})
-                continuation[following] = continuation.get(following, 0) + 1
+                continuation[following] = continuation.get(following, 0) + count
     return counts
 
 
@@ -333,7 +353,7 @@ def record_bytes(key: bytes, value: bytes) -> int:
 
 
 def coldness_key(epoch: int, total: int, ngram_key: bytes) -> bytes:
-    return _UINT32.pack(epoch) + _UINT32.pack(total) + ngram_key
+    return _EPOCH_TOTAL.pack(epoch, total) + ngram_key
 
 
 def applied_key(epoch: int, namespace: bytes, observe_id: bytes) -> bytes:
@@ -355,6 +375,32 @@ class _Observation(NamedTuple):
     observe_id: bytes | None  # UTF-8
     tokens: list[int]
     packed: bytes  # tokens as big-endian uint32
+
+
+class StoreSnapshot:
+    """An ``NGramSource`` view of the store inside one read transaction."""
+
+    def __init__(self, store: LMDBNGramStore, txn: lmdb.Transaction, epoch: int) -> None:
+        self._config, self._db, self._txn, self._epoch = store.config, store._ngrams, txn, epoch
+
+    def continuations(self, key: tuple[int, ...]) -> dict[int, int] | None:
+        config = self._config
+        if not config.n_min <= len(key) <= config.n_max:
+            return None
+        try:
+            ngram_key = config.namespace + bytes((len(key),)) + struct.pack(f">{len(key)}I", *key)
+        except struct.error:
+            return None  # a token id outside uint32 was never stored
+        value = self._txn.get(ngram_key, db=self._db)
+        if value is None:
+            return None
+        last_touched, _total, pairs = decode_value(value)
+        if last_touched == self._epoch:  # nothing to decay: the usual case
+            return dict(pairs)
+        return dict(decayed(pairs, self._epoch - last_touched, config.decay_shift_per_epoch)) or None
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        raise TypeError("a snapshot is read-only; observe through the store")
 
 
 class LMDBNGramStore:
@@ -385,19 +431,16 @@ class LMDBNGramStore:
 
     def continuations(self, key: tuple[int, ...]) -> dict[int, int] | None:
         """Decayed next-token counts after ``key``, most frequent first, or None."""
-        if not self.config.n_min <= len(key) <= self.config.n_max:
-            return None
-        try:
-            ngram_key = self.config.namespace + bytes((len(key),)) + struct.pack(f">{len(key)}I", *key)
-        except struct.error:
-            return None  # a token id outside uint32 was never stored
+        with self.snapshot() as snapshot:
+            return snapshot.continuations(key)
+
+    @contextmanager
+    def snapshot(self) -> Iterator[StoreSnapshot]:
+        """One read transaction for many lookups (a whole Propose batch): a
+        consistent view, and no per-lookup transaction cost. Never blocks the writer."""
         with self._env.begin() as txn:
-            value = txn.get(ngram_key, db=self._ngrams)
-            if value is None:
-                return None
             epoch = _UINT32.unpack(txn.get(_META_EPOCH, db=self._meta))[0]
-        last_touched, _total, pairs = decode_value(value)
-        return dict(decayed(pairs, epoch - last_touched, self.config.decay_shift_per_epoch)) or None
+            yield StoreSnapshot(self, txn, epoch)
 
     def observe(self, tokens: Sequence[int]) -> None:
         self.apply([(None, tokens)])
@@ -561,20 +604,28 @@ class LMDBNGramStore:
         return any(txn.get(key, db=self._applied) is not None for key in keys)
 
     def _merge_key(self, txn: lmdb.Transaction, key: bytes, additions: dict[int, int], meta: _Meta) -> None:
-        stored: list[tuple[int, int]] = []
-        age = 0
+        # The hot loop of every apply (one call per distinct n-gram), hence the
+        # inlined record_bytes/_put_record arithmetic.
+        config = self.config
         old = txn.get(key, db=self._ngrams)
-        if old is not None:
+        if old is None:  # the common case under fresh text: nothing to decay or merge
+            if len(additions) == 1:
+                pairs = list(additions.items())
+            else:
+                pairs = sorted(additions.items(), key=_by_count_descending)[: config.max_continuations]
+        else:
             old_epoch, old_total, stored = decode_value(old)
-            age = meta.epoch - old_epoch
             self._delete_record(txn, self._coldness, coldness_key(old_epoch, old_total, key), meta)
             meta.tracked_bytes -= record_bytes(key, old)
-        config = self.config
-        pairs = merge_continuations(stored, age, additions, config.decay_shift_per_epoch, config.max_continuations)
-        value = encode_value(meta.epoch, pairs)
+            pairs = merge_continuations(
+                stored, meta.epoch - old_epoch, additions, config.decay_shift_per_epoch, config.max_continuations
+            )
+        total = total_count(pairs)
+        value = encode_value(meta.epoch, pairs, total)
+        cold = coldness_key(meta.epoch, total, key)
         txn.put(key, value, db=self._ngrams)
-        meta.tracked_bytes += record_bytes(key, value)
-        self._put_record(txn, self._coldness, coldness_key(meta.epoch, total_count(pairs), key), meta)
+        txn.put(cold, b"", db=self._coldness)
+        meta.tracked_bytes += len(key) + len(value) + len(cold) + 2 * RECORD_OVERHEAD_BYTES
 
     def _advance_epoch(self, txn: lmdb.Transaction, meta: _Meta, epochs: int) -> None:
         if meta.epoch + epochs > UINT32_MAX:

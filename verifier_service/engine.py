@@ -197,8 +197,18 @@ class SpeculativeEngine:
                 continue
             draft = self.proposer.propose(sequence.session_id, sequence.unsent, k)
             sequence.unsent = []
-            drafts.append(list(draft.tokens[:k]))
+            drafts.append(self._usable_prefix(draft.tokens[:k]))
         return drafts
+
+    def _usable_prefix(self, tokens: Sequence[int]) -> list[int]:
+        """The draft up to its first id outside the vocabulary: a faulty or
+        foreign drafter may slow a step down but must never crash the model."""
+        usable = []
+        for token in tokens:
+            if not 0 <= token < self.vocab_size:
+                break
+            usable.append(token)
+        return usable
 
     @torch.inference_mode()
     def verify(self, drafts: list[list[int]]) -> torch.Tensor:

@@ -142,6 +142,19 @@ def test_batch_mixes_oracle_wrong_and_empty_drafts(tiny_model, tiny_tokenizer):
     assert results[2].stats.draft_tokens == 0
 
 
+def test_out_of_vocabulary_drafts_are_cut_not_fed_to_the_model(tiny_model, tiny_tokenizer):
+    truth = greedy_truth(tiny_model, PROMPTS[0], 12)
+
+    def foreign(context, k):
+        done = len(context) - len(PROMPTS[0])
+        return truth[done : done + 2] + [64, -3, 10_000]  # two right, then ids the model has no row for
+
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, ScriptedProposer(foreign))
+    [result] = engine.generate([GenerationRequest(PROMPTS[0], 12, num_speculative_tokens=5)])
+    assert result.token_ids == truth
+    assert result.stats.acceptance_rate == 1.0  # only the two in-vocabulary drafts were ever verified
+
+
 def test_never_overshoots_max_new_tokens(tiny_model, tiny_tokenizer):
     engine = engine_without_eos(tiny_model, tiny_tokenizer, ScriptedProposer(oracle(tiny_model)))
     for length in (1, 2, 5, 9, 10):

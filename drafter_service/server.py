@@ -221,12 +221,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _check_propose(self, request: drafter_pb2.ProposeRequest) -> None:
         self._check_vocabulary(request.vocabulary)
-        _check(
-            len(request.sequences) <= self.config.max_sequences_per_call,
-            f"{len(request.sequences)} sequences in one call; the limit is {self.config.max_sequences_per_call}",
-        )
-        total = sum(len(s.new_tokens) for s in request.sequences)
-        _check(total <= self.config.max_tokens_per_call, f"{total} tokens in one call; the limit is {self.config.max_tokens_per_call}")
+        self._check_call_size(len(request.sequences), sum(len(s.new_tokens) for s in request.sequences))
         seen = set()
         opening = sum(1 for s in request.sequences if s.open)
         for index, sequence in enumerate(request.sequences):
@@ -255,15 +250,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         )
 
     def _check_sequences(self, sequences) -> None:
-        _check(
-            len(sequences) <= self.config.max_sequences_per_call,
-            f"{len(sequences)} sequences in one call; the limit is {self.config.max_sequences_per_call}",
-        )
-        total = 0
+        self._check_call_size(len(sequences), sum(len(sequence.tokens) for sequence in sequences))
         for index, sequence in enumerate(sequences):
             self._check_tokens(sequence.tokens, f"sequences[{index}]")
-            total += len(sequence.tokens)
-        _check(total <= self.config.max_tokens_per_call, f"{total} tokens in one call; the limit is {self.config.max_tokens_per_call}")
+
+    def _check_call_size(self, sequences: int, tokens: int) -> None:
+        limits = self.config
+        _check(
+            sequences <= limits.max_sequences_per_call,
+            f"{sequences} sequences in one call; the limit is {limits.max_sequences_per_call}",
+        )
+        _check(tokens <= limits.max_tokens_per_call, f"{tokens} tokens in one call; the limit is {limits.max_tokens_per_call}")
 
     # -- RPCs -------------------------------------------------------------------
 

@@ -46,16 +46,17 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_config(argv)
-    drafter = create_server(config)
-    print(f"drafter listening on {config.host}:{drafter.port} (db {config.db})", flush=True)
     stopping = threading.Event()
 
     def on_signal(signum, _frame):
         logging.info("signal %s: draining", signum)
         stopping.set()
 
+    # Before the port is announced: a supervisor may signal as soon as it reads it.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    drafter = create_server(config)
+    print(f"drafter listening on {config.host}:{drafter.port} (db {config.db})", flush=True)
     stopping.wait()
     drafter.stop()
     logging.info("stopped cleanly")

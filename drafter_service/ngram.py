@@ -70,9 +70,19 @@ class Draft:
         assert len(self.tokens) == len(self.evidence), "one evidence record per draft token"
 
 
+class Continuation(NamedTuple):
+    token: int  # the most frequent token after the key (ties: the first recorded)
+    count: int  # how often it followed
+    total: int  # how often anything followed
+
+
 class NGramSource(Protocol):
     def continuations(self, key: tuple[int, ...]) -> dict[int, int] | None:
         """Next-token counts seen after ``key``, or None when never seen."""
+
+    def best(self, key: tuple[int, ...]) -> Continuation | None:
+        """The most frequent continuation of ``key``: what drafting needs, and
+        cheaper than ``continuations`` for a store that keeps counts sorted."""
 
     def observe(self, tokens: Sequence[int]) -> None:
         """Count every n-gram of ``tokens`` (n_min..n_max) with its next token."""
@@ -94,6 +104,9 @@ class InMemoryNGramTable:
 
     def continuations(self, key: tuple[int, ...]) -> dict[int, int] | None:
         return self._counts.get(key)
+
+    def best(self, key: tuple[int, ...]) -> Continuation | None:
+        return best_of(self._counts.get(key))
 
     def observe(self, tokens: Sequence[int]) -> None:
         self.extend(tokens, start=1)
@@ -123,6 +136,14 @@ def most_frequent(counts: dict[int, int]) -> tuple[int, int]:
     return token, counts[token]
 
 
+def best_of(counts: dict[int, int] | None) -> Continuation | None:
+    """Continuation(token, count, total) of a counts dict; {4: 2, 9: 3} -> (9, 3, 5)."""
+    if not counts:
+        return None
+    token, count = most_frequent(counts)
+    return Continuation(token, count, sum(counts.values()))
+
+
 def lookup_longest(
     tail: Sequence[int],
     sources: Sequence[tuple[str, NGramSource]],
@@ -136,13 +157,12 @@ def lookup_longest(
     for n in range(min(config.n_max, len(tail)), config.n_min - 1, -1):
         key = tuple(tail[len(tail) - n :])
         for name, source in sources:
-            counts = source.continuations(key)
-            if not counts:
+            hit = source.best(key)
+            if hit is None:
                 continue
-            token, count = most_frequent(counts)
-            if name == SOURCE_GLOBAL and count < config.min_global_count and n < config.global_trusted_match_length:
+            if name == SOURCE_GLOBAL and hit.count < config.min_global_count and n < config.global_trusted_match_length:
                 continue
-            return token, Evidence(name, n, count, sum(counts.values()))
+            return hit.token, Evidence(name, n, hit.count, hit.total)
     return None
 
 

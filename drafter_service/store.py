@@ -123,6 +123,8 @@ from typing import NamedTuple
 
 import lmdb
 
+from drafter_service.ngram import Continuation, best_of
+
 FORMAT_VERSION = 1
 NAMESPACE_BYTES = 8
 UINT32_MAX = 0xFFFFFFFF
@@ -158,6 +160,7 @@ _HEADER = struct.Struct(">BII")  # version, last-touched epoch, total
 _PAIR_BYTES = 8
 _UINT32 = struct.Struct(">I")
 _EPOCH_TOTAL = struct.Struct(">II")
+_FIRST_PAIR = struct.Struct(">II")
 # Packers for 0..MAX_CONTINUATIONS (token, count) pairs, built once: values are encoded per write.
 _PAIRS = [struct.Struct(f">{2 * n}I") for n in range(MAX_CONTINUATIONS + 1)]
 _UINT64 = struct.Struct(">Q")
@@ -384,6 +387,26 @@ class StoreSnapshot:
         self._config, self._db, self._txn, self._epoch = store.config, store._ngrams, txn, epoch
 
     def continuations(self, key: tuple[int, ...]) -> dict[int, int] | None:
+        value = self._value(key)
+        if value is None:
+            return None
+        last_touched, _total, pairs = decode_value(value)
+        if last_touched == self._epoch:  # nothing to decay: the usual case
+            return dict(pairs)
+        return dict(decayed(pairs, self._epoch - last_touched, self._config.decay_shift_per_epoch)) or None
+
+    def best(self, key: tuple[int, ...]) -> Continuation | None:
+        value = self._value(key)
+        if value is None:
+            return None
+        version, last_touched, total = _HEADER.unpack_from(value)
+        if version == FORMAT_VERSION and last_touched == self._epoch and len(value) > _HEADER.size:
+            # Pairs are stored most frequent first: the head is the answer.
+            token, count = _FIRST_PAIR.unpack_from(value, _HEADER.size)
+            return Continuation(token, count, total)
+        return best_of(self.continuations(key))  # decay, or a bad version (raises)
+
+    def _value(self, key: tuple[int, ...]) -> bytes | None:
         config = self._config
         if not config.n_min <= len(key) <= config.n_max:
             return None
@@ -391,13 +414,7 @@ class StoreSnapshot:
             ngram_key = config.namespace + bytes((len(key),)) + struct.pack(f">{len(key)}I", *key)
         except struct.error:
             return None  # a token id outside uint32 was never stored
-        value = self._txn.get(ngram_key, db=self._db)
-        if value is None:
-            return None
-        last_touched, _total, pairs = decode_value(value)
-        if last_touched == self._epoch:  # nothing to decay: the usual case
-            return dict(pairs)
-        return dict(decayed(pairs, self._epoch - last_touched, config.decay_shift_per_epoch)) or None
+        return self._txn.get(ngram_key, db=self._db)
 
     def observe(self, tokens: Sequence[int]) -> None:
         raise TypeError("a snapshot is read-only; observe through the store")
@@ -433,6 +450,10 @@ class LMDBNGramStore:
         """Decayed next-token counts after ``key``, most frequent first, or None."""
         with self.snapshot() as snapshot:
             return snapshot.continuations(key)
+
+    def best(self, key: tuple[int, ...]) -> Continuation | None:
+        with self.snapshot() as snapshot:
+            return snapshot.best(key)
 
     @contextmanager
     def snapshot(self) -> Iterator[StoreSnapshot]:

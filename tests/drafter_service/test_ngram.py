@@ -16,6 +16,7 @@ from drafter_service.ngram import (
     NGramDrafter,
     lookup_longest,
     most_frequent,
+    best_of,
     propose_chain,
 )
 
@@ -28,6 +29,9 @@ class LiteralSource:
 
     def continuations(self, key: tuple[int, ...]) -> dict[int, int] | None:
         return self.counts.get(key)
+
+    def best(self, key: tuple[int, ...]):
+        return best_of(self.counts.get(key))
 
     def observe(self, tokens: Sequence[int]) -> None:
         raise AssertionError("lookups must not write to a source")

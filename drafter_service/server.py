@@ -78,6 +78,19 @@ class DrafterConfig:
     max_workers: int = 16
 
 
+# Observed tokens cost about this many table bytes (3 n-gram records with
+# their coldness entries, measured ~250-300 bytes on fresh text).
+TABLE_BYTES_PER_TOKEN = 300
+# Epochs a full table spans: eviction takes the oldest epoch first, so with
+# several epochs per table the newest n-grams are the last to go.
+EPOCHS_PER_TABLE = 4
+
+
+def epoch_tokens(max_bytes: int) -> int:
+    """Tokens per decay epoch for a table of ``max_bytes``: 1 GiB -> 894,784."""
+    return max(1000, max_bytes // (TABLE_BYTES_PER_TOKEN * EPOCHS_PER_TABLE))
+
+
 class StoreRegistry:
     """One store per vocabulary fingerprint, opened on first use and kept open."""
 
@@ -103,6 +116,7 @@ class StoreRegistry:
                     n_min=self.config.ngram.n_min,
                     n_max=self.config.ngram.n_max,
                     max_bytes=self.config.max_bytes,
+                    epoch_observations=epoch_tokens(self.config.max_bytes),
                 )
                 self._stores[vocabulary] = LMDBNGramStore(store_config)
             return self._stores[vocabulary]

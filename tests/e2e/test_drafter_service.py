@@ -282,3 +282,35 @@ def test_flags_come_from_environment_variables(tmp_path):
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+
+
+def test_idle_sessions_expire_and_then_are_not_found(tmp_path):
+    with drafter(tmp_path / "db", "--session-idle-timeout", "1") as server:
+        propose(server.stub, "idle", [1, 2, 3], 0, open_=True)
+        deadline = time.monotonic() + 15
+        while server.stub.Stats(pb.StatsRequest(), timeout=5).open_sessions and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with pytest.raises(grpc.RpcError) as raised:
+            propose(server.stub, "idle", [4], 2)
+        assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_table_stays_within_its_bound_under_far_more_data(tmp_path):
+    from drafter_service.store import FILE_BYTES_PER_MAX_BYTE
+
+    max_bytes = 1 << 20
+    rng = random.Random(3)
+    with drafter(tmp_path / "db", "--max-bytes", str(max_bytes)) as server:
+        # 400 calls of 256 tokens: ~300k n-gram records, ~25x what the bound holds.
+        # Each call stays under a quarter of the bound, the size the file bound
+        # is documented for (one transaction's pages are written before eviction).
+        for call in range(400):
+            sequences = [[rng.randrange(30_000) for _ in range(64)] for _ in range(4)]
+            observe(server.stub, f"bulk-{call}", *sequences)
+        stats = server.stub.Stats(pb.StatsRequest(vocabulary=VOCABULARY), timeout=5)
+        assert stats.bytes <= max_bytes
+        assert stats.evictions > 0
+        # The file's documented bound (live pages plus copy-on-write copies).
+        assert stats.file_bytes <= FILE_BYTES_PER_MAX_BYTE * max_bytes
+        # Still answering, and the newest sequence is drafted from the table.
+        assert list(propose(server.stub, "after", sequences[-1][:4], 4, open_=True).tokens) == sequences[-1][4:8]

@@ -98,6 +98,9 @@ class InMemoryNGramTable:
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
         self._counts: dict[tuple[int, ...], dict[int, int]] = {}
+        # Per key: [best token, its count, total], kept current by extend so
+        # that drafting (best) costs one dict lookup.
+        self._best: dict[tuple[int, ...], list[int]] = {}
 
     def __len__(self) -> int:
         return len(self._counts)
@@ -106,7 +109,8 @@ class InMemoryNGramTable:
         return self._counts.get(key)
 
     def best(self, key: tuple[int, ...]) -> Continuation | None:
-        return best_of(self._counts.get(key))
+        summary = self._best.get(key)
+        return Continuation(*summary) if summary is not None else None
 
     def observe(self, tokens: Sequence[int]) -> None:
         self.extend(tokens, start=1)
@@ -122,7 +126,16 @@ class InMemoryNGramTable:
             for n in range(self.n_min, min(self.n_max, position) + 1):
                 key = tuple(tokens[position - n : position])
                 counts = self._counts.setdefault(key, {})
-                counts[following] = counts.get(following, 0) + 1
+                count = counts[following] = counts.get(following, 0) + 1
+                summary = self._best.get(key)
+                if summary is None:
+                    self._best[key] = [following, count, 1]
+                    continue
+                summary[2] += 1
+                # Strictly more: on a tie the continuation recorded first stays
+                # best, as in most_frequent.
+                if count > summary[1]:
+                    summary[0], summary[1] = following, count
 
 
 def most_frequent(counts: dict[int, int]) -> tuple[int, int]:

@@ -230,8 +230,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _check_tokens(self, tokens, where: str) -> None:
         limit = self.config.max_token_id
-        bad = next((t for t in tokens if t >= limit), None)
-        _check(bad is None, f"{where}: token id {bad} is out of range (must be < {limit})")
+        if tokens and max(tokens) >= limit:  # max() runs in C; find the culprit only on failure
+            bad = next(t for t in tokens if t >= limit)
+            _check(False, f"{where}: token id {bad} is out of range (must be < {limit})")
 
     def _check_propose(self, request: drafter_pb2.ProposeRequest) -> None:
         self._check_vocabulary(request.vocabulary)
@@ -298,9 +299,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         counters = self.counters
         counters["propose_calls"] += 1
         for draft, wanted in zip(drafts, asked):
+            context_hits = sum(why.source == drafter_pb2.DRAFT_SOURCE_CONTEXT for why in draft.evidence)
             counters["proposed_tokens"] += len(draft.tokens)
-            counters["context_hits"] += sum(1 for why in draft.evidence if why.source == drafter_pb2.DRAFT_SOURCE_CONTEXT)
-            counters["global_hits"] += sum(1 for why in draft.evidence if why.source == drafter_pb2.DRAFT_SOURCE_GLOBAL)
+            counters["context_hits"] += context_hits
+            counters["global_hits"] += len(draft.tokens) - context_hits
             counters["misses"] += wanted and not draft.tokens
 
     def _advance(self, vocabulary: str, update, now: float) -> _Session:

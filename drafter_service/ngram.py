@@ -110,7 +110,7 @@ class InMemoryNGramTable:
 
     def best(self, key: tuple[int, ...]) -> Continuation | None:
         summary = self._best.get(key)
-        return Continuation(*summary) if summary is not None else None
+        return None if summary is None else Continuation(*summary)
 
     def observe(self, tokens: Sequence[int]) -> None:
         self.extend(tokens, start=1)
@@ -167,15 +167,18 @@ def lookup_longest(
     tail [9, 1, 2], context table holding (1, 2)->3 and (2,)->4, n_max=3:
     (9, 1, 2) is unknown, (1, 2) matches -> (3, match_length 2).
     """
+    min_global, trusted = config.min_global_count, config.global_trusted_match_length
+    lookups = [(name, source.best) for name, source in sources]  # bound once: this runs per draft token
     for n in range(min(config.n_max, len(tail)), config.n_min - 1, -1):
         key = tuple(tail[len(tail) - n :])
-        for name, source in sources:
-            hit = source.best(key)
+        for name, best in lookups:
+            hit = best(key)
             if hit is None:
                 continue
-            if name == SOURCE_GLOBAL and hit.count < config.min_global_count and n < config.global_trusted_match_length:
+            token, count, total = hit
+            if name == SOURCE_GLOBAL and count < min_global and n < trusted:
                 continue
-            return hit.token, Evidence(name, n, hit.count, hit.total)
+            return token, Evidence(name, n, count, total)
     return None
 
 

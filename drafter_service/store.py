@@ -385,6 +385,7 @@ class StoreSnapshot:
 
     def __init__(self, store: LMDBNGramStore, txn: lmdb.Transaction, epoch: int) -> None:
         self._config, self._db, self._txn, self._epoch = store.config, store._ngrams, txn, epoch
+        self._packers = store._key_packers
 
     def continuations(self, key: tuple[int, ...]) -> dict[int, int] | None:
         value = self._value(key)
@@ -407,11 +408,12 @@ class StoreSnapshot:
         return best_of(self.continuations(key))  # decay, or a bad version (raises)
 
     def _value(self, key: tuple[int, ...]) -> bytes | None:
-        config = self._config
-        if not config.n_min <= len(key) <= config.n_max:
-            return None
+        packer = self._packers.get(len(key))
+        if packer is None:
+            return None  # outside [n_min, n_max]: never stored
+        prefix, tokens = packer
         try:
-            ngram_key = config.namespace + bytes((len(key),)) + struct.pack(f">{len(key)}I", *key)
+            ngram_key = prefix + tokens.pack(*key)
         except struct.error:
             return None  # a token id outside uint32 was never stored
         return self._txn.get(ngram_key, db=self._db)
@@ -426,6 +428,10 @@ class LMDBNGramStore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self._write_lock = threading.Lock()
+        # n -> (key prefix, packer for n tokens): built once, used by every lookup.
+        self._key_packers = {
+            n: (config.namespace + bytes((n,)), struct.Struct(f">{n}I")) for n in range(config.n_min, config.n_max + 1)
+        }
         os.makedirs(config.path, exist_ok=True)
         self._env = lmdb.open(
             config.path,

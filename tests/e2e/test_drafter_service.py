@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
 import pytest
@@ -314,3 +316,19 @@ def test_table_stays_within_its_bound_under_far_more_data(tmp_path):
         assert stats.file_bytes <= FILE_BYTES_PER_MAX_BYTE * max_bytes
         # Still answering, and the newest sequence is drafted from the table.
         assert list(propose(server.stub, "after", sequences[-1][:4], 4, open_=True).tokens) == sequences[-1][4:8]
+
+
+def test_a_stock_client_calls_propose_through_reflection(tmp_path):
+    """grpcurl knows nothing of our stubs: it reads the schema from server reflection."""
+    grpcurl = Path(sys.executable).parent / "grpcurl"
+    request = {"vocabulary": VOCABULARY, "sequences": [
+        {"session_id": "g", "open": True, "new_tokens": [1, 2, 3, 4, 2, 3], "num_draft_tokens": 3}]}
+    with drafter(tmp_path / "db") as server:
+        result = subprocess.run(
+            [str(grpcurl), "-plaintext", "-d", json.dumps(request), f"127.0.0.1:{server.port}", "specdec.v1.Drafter/Propose"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        [draft] = json.loads(result.stdout)["drafts"]
+        assert draft["tokens"] == [4, 2, 3]  # the context's own chain, as in the stub-based test
+        assert draft["evidence"][0]["source"] == "DRAFT_SOURCE_CONTEXT"

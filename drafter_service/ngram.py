@@ -208,10 +208,25 @@ def propose_chain(
     return Draft(tokens, evidence)
 
 
-@dataclass
-class _Session:
-    tokens: list[int]
-    table: InMemoryNGramTable
+class ContextIndex:
+    """One request's own tokens (prompt and output), indexed as they arrive."""
+
+    def __init__(self, config: NGramConfig) -> None:
+        self.config = config
+        self.tokens: list[int] = []
+        self.table = InMemoryNGramTable(config.n_min, config.n_max)
+
+    def extend(self, new_tokens: Iterable[int]) -> None:
+        start = len(self.tokens)
+        self.tokens.extend(new_tokens)
+        self.table.extend(self.tokens, start=start)
+
+    def propose(self, global_table: NGramSource, k: int) -> Draft:
+        """A chain of up to ``k`` tokens from this context first, then the global table."""
+        if k <= 0:
+            return Draft([], [])
+        sources = ((SOURCE_CONTEXT, self.table), (SOURCE_GLOBAL, global_table))
+        return propose_chain(self.tokens, sources, k, self.config)
 
 
 class NGramDrafter:
@@ -227,31 +242,26 @@ class NGramDrafter:
         self.global_table = global_table if global_table is not None else InMemoryNGramTable(
             self.config.n_min, self.config.n_max
         )
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, ContextIndex] = {}
 
     def open(self, session_id: str, prompt_ids: Sequence[int]) -> None:
         if session_id in self._sessions:
             raise KeyError(f"session {session_id!r} is already open")
-        session = _Session(list(prompt_ids), InMemoryNGramTable(self.config.n_min, self.config.n_max))
-        session.table.extend(session.tokens, start=1)
+        session = ContextIndex(self.config)
+        session.extend(prompt_ids)
         self._sessions[session_id] = session
 
     def propose(self, session_id: str, new_tokens: Iterable[int], k: int) -> Draft:
         session = self._session(session_id)
-        start = len(session.tokens)
-        session.tokens.extend(new_tokens)
-        session.table.extend(session.tokens, start=start)
-        if k <= 0:
-            return Draft([], [])
-        sources = ((SOURCE_CONTEXT, session.table), (SOURCE_GLOBAL, self.global_table))
-        return propose_chain(session.tokens, sources, k, self.config)
+        session.extend(new_tokens)
+        return session.propose(self.global_table, k)
 
     def close(self, session_id: str, observe: bool = True) -> None:
         session = self._sessions.pop(session_id, None)
         if session is not None and observe:
             self.global_table.observe(session.tokens)
 
-    def _session(self, session_id: str) -> _Session:
+    def _session(self, session_id: str) -> ContextIndex:
         try:
             return self._sessions[session_id]
         except KeyError:

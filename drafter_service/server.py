@@ -27,14 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from drafter_service.ngram import (
-    SOURCE_CONTEXT,
-    SOURCE_GLOBAL,
-    InMemoryNGramTable,
-    NGramConfig,
-    NGramSource,
-    propose_chain,
-)
+from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, ContextIndex, NGramConfig, NGramSource
 from drafter_service.store import LMDBNGramStore, StoreConfig
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -134,8 +127,7 @@ class StoreRegistry:
 @dataclass
 class _Session:
     vocabulary: str
-    tokens: list[int]
-    table: InMemoryNGramTable
+    context: ContextIndex
     last_used: float
 
 
@@ -307,22 +299,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _advance(self, vocabulary: str, update, now: float) -> _Session:
         if update.open:
-            session = _Session(vocabulary, [], InMemoryNGramTable(self.config.ngram.n_min, self.config.ngram.n_max), now)
-            self.sessions[update.session_id] = session
+            self.sessions[update.session_id] = _Session(vocabulary, ContextIndex(self.config.ngram), now)
         session = self.sessions[update.session_id]
-        start = len(session.tokens)
-        session.tokens.extend(update.new_tokens)
-        session.table.extend(session.tokens, start=start)
+        session.context.extend(update.new_tokens)
         session.last_used = now
         return session
 
     def _draft(self, update, session: _Session, table: NGramSource) -> drafter_pb2.SequenceDraft:
-        k = update.num_draft_tokens
         draft = drafter_pb2.SequenceDraft(session_id=update.session_id)
-        if k == 0:
-            return draft
-        sources = ((SOURCE_CONTEXT, session.table), (SOURCE_GLOBAL, table))
-        chain = propose_chain(session.tokens, sources, k, self.config.ngram)
+        chain = session.context.propose(table, update.num_draft_tokens)
         draft.tokens.extend(chain.tokens)
         for why in chain.evidence:
             draft.evidence.add(source=_SOURCES[why.source], match_length=why.match_length, count=why.count, total=why.total)
@@ -356,7 +341,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             closed = [self.sessions.pop(sid) for sid in request.session_ids if sid in self.sessions]
         if request.observe and closed:
             store = self.stores.get(request.vocabulary)
-            items = [_Pending(store, f"{request.observe_id}/{i}", session.tokens) for i, session in enumerate(closed)]
+            items = [_Pending(store, f"{request.observe_id}/{i}", session.context.tokens) for i, session in enumerate(closed)]
             self._commit(items, context)
         return drafter_pb2.CloseSessionsResponse(closed=len(closed))
 

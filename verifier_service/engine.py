@@ -279,10 +279,10 @@ class SpeculativeEngine:
     def _sample(self, sequence: _Sequence, logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
         """Acceptance for one row. logits: [len(draft) + 1, vocab]."""
         sampling = sequence.request.sampling
-        if sampling.greedy:
-            choice = logits.argmax(dim=-1).tolist()
-            count = next((i for i, d in enumerate(draft) if choice[i] != d), len(draft))
-            return count, choice[count]
+        if sampling.greedy:  # the batch's own rule, on a batch of one
+            drafts = torch.tensor(draft, dtype=torch.long, device=logits.device).view(1, len(draft))
+            counts, tokens = accept_greedy(logits[None], drafts, torch.tensor([len(draft)], device=logits.device))
+            return int(counts[0]), int(tokens[0])
         probs = warp_probs(logits, sampling)
         return accept_sampled(probs, draft, sequence.seed, first_position=len(sequence.generated))
 

@@ -68,28 +68,36 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     return {"p50_ms": round(1000 * statistics.median(ordered), 3), "p99_ms": round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 3)}
 
 
-def bench_propose(stub, tokens: list[int], steps: int = 300) -> dict:
-    prompts = [tokens[i * 2000 : i * 2000 + 512] for i in range(BATCH)]
-    sessions = [f"bench-{i}" for i in range(BATCH)]
-    opening = pb.ProposeRequest(
-        vocabulary=VOCABULARY,
-        sequences=[pb.SequenceUpdate(session_id=s, new_tokens=p, open=True, num_draft_tokens=K) for s, p in zip(sessions, prompts)],
-    )
-    stub.Propose(opening, timeout=30)
+def propose_requests(tokens: list[int], steps: int, prefix: str):
+    """The opening request for BATCH sessions (512-token prompts), then one
+    request per decoding step carrying each session's 1-3 newly accepted tokens."""
+    sessions = [f"{prefix}-{i}" for i in range(BATCH)]
     positions = [i * 2000 + 512 for i in range(BATCH)]
-    round_trips = []
+    yield pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[
+        pb.SequenceUpdate(session_id=s, new_tokens=tokens[p - 512 : p], open=True, num_draft_tokens=K)
+        for s, p in zip(sessions, positions)])
     for step in range(steps):
-        new = [tokens[p : p + 1 + step % 3] for p in positions]  # 1-3 accepted tokens per step
+        new = [tokens[p : p + 1 + step % 3] for p in positions]
         positions = [p + len(n) for p, n in zip(positions, new)]
-        request = pb.ProposeRequest(
-            vocabulary=VOCABULARY,
-            sequences=[pb.SequenceUpdate(session_id=s, new_tokens=n, num_draft_tokens=K) for s, n in zip(sessions, new)],
-        )
+        yield pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[
+            pb.SequenceUpdate(session_id=s, new_tokens=n, num_draft_tokens=K) for s, n in zip(sessions, new)])
+
+
+def time_steps(call, requests) -> tuple[list[float], object]:
+    """Seconds per step request (the opening one untimed) and the last response."""
+    call(next(requests))
+    times, response = [], None
+    for request in requests:
         started = time.perf_counter()
-        response = stub.Propose(request, timeout=5)
-        round_trips.append(time.perf_counter() - started)
+        response = call(request)
+        times.append(time.perf_counter() - started)
+    return times, response
+
+
+def bench_propose(stub, tokens: list[int], steps: int = 300) -> dict:
+    times, response = time_steps(lambda r: stub.Propose(r, timeout=30), propose_requests(tokens, steps, "bench"))
     drafted = sum(len(d.tokens) for d in response.drafts)
-    return {"round_trip": percentiles(round_trips), "last_batch_draft_tokens": drafted}
+    return {"round_trip": percentiles(times), "last_batch_draft_tokens": drafted}
 
 
 def bench_propose_server_side(tokens: list[int], steps: int = 300) -> dict:
@@ -102,20 +110,7 @@ def bench_propose_server_side(tokens: list[int], steps: int = 300) -> dict:
             servicer = server.servicer
             observe = pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="warm", sequences=[pb.TokenSequence(tokens=tokens[:200_000])])
             servicer.Observe(observe, None)
-            prompts = [tokens[i * 2000 : i * 2000 + 512] for i in range(BATCH)]
-            sessions = [f"s{i}" for i in range(BATCH)]
-            servicer.Propose(pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[
-                pb.SequenceUpdate(session_id=s, new_tokens=p, open=True) for s, p in zip(sessions, prompts)]), None)
-            positions = [i * 2000 + 512 for i in range(BATCH)]
-            times = []
-            for step in range(steps):
-                new = [tokens[p : p + 1 + step % 3] for p in positions]
-                positions = [p + len(n) for p, n in zip(positions, new)]
-                request = pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[
-                    pb.SequenceUpdate(session_id=s, new_tokens=n, num_draft_tokens=K) for s, n in zip(sessions, new)])
-                started = time.perf_counter()
-                servicer.Propose(request, None)
-                times.append(time.perf_counter() - started)
+            times, _ = time_steps(lambda r: servicer.Propose(r, None), propose_requests(tokens, steps, "s"))
             return percentiles(times)
         finally:
             server.stop(grace=1)

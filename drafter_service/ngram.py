@@ -98,19 +98,17 @@ class InMemoryNGramTable:
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
         self._counts: dict[tuple[int, ...], dict[int, int]] = {}
-        # Per key: [best token, its count, total], kept current by extend so
-        # that drafting (best) costs one dict lookup.
-        self._best: dict[tuple[int, ...], list[int]] = {}
+        # Per key: (best token, its count, total), replaced by extend so that
+        # drafting costs one dict lookup: ``best`` is that dict's own ``get``
+        # (a plain tuple unpacks and compares like a Continuation).
+        self._best: dict[tuple[int, ...], tuple[int, int, int]] = {}
+        self.best = self._best.get
 
     def __len__(self) -> int:
         return len(self._counts)
 
     def continuations(self, key: tuple[int, ...]) -> dict[int, int] | None:
         return self._counts.get(key)
-
-    def best(self, key: tuple[int, ...]) -> Continuation | None:
-        summary = self._best.get(key)
-        return None if summary is None else Continuation(*summary)
 
     def observe(self, tokens: Sequence[int]) -> None:
         self.extend(tokens, start=1)
@@ -121,21 +119,22 @@ class InMemoryNGramTable:
         Used incrementally: after appending new tokens to a context, call with
         ``start`` = the old length so earlier positions are not counted twice.
         """
+        all_counts, best = self._counts, self._best
         for position in range(max(start, 1), len(tokens)):
             following = tokens[position]
             for n in range(self.n_min, min(self.n_max, position) + 1):
                 key = tuple(tokens[position - n : position])
-                counts = self._counts.setdefault(key, {})
+                counts = all_counts.setdefault(key, {})
                 count = counts[following] = counts.get(following, 0) + 1
-                summary = self._best.get(key)
+                summary = best.get(key)
                 if summary is None:
-                    self._best[key] = [following, count, 1]
-                    continue
-                summary[2] += 1
+                    best[key] = (following, count, 1)
                 # Strictly more: on a tie the continuation recorded first stays
                 # best, as in most_frequent.
-                if count > summary[1]:
-                    summary[0], summary[1] = following, count
+                elif count > summary[1]:
+                    best[key] = (following, count, summary[2] + 1)
+                else:
+                    best[key] = (summary[0], summary[1], summary[2] + 1)
 
 
 def most_frequent(counts: dict[int, int]) -> tuple[int, int]:
@@ -162,24 +161,13 @@ def lookup_longest(
     sources: Sequence[tuple[str, NGramSource]],
     config: NGramConfig,
 ) -> tuple[int, Evidence] | None:
-    """The continuation of the longest matching suffix of ``tail``.
+    """The continuation of the longest matching suffix of ``tail``: a one-link chain.
 
     tail [9, 1, 2], context table holding (1, 2)->3 and (2,)->4, n_max=3:
     (9, 1, 2) is unknown, (1, 2) matches -> (3, match_length 2).
     """
-    min_global, trusted = config.min_global_count, config.global_trusted_match_length
-    lookups = [(name, source.best) for name, source in sources]  # bound once: this runs per draft token
-    for n in range(min(config.n_max, len(tail)), config.n_min - 1, -1):
-        key = tuple(tail[len(tail) - n :])
-        for name, best in lookups:
-            hit = best(key)
-            if hit is None:
-                continue
-            token, count, total = hit
-            if name == SOURCE_GLOBAL and count < min_global and n < trusted:
-                continue
-            return token, Evidence(name, n, count, total)
-    return None
+    draft = propose_chain(tail, sources, 1, config)
+    return (draft.tokens[0], draft.evidence[0]) if draft.tokens else None
 
 
 def propose_chain(
@@ -193,18 +181,36 @@ def propose_chain(
     context [1, 2, 3, 4, 2, 3] indexed as its own source, n_min=n_max=2, k=3:
     suffix (2, 3) was followed by 4 -> 4; (3, 4) by 2 -> 2; (4, 2) by 3 -> 3;
     the draft is [4, 2, 3].
+
+    Each link takes the longest suffix (n_max down to n_min) that any source
+    knows, sources in the given order at each length. A global-table link
+    needs ``min_global_count`` sightings unless its suffix is at least
+    ``global_trusted_match_length`` long. This loop runs per draft token on
+    the service's hot path, so the lookup is written inline.
     """
-    tail = list(context[-config.n_max :]) if context else []
+    n_max, n_min = config.n_max, config.n_min
+    min_global, trusted = config.min_global_count, config.global_trusted_match_length
+    lookups = [(name, source.best, name == SOURCE_GLOBAL) for name, source in sources]
+    tail = tuple(context[-n_max:]) if context else ()  # slices of a tuple are the keys themselves
     tokens: list[int] = []
     evidence: list[Evidence] = []
-    for _ in range(k):
-        hit = lookup_longest(tail, sources, config)
+    while len(tokens) < k:
+        hit = None
+        for n in range(min(n_max, len(tail)), n_min - 1, -1):
+            key = tail[len(tail) - n :]
+            for name, best, is_global in lookups:
+                hit = best(key)
+                if hit is not None and (hit[1] >= min_global or n >= trusted or not is_global):
+                    break
+                hit = None
+            if hit is not None:
+                break
         if hit is None:
             break
-        token, why = hit
+        token, count, total = hit
         tokens.append(token)
-        evidence.append(why)
-        tail = (tail + [token])[-config.n_max :]
+        evidence.append(Evidence(name, n, count, total))
+        tail = (tail + (token,))[-n_max:]
     return Draft(tokens, evidence)
 
 

@@ -129,6 +129,9 @@ class _Session:
     vocabulary: str
     context: ContextIndex
     last_used: float
+    # Sources of the last draft, per token: the verifier's feedback on it
+    # (verified/accepted counts in the next update) is credited to them.
+    last_sources: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -209,7 +212,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.sessions: dict[str, _Session] = {}
         self.lock = threading.Lock()
         self.counters = dict.fromkeys(
-            ("propose_calls", "proposed_tokens", "context_hits", "global_hits", "misses", "observed_tokens"), 0
+            (
+                "propose_calls", "proposed_tokens", "context_hits", "global_hits", "misses", "observed_tokens",
+                "context_verified", "context_accepted", "global_verified", "global_accepted",
+            ),
+            0,
         )
 
     # -- validation (always before any state changes) -------------------------
@@ -231,24 +238,31 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._check_call_size(len(request.sequences), sum(len(s.new_tokens) for s in request.sequences))
         seen = set()
         opening = sum(1 for s in request.sequences if s.open)
+        # Runs per sequence on every step: each message is formatted only when its check fails.
+        invalid, max_k = grpc.StatusCode.INVALID_ARGUMENT, self.config.max_draft_tokens
         for index, sequence in enumerate(request.sequences):
-            where = f"sequences[{index}]"
-            _check(bool(sequence.session_id), f"{where}: session_id is empty")
-            _check(sequence.session_id not in seen, f"{where}: session {sequence.session_id!r} appears twice in one call")
-            seen.add(sequence.session_id)
-            _check(
-                sequence.num_draft_tokens <= self.config.max_draft_tokens,
-                f"{where}: num_draft_tokens {sequence.num_draft_tokens} is out of range [0, {self.config.max_draft_tokens}]",
-            )
+            sid, where = sequence.session_id, f"sequences[{index}]"
+            if not sid:
+                raise InvalidRequest(invalid, f"{where}: session_id is empty")
+            if sid in seen:
+                raise InvalidRequest(invalid, f"{where}: session {sid!r} appears twice in one call")
+            seen.add(sid)
+            if sequence.num_draft_tokens > max_k:
+                raise InvalidRequest(invalid, f"{where}: num_draft_tokens {sequence.num_draft_tokens} is out of range [0, {max_k}]")
             self._check_tokens(sequence.new_tokens, where)
-            session = self.sessions.get(sequence.session_id)
-            if sequence.open:
-                _check(session is None, f"{where}: session {sequence.session_id!r} is already open", grpc.StatusCode.ALREADY_EXISTS)
-            else:
-                _check(session is not None, f"{where}: unknown session {sequence.session_id!r} (open it first)", grpc.StatusCode.NOT_FOUND)
-                _check(
-                    session.vocabulary == request.vocabulary,
-                    f"{where}: session {sequence.session_id!r} was opened under another vocabulary",
+            session = self.sessions.get(sid)
+            if sequence.open and session is not None:
+                raise InvalidRequest(grpc.StatusCode.ALREADY_EXISTS, f"{where}: session {sid!r} is already open")
+            if not sequence.open and session is None:
+                raise InvalidRequest(grpc.StatusCode.NOT_FOUND, f"{where}: unknown session {sid!r} (open it first)")
+            if not sequence.open and session.vocabulary != request.vocabulary:
+                raise InvalidRequest(invalid, f"{where}: session {sid!r} was opened under another vocabulary")
+            drafted = 0 if sequence.open else len(session.last_sources)
+            if not sequence.accepted_draft_tokens <= sequence.verified_draft_tokens <= drafted:
+                raise InvalidRequest(
+                    invalid,
+                    f"{where}: feedback needs accepted_draft_tokens ({sequence.accepted_draft_tokens}) <= "
+                    f"verified_draft_tokens ({sequence.verified_draft_tokens}) <= the previous draft's length ({drafted})",
                 )
         _check(
             len(self.sessions) + opening <= self.config.max_sessions,
@@ -285,33 +299,52 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             drafts = [self._draft(update, session, table) for update, session in updates]
         with self.lock:
             self._count(drafts, asked=[update.num_draft_tokens > 0 for update, _ in updates])
+            for draft, (_, session) in zip(drafts, updates):
+                session.last_sources = list(draft.sources)
         return drafter_pb2.ProposeResponse(drafts=drafts)
 
     def _count(self, drafts: list[drafter_pb2.SequenceDraft], asked: list[bool]) -> None:
         counters = self.counters
         counters["propose_calls"] += 1
         for draft, wanted in zip(drafts, asked):
-            context_hits = sum(why.source == drafter_pb2.DRAFT_SOURCE_CONTEXT for why in draft.evidence)
+            context_hits = list(draft.sources).count(drafter_pb2.DRAFT_SOURCE_CONTEXT)
             counters["proposed_tokens"] += len(draft.tokens)
             counters["context_hits"] += context_hits
             counters["global_hits"] += len(draft.tokens) - context_hits
             counters["misses"] += wanted and not draft.tokens
 
+    def _credit_feedback(self, update, session: _Session) -> None:
+        """Count the verifier's verdict on the session's previous draft, per source."""
+        counters = self.counters
+        for position, source in enumerate(session.last_sources[: update.verified_draft_tokens]):
+            name = "context" if source == drafter_pb2.DRAFT_SOURCE_CONTEXT else "global"
+            counters[f"{name}_verified"] += 1
+            counters[f"{name}_accepted"] += position < update.accepted_draft_tokens
+
     def _advance(self, vocabulary: str, update, now: float) -> _Session:
         if update.open:
             self.sessions[update.session_id] = _Session(vocabulary, ContextIndex(self.config.ngram), now)
         session = self.sessions[update.session_id]
+        if update.verified_draft_tokens:
+            self._credit_feedback(update, session)
+        session.last_sources = []
         session.context.extend(update.new_tokens)
         session.last_used = now
         return session
 
     def _draft(self, update, session: _Session, table: NGramSource) -> drafter_pb2.SequenceDraft:
-        draft = drafter_pb2.SequenceDraft(session_id=update.session_id)
         chain = session.context.propose(table, update.num_draft_tokens)
-        draft.tokens.extend(chain.tokens)
-        for why in chain.evidence:
-            draft.evidence.add(source=_SOURCES[why.source], match_length=why.match_length, count=why.count, total=why.total)
-        return draft
+        if not chain.tokens:
+            return drafter_pb2.SequenceDraft(session_id=update.session_id)
+        sources, match_lengths, counts, totals = zip(*chain.evidence)
+        return drafter_pb2.SequenceDraft(
+            session_id=update.session_id,
+            tokens=chain.tokens,
+            sources=[_SOURCES[source] for source in sources],
+            match_lengths=match_lengths,
+            counts=counts,
+            totals=totals,
+        )
 
     def Observe(self, request, context):
         try:

@@ -403,8 +403,8 @@ class StoreSnapshot:
         version, last_touched, total = _HEADER.unpack_from(value)
         if version == FORMAT_VERSION and last_touched == self._epoch and len(value) > _HEADER.size:
             # Pairs are stored most frequent first: the head is the answer.
-            token, count = _FIRST_PAIR.unpack_from(value, _HEADER.size)
-            return Continuation(token, count, total)
+            # (A plain tuple: this runs per draft token, and unpacks like a Continuation.)
+            return (*_FIRST_PAIR.unpack_from(value, _HEADER.size), total)
         return best_of(self.continuations(key))  # decay, or a bad version (raises)
 
     def _value(self, key: tuple[int, ...]) -> bytes | None:
@@ -635,20 +635,23 @@ class LMDBNGramStore:
         # inlined record_bytes/_put_record arithmetic.
         config = self.config
         old = txn.get(key, db=self._ngrams)
-        if old is None:  # the common case under fresh text: nothing to decay or merge
-            if len(additions) == 1:
-                pairs = list(additions.items())
-            else:
-                pairs = sorted(additions.items(), key=_by_count_descending)[: config.max_continuations]
+        if old is None and len(additions) == 1:
+            # The commonest case under fresh text: a new n-gram seen once in this
+            # batch (counts are < UINT32_MAX: one batch holds < 2^32 tokens).
+            ((token, total),) = additions.items()
+            value = _HEADER.pack(FORMAT_VERSION, meta.epoch, total) + _FIRST_PAIR.pack(token, total)
         else:
-            old_epoch, old_total, stored = decode_value(old)
-            self._delete_record(txn, self._coldness, coldness_key(old_epoch, old_total, key), meta)
-            meta.tracked_bytes -= record_bytes(key, old)
-            pairs = merge_continuations(
-                stored, meta.epoch - old_epoch, additions, config.decay_shift_per_epoch, config.max_continuations
-            )
-        total = total_count(pairs)
-        value = encode_value(meta.epoch, pairs, total)
+            if old is None:  # nothing to decay or merge
+                pairs = sorted(additions.items(), key=_by_count_descending)[: config.max_continuations]
+            else:
+                old_epoch, old_total, stored = decode_value(old)
+                self._delete_record(txn, self._coldness, coldness_key(old_epoch, old_total, key), meta)
+                meta.tracked_bytes -= record_bytes(key, old)
+                pairs = merge_continuations(
+                    stored, meta.epoch - old_epoch, additions, config.decay_shift_per_epoch, config.max_continuations
+                )
+            total = total_count(pairs)
+            value = encode_value(meta.epoch, pairs, total)
         cold = coldness_key(meta.epoch, total, key)
         txn.put(key, value, db=self._ngrams)
         txn.put(cold, b"", db=self._coldness)

@@ -17,16 +17,20 @@ DRAFT_SOURCE_CONTEXT: DraftSource
 DRAFT_SOURCE_GLOBAL: DraftSource
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("session_id", "new_tokens", "open", "num_draft_tokens")
+    __slots__ = ("session_id", "new_tokens", "open", "num_draft_tokens", "verified_draft_tokens", "accepted_draft_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     open: bool
     num_draft_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., open: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    verified_draft_tokens: int
+    accepted_draft_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., open: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., verified_draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("vocabulary", "sequences")
@@ -36,27 +40,21 @@ class ProposeRequest(_message.Message):
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceUpdate]
     def __init__(self, vocabulary: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ...) -> None: ...
 
-class Evidence(_message.Message):
-    __slots__ = ("source", "match_length", "count", "total")
-    SOURCE_FIELD_NUMBER: _ClassVar[int]
-    MATCH_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    COUNT_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_FIELD_NUMBER: _ClassVar[int]
-    source: DraftSource
-    match_length: int
-    count: int
-    total: int
-    def __init__(self, source: _Optional[_Union[DraftSource, str]] = ..., match_length: _Optional[int] = ..., count: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
-
 class SequenceDraft(_message.Message):
-    __slots__ = ("session_id", "tokens", "evidence")
+    __slots__ = ("session_id", "tokens", "sources", "match_lengths", "counts", "totals")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
-    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    MATCH_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    evidence: _containers.RepeatedCompositeFieldContainer[Evidence]
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., evidence: _Optional[_Iterable[_Union[Evidence, _Mapping]]] = ...) -> None: ...
+    sources: _containers.RepeatedScalarFieldContainer[DraftSource]
+    match_lengths: _containers.RepeatedScalarFieldContainer[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    totals: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sources: _Optional[_Iterable[_Union[DraftSource, str]]] = ..., match_lengths: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., totals: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("drafts",)
@@ -111,7 +109,7 @@ class StatsRequest(_message.Message):
     def __init__(self, vocabulary: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("entries", "bytes", "file_bytes", "max_bytes", "evictions", "open_sessions", "propose_calls", "proposed_tokens", "context_hits", "global_hits", "misses", "observed_tokens")
+    __slots__ = ("entries", "bytes", "file_bytes", "max_bytes", "evictions", "open_sessions", "propose_calls", "proposed_tokens", "context_hits", "global_hits", "misses", "observed_tokens", "context_verified", "context_accepted", "global_verified", "global_accepted")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +122,10 @@ class StatsResponse(_message.Message):
     GLOBAL_HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     entries: int
     bytes: int
     file_bytes: int
@@ -136,7 +138,11 @@ class StatsResponse(_message.Message):
     global_hits: int
     misses: int
     observed_tokens: int
-    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., propose_calls: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., context_hits: _Optional[int] = ..., global_hits: _Optional[int] = ..., misses: _Optional[int] = ..., observed_tokens: _Optional[int] = ...) -> None: ...
+    context_verified: int
+    context_accepted: int
+    global_verified: int
+    global_accepted: int
+    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., propose_calls: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., context_hits: _Optional[int] = ..., global_hits: _Optional[int] = ..., misses: _Optional[int] = ..., observed_tokens: _Optional[int] = ..., context_verified: _Optional[int] = ..., context_accepted: _Optional[int] = ..., global_verified: _Optional[int] = ..., global_accepted: _Optional[int] = ...) -> None: ...
 
 class BackupRequest(_message.Message):
     __slots__ = ("vocabulary", "destination")

@@ -95,7 +95,8 @@ def test_propose_chains_from_context_and_batches_sessions(tmp_path):
         # Context [1,2,3,4,2,3]: (2,3)->4, (3,4)->2, (4,2)->3 -- the 2-gram chain,
         # lengthened to 3- and 4-token matches as the chain reuses the context.
         assert list(first.tokens) == [4, 2, 3]
-        assert [e.source for e in first.evidence] == [pb.DRAFT_SOURCE_CONTEXT] * 3
+        assert list(first.sources) == [pb.DRAFT_SOURCE_CONTEXT] * 3
+        assert list(first.match_lengths) == [2, 3, 4]
         assert list(second.tokens) == []  # nothing seen before
         # Later calls send only the new tokens: after 4 the context continues 2, 3, 4.
         assert list(propose(server.stub, "a", [4], 3).tokens) == [2, 3, 4]
@@ -205,6 +206,25 @@ def test_stats_count_table_and_hits(tmp_path):
         assert stats.observed_tokens == 6 and stats.open_sessions == 2
 
 
+def test_verifier_feedback_gives_acceptance_per_source(tmp_path):
+    with drafter(tmp_path / "db") as server:
+        observe(server.stub, "o1", [50, 51, 52, 53, 54, 55])
+        # Context [1,2,3,1,2] drafts 3 from the context, then (.., 3) is unknown;
+        # session g drafts [54, 55] from the global table.
+        assert list(propose(server.stub, "c", [1, 2, 3, 1, 2], 3, open_=True).sources) == [pb.DRAFT_SOURCE_CONTEXT] * 3
+        assert list(propose(server.stub, "g", [50, 51, 52, 53], 2, open_=True).sources) == [pb.DRAFT_SOURCE_GLOBAL] * 2
+        feedback = pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[
+            # The verifier scored all 3 context tokens and accepted 2 ...
+            pb.SequenceUpdate(session_id="c", new_tokens=[3, 1, 9], verified_draft_tokens=3, accepted_draft_tokens=2),
+            # ... and only the first global token (say K was cut to 1), accepting it.
+            pb.SequenceUpdate(session_id="g", new_tokens=[54, 0], verified_draft_tokens=1, accepted_draft_tokens=1),
+        ])
+        server.stub.Propose(feedback, timeout=5)
+        stats = server.stub.Stats(pb.StatsRequest(vocabulary=VOCABULARY), timeout=5)
+        assert (stats.context_verified, stats.context_accepted) == (3, 2)
+        assert (stats.global_verified, stats.global_accepted) == (1, 1)
+
+
 BAD_INPUTS = [
     # (name, rpc, request, status, message fragment)
     ("bad vocabulary", "Propose", pb.ProposeRequest(vocabulary="xyz"), grpc.StatusCode.INVALID_ARGUMENT, "16-hex-digit"),
@@ -223,6 +243,9 @@ BAD_INPUTS = [
     ("duplicate session in a call", "Propose",
      pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="d", open=True)] * 2),
      grpc.StatusCode.INVALID_ARGUMENT, "appears twice"),
+    ("feedback beyond the previous draft", "Propose",
+     pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="s", open=True, verified_draft_tokens=1)]),
+     grpc.StatusCode.INVALID_ARGUMENT, "verified_draft_tokens (1) <= the previous draft's length (0)"),
     ("observe without id", "Observe",
      pb.ObserveRequest(vocabulary=VOCABULARY, sequences=[pb.TokenSequence(tokens=[1, 2, 3])]),
      grpc.StatusCode.INVALID_ARGUMENT, "observe_id is empty"),
@@ -331,4 +354,4 @@ def test_a_stock_client_calls_propose_through_reflection(tmp_path):
         assert result.returncode == 0, result.stderr
         [draft] = json.loads(result.stdout)["drafts"]
         assert draft["tokens"] == [4, 2, 3]  # the context's own chain, as in the stub-based test
-        assert draft["evidence"][0]["source"] == "DRAFT_SOURCE_CONTEXT"
+        assert draft["sources"] == ["DRAFT_SOURCE_CONTEXT"] * 3

@@ -29,8 +29,9 @@ import torch
 
 from bench.workloads import Workload, workloads
 from drafter_service.ngram import NGramDrafter
+from verifier_service.drafting import SessionProposer
 from verifier_service.engine import GenerationRequest, SpeculativeEngine
-from verifier_service.local_generate import chat_prompt_ids
+from verifier_service.model_loading import chat_prompt_ids
 from verifier_service.model_loading import DEFAULT_MODEL, load_model
 
 SPEC_KS = (1, 2, 3, 5, 8)
@@ -41,7 +42,7 @@ PLD_KS = (3, 10)
 
 def run_engine(model, tokenizer, prompt_ids, max_new_tokens, k, drafter):
     """(tokens, stats, seconds) for one request through our engine."""
-    engine = SpeculativeEngine(model, tokenizer, drafter)
+    engine = SpeculativeEngine(model, tokenizer, SessionProposer(drafter))
     started = time.perf_counter()
     [result] = engine.generate([GenerationRequest(prompt_ids, max_new_tokens, num_speculative_tokens=k)])
     return result.token_ids, result.stats, time.perf_counter() - started

@@ -110,7 +110,6 @@ by a lock, so any thread may call ``apply``.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import struct
@@ -124,9 +123,10 @@ from typing import NamedTuple
 import lmdb
 
 from drafter_service.ngram import Continuation, best_of
+from specdec.vocabulary import FINGERPRINT_BYTES, vocabulary_fingerprint  # noqa: F401 (part of the store's API)
 
 FORMAT_VERSION = 1
-NAMESPACE_BYTES = 8
+NAMESPACE_BYTES = FINGERPRINT_BYTES
 UINT32_MAX = 0xFFFFFFFF
 
 # LMDB's default build rejects keys over 511 bytes: an n-gram key is 9 + 4n
@@ -254,19 +254,6 @@ class StoreConfig:
     @property
     def low_water_bytes(self) -> int:
         return int(self.max_bytes * self.low_water_fraction)
-
-
-def vocabulary_fingerprint(items: Iterable[tuple[str, int]]) -> bytes:
-    """8 bytes of the sha256 of the vocabulary, independent of item order.
-
-    Hashes, in id order, uint32 id | uint32 length | UTF-8 token per item, so
-    {"a": 0, "b": 1} and {"a": 1, "b": 0} differ.
-    """
-    digest = hashlib.sha256()
-    for token, token_id in sorted(items, key=lambda item: (item[1], item[0])):
-        encoded = token.encode("utf-8")
-        digest.update(_UINT32.pack(token_id) + _UINT32.pack(len(encoded)) + encoded)
-    return digest.digest()[:NAMESPACE_BYTES]
 
 
 # --- pure format and merge functions ------------------------------------------

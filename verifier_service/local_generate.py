@@ -18,8 +18,9 @@ import time
 import pydoc_data.topics
 
 from drafter_service.ngram import NGramDrafter
+from verifier_service.drafting import SessionProposer
 from verifier_service.engine import GenerationRequest, SpeculativeEngine
-from verifier_service.model_loading import DEFAULT_MODEL, load_model
+from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
 from verifier_service.rejection import SamplingParams
 
 SAMPLE_DOC = "\n\n".join(pydoc_data.topics.topics["assert"].split("\n\n")[:4])
@@ -28,13 +29,6 @@ SAMPLE_PROMPTS = (
     + "\n\nQuote the sentences that explain the extended form, word for word.",
     "What is speculative decoding in language models? Answer in two sentences.",
 )
-
-
-def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    if tokenizer.chat_template:
-        messages = [{"role": "user", "content": prompt}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-    return tokenizer(prompt).input_ids
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     loaded = load_model(args.model)
     print(f"loaded {args.model} on {loaded.device} in {time.perf_counter() - started:.1f}s")
-    engine = SpeculativeEngine(loaded.model, loaded.tokenizer, NGramDrafter())
+    engine = SpeculativeEngine(loaded.model, loaded.tokenizer, SessionProposer(NGramDrafter()))
     sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
     for prompt in args.prompts:
         prompt_ids = chat_prompt_ids(loaded.tokenizer, prompt)

@@ -133,3 +133,11 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, device=device)
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """``prompt`` as one user message through the chat template (plain tokens without one)."""
+    if tokenizer.chat_template:
+        messages = [{"role": "user", "content": prompt}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return tokenizer(prompt).input_ids

@@ -11,6 +11,7 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 
 from drafter_service.ngram import NGramDrafter
+from verifier_service.drafting import SessionProposer
 from verifier_service.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -73,7 +74,7 @@ def oracle(model, length=64):
 
 
 def engine_without_eos(model, tokenizer, proposer):
-    engine = SpeculativeEngine(model, tokenizer, proposer)
+    engine = SpeculativeEngine(model, tokenizer, SessionProposer(proposer))
     engine.eos_token_ids = NO_EOS  # random weights: keep sequences running to max_new_tokens
     return engine
 
@@ -167,8 +168,9 @@ def test_draft_budget_never_exceeds_remaining_tokens(tiny_model, tiny_tokenizer)
     proposer = ScriptedProposer(oracle(tiny_model))
     engine = engine_without_eos(tiny_model, tiny_tokenizer, proposer)
     engine.generate([GenerationRequest(PROMPTS[0], 7, num_speculative_tokens=8)])
-    # After prefill 6 tokens remain, so 5 drafts + 1 bonus fill them exactly.
-    assert [k for _, _, k in proposer.calls] == [5]
+    # After prefill 6 tokens remain, so 5 drafts + 1 bonus fill them exactly
+    # (the last call, k=0, hands the drafter the final tokens at close).
+    assert [k for _, _, k in proposer.calls] == [5, 0]
 
 
 def test_max_new_tokens_one_is_prefill_only(tiny_model, tiny_tokenizer):
@@ -185,7 +187,7 @@ def test_eos_inside_accepted_drafts_stops_there(tiny_model, tiny_tokenizer):
     truth = greedy_truth(tiny_model, PROMPTS[0], 12)
     eos = truth[5]  # pretend the 6th greedy token is EOS
     first_eos = truth.index(eos)
-    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, ScriptedProposer(oracle(tiny_model)))
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, SessionProposer(ScriptedProposer(oracle(tiny_model))))
     engine.eos_token_ids = frozenset([eos])
     [result] = engine.generate([GenerationRequest(PROMPTS[0], 12, num_speculative_tokens=8)])
     # The oracle drafts past EOS and all drafts are accepted, yet nothing after EOS is emitted.
@@ -214,8 +216,10 @@ def test_proposer_receives_only_new_tokens(tiny_model, tiny_tokenizer):
     proposer = ScriptedProposer(lambda context, k: [])
     engine = engine_without_eos(tiny_model, tiny_tokenizer, proposer)
     [result] = engine.generate([GenerationRequest(PROMPTS[0], 4, num_speculative_tokens=3)])
-    # Empty drafts: one new token per step (the first comes from prefill).
-    assert [new for _, new, _ in proposer.calls] == [[t] for t in result.token_ids[:3]]
+    # The session opens with the prompt and prefill's token; then empty drafts
+    # mean one new token per step, and closing sends the last one.
+    assert proposer.contexts[proposer.calls[0][0]] == PROMPTS[0] + result.token_ids
+    assert [new for _, new, _ in proposer.calls] == [[], [result.token_ids[1]], [result.token_ids[2]], [result.token_ids[3]]]
     assert proposer.closed == [proposer.calls[0][0]]
 
 
@@ -249,7 +253,7 @@ def test_sequences_join_and_leave_between_steps(tiny_model, tiny_tokenizer):
     ],
 )
 def test_bad_requests_are_refused_before_any_model_work(tiny_model, tiny_tokenizer, request_, message):
-    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, NGramDrafter())
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, SessionProposer(NGramDrafter()))
     with pytest.raises(ValueError, match=message):
         engine.add(request_)
     assert engine.active == [] and engine.cache.batch_size == 0

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from drafter_service.ngram import NGramDrafter
+from verifier_service.drafting import SessionProposer
 from verifier_service.engine import GenerationRequest, SpeculativeEngine
-from verifier_service.local_generate import chat_prompt_ids
+from verifier_service.model_loading import chat_prompt_ids
 
 MAX_NEW_TOKENS = 40
 PROMPTS = [
@@ -38,7 +39,7 @@ def prompts_and_references(real_model):
 @pytest.mark.parametrize("k", [1, 3, 5, 8])
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_greedy_output_equals_transformers_generate(real_model, prompts_and_references, k, batch_size):
-    engine = SpeculativeEngine(real_model.model, real_model.tokenizer, NGramDrafter())
+    engine = SpeculativeEngine(real_model.model, real_model.tokenizer, SessionProposer(NGramDrafter()))
     requests = [GenerationRequest(ids, MAX_NEW_TOKENS, num_speculative_tokens=k) for ids, _ in prompts_and_references]
     if batch_size == 1:
         results = [engine.generate([request])[0] for request in requests]
@@ -51,7 +52,7 @@ def test_greedy_output_equals_transformers_generate(real_model, prompts_and_refe
 
 
 def test_plain_path_equals_transformers_generate(real_model, prompts_and_references):
-    engine = SpeculativeEngine(real_model.model, real_model.tokenizer, NGramDrafter())
+    engine = SpeculativeEngine(real_model.model, real_model.tokenizer, SessionProposer(NGramDrafter()))
     results = engine.generate([GenerationRequest(ids, MAX_NEW_TOKENS, num_speculative_tokens=0) for ids, _ in prompts_and_references])
     assert [r.token_ids for r in results] == [expected for _, expected in prompts_and_references]
     assert all(r.stats.draft_tokens == 0 for r in results)

@@ -1,0 +1,91 @@
+"""python -m verifier_service --port PORT --drafter HOST:PORT [--model NAME_OR_PATH]
+
+Flags also come from SPECDEC_VERIFIER_* environment variables (flag name in
+upper case, dashes as underscores: SPECDEC_VERIFIER_MAX_BATCH_SIZE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from specdec.serving import env_default
+from verifier_service.server import VerifierConfig, create_server
+
+ENV_PREFIX = "SPECDEC_VERIFIER_"
+
+
+def parse_config(argv: list[str] | None = None) -> VerifierConfig:
+    defaults = VerifierConfig()
+
+    def env(name: str, default):
+        return env_default(ENV_PREFIX, name, default)
+
+    parser = argparse.ArgumentParser(prog="python -m verifier_service", description="speculative-decoding verifier gRPC service")
+    parser.add_argument("--host", default=env("host", defaults.host))
+    parser.add_argument("--port", type=int, default=int(env("port", defaults.port)), help="0 picks a free port")
+    parser.add_argument("--model", default=env("model", defaults.model), help="the embedded default or a Hugging Face model path/name")
+    parser.add_argument("--device", default=env("device", defaults.device), help="cpu, cuda, cuda:1 (default: CUDA when present)")
+    parser.add_argument("--drafter", default=env("drafter", defaults.drafter), help="host:port of the drafter (omit: no speculation)")
+    parser.add_argument("--drafter-timeout", type=float, default=float(env("drafter_timeout", defaults.drafter_timeout_s)))
+    parser.add_argument("--max-batch-size", type=int, default=int(env("max_batch_size", defaults.max_batch_size)))
+    parser.add_argument("--max-queued", type=int, default=int(env("max_queued", defaults.max_queued)))
+    parser.add_argument("--max-new-tokens-limit", type=int, default=int(env("max_new_tokens_limit", defaults.max_new_tokens_limit)))
+    parser.add_argument("--grace", type=float, default=float(env("grace", defaults.grace_s)), help="seconds SIGTERM gives in-flight requests")
+    parser.add_argument("--no-calibrate", action="store_true", default=env("no_calibrate", "") == "1",
+                        help="skip the start-up step-cost measurement (tests, tiny models)")
+    parser.add_argument("--tls-cert", default=env("tls_cert", None), help="PEM certificate: serve over TLS (with --tls-key)")
+    parser.add_argument("--tls-key", default=env("tls_key", None))
+    parser.add_argument("--drafter-tls-ca", default=env("drafter_tls_ca", None), help="PEM root certificate: reach the drafter over TLS")
+    args = parser.parse_args(argv)
+    for name in ("max_batch_size", "max_queued", "max_new_tokens_limit"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    return VerifierConfig(
+        port=args.port, host=args.host, model=args.model, device=args.device, drafter=args.drafter,
+        drafter_timeout_s=args.drafter_timeout, max_batch_size=args.max_batch_size, max_queued=args.max_queued,
+        max_new_tokens_limit=args.max_new_tokens_limit, grace_s=args.grace, calibrate=not args.no_calibrate,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, drafter_tls_ca=args.drafter_tls_ca,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = parse_config(argv)
+    stopping = threading.Event()
+
+    def on_signal(signum, _frame):
+        logging.info("signal %s: draining", signum)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    verifier = create_server(config)
+    # Health answers NOT_SERVING from here on while the model loads.
+    print(f"verifier listening on {config.host}:{verifier.port} (model {config.model})", flush=True)
+    failed = threading.Event()
+
+    def load() -> None:
+        try:
+            verifier.load()
+        except Exception:  # a bad model path, no memory: say so and exit, never hang NOT_SERVING
+            logging.exception("could not load model %s", config.model)
+            failed.set()
+            stopping.set()
+
+    threading.Thread(target=load, name="verifier-load", daemon=True).start()
+    stopping.wait()
+    drained = verifier.stop()
+    if failed.is_set():
+        sys.exit(1)
+    logging.info("stopped %s", "cleanly" if drained else "after cancelling requests past the grace period")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

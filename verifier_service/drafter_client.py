@@ -1,0 +1,191 @@
+"""The verifier's side of the drafter service: a ``DraftProposer`` over gRPC.
+
+Nothing here may fail a request. ``propose`` has a short deadline; on any
+error it returns empty drafts (the step runs as plain decoding), counts a
+fallback, and leaves the drafter alone for a back-off period while gRPC
+reconnects in the background. A drafter that restarted has forgotten our
+sessions: every session is then re-opened, under a fresh id, with its whole
+context, so the new drafter answers from the first step after it is back.
+
+Finished sequences are observed into the drafter's global table by a
+background thread, off the decoding path, with a unique ``observe_id`` per
+sequence that makes retries idempotent. The queue is bounded: when the
+drafter stays away long enough to fill it, the oldest observations are
+dropped (and counted); drafts get worse, outputs never do.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from specdec import serving
+from specdec.v1 import drafter_pb2, drafter_pb2_grpc
+from verifier_service.drafting import DraftRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DrafterClientConfig:
+    target: str  # host:port of the drafter service
+    vocabulary: str  # 16-hex-digit fingerprint of the verifier's tokenizer
+    # Per Propose: a step costs >= ~50 ms on CPU (a few ms on a GPU) and the
+    # drafter answers in ~2 ms, so waiting longer than this costs more than drafts save.
+    propose_timeout_s: float = 0.1
+    # After a failed call, steps skip the drafter for this long (gRPC reconnects meanwhile).
+    backoff_s: float = 1.0
+    observe_timeout_s: float = 10.0
+    # Finished sequences waiting to be observed while the drafter is away.
+    max_pending_observations: int = 1024
+    # PEM root certificate: the drafter is reached over TLS when set.
+    tls_ca: str | None = None
+
+
+class RemoteDrafter:
+    def __init__(self, config: DrafterClientConfig) -> None:
+        self.config = config
+        self.channel = serving.channel(config.target, config.tls_ca)
+        self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
+        # This verifier's sessions are named <instance>-<sequence>-<generation>:
+        # verifiers sharing a drafter never collide, and a re-opened session
+        # never meets its stale namesake.
+        self._instance = uuid.uuid4().hex[:12]
+        self._generation = 0
+        self._sent: dict[str, int] = {}  # sequence -> tokens the drafter's session holds
+        self._skip_until = 0.0
+        self.fallbacks = 0  # steps that ran without drafts because of the drafter
+        self.dropped_observations = 0
+        self._observations: collections.deque[drafter_pb2.ObserveRequest] = collections.deque()
+        self._closing: list[str] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._worker = threading.Thread(target=self._observe_loop, name="drafter-observer", daemon=True)
+        self._worker.start()
+
+    # -- DraftProposer ------------------------------------------------------------
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        if time.monotonic() < self._skip_until:
+            self.fallbacks += 1
+            return [[] for _ in requests]
+        sent = dict(self._sent)
+        updates = [self._update(request, sent) for request in requests]
+        try:
+            response = self.stub.Propose(
+                drafter_pb2.ProposeRequest(vocabulary=self.config.vocabulary, sequences=updates),
+                timeout=self.config.propose_timeout_s,
+            )
+        except grpc.RpcError as error:
+            self._on_error(error)
+            return [[] for _ in requests]
+        for request in requests:
+            self._sent[request.session_id] = len(request.tokens)
+        return [list(draft.tokens) for draft in response.drafts]
+
+    def close(self, finished: list[tuple[str, list[int]]]) -> None:
+        """Observe the finished sequences and close their sessions, both in the background."""
+        with self._wake:
+            for session_id, tokens in finished:
+                if session_id in self._sent:
+                    self._closing.append(self._session(session_id))
+                    del self._sent[session_id]
+                self._observations.append(drafter_pb2.ObserveRequest(
+                    vocabulary=self.config.vocabulary,
+                    observe_id=f"{self._instance}-{uuid.uuid4().hex}",
+                    sequences=[drafter_pb2.TokenSequence(tokens=tokens)],
+                ))
+                while len(self._observations) > self.config.max_pending_observations:
+                    self._observations.popleft()
+                    self.dropped_observations += 1
+            self._wake.notify()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Flush pending observations for up to ``timeout_s``, then close the channel."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._worker.join(timeout_s)
+        self.channel.close()
+
+    @property
+    def pending_observations(self) -> int:
+        return len(self._observations)
+
+    # -- internals ----------------------------------------------------------------
+
+    def _session(self, session_id: str) -> str:
+        return f"{self._instance}-{session_id}-{self._generation}"
+
+    def _update(self, request: DraftRequest, sent: dict[str, int]) -> drafter_pb2.SequenceUpdate:
+        known = sent.get(request.session_id)
+        if known is None:  # new, or re-opened after the drafter forgot it: the whole context
+            return drafter_pb2.SequenceUpdate(
+                session_id=self._session(request.session_id), new_tokens=request.tokens, open=True, num_draft_tokens=request.k
+            )
+        return drafter_pb2.SequenceUpdate(
+            session_id=self._session(request.session_id),
+            new_tokens=request.tokens[known:],
+            num_draft_tokens=request.k,
+            verified_draft_tokens=request.verified,
+            accepted_draft_tokens=request.accepted,
+        )
+
+    def _on_error(self, error: grpc.RpcError) -> None:
+        self.fallbacks += 1
+        code = error.code()
+        # Sessions may be gone (restart, idle expiry) or half-applied: start them
+        # over under a new generation of ids. The old ones expire on the drafter.
+        self._sent.clear()
+        self._generation += 1
+        if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS):
+            return  # the drafter is up: re-open right away
+        self._skip_until = time.monotonic() + self.config.backoff_s
+        log.warning("drafter unavailable (%s: %s); decoding without drafts for %.1fs", code.name, error.details(), self.config.backoff_s)
+
+    def _observe_loop(self) -> None:
+        delay = 0.1
+        while True:
+            with self._wake:
+                while not self._observations and not self._closing and not self._stopping:
+                    self._wake.wait()
+                if self._stopping and not self._observations:
+                    return
+                closing, self._closing = self._closing, []
+                request = self._observations[0] if self._observations else None
+            self._close_sessions(closing)
+            if request is None:
+                continue
+            try:
+                self.stub.Observe(request, timeout=self.config.observe_timeout_s)
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.INVALID_ARGUMENT:  # never succeeds: drop it
+                    log.error("drafter refused an observation: %s", error.details())
+                else:
+                    with self._wake:  # retry the same observe_id: the drafter dedups
+                        if self._stopping:
+                            return
+                        self._wake.wait(delay)
+                    delay = min(delay * 2, 5.0)
+                    continue
+            delay = 0.1
+            with self._wake:
+                if self._observations and self._observations[0] is request:
+                    self._observations.popleft()
+
+    def _close_sessions(self, session_ids: list[str]) -> None:
+        if not session_ids:
+            return
+        try:  # best effort: the drafter expires idle sessions anyway
+            self.stub.CloseSessions(
+                drafter_pb2.CloseSessionsRequest(vocabulary=self.config.vocabulary, session_ids=session_ids),
+                timeout=self.config.observe_timeout_s,
+            )
+        except grpc.RpcError:
+            pass

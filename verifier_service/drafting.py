@@ -1,0 +1,75 @@
+"""What the engine asks of a drafter: drafts for the whole batch in one call.
+
+The engine hands the proposer each speculating sequence's whole token list
+every step; the proposer keeps track of what its drafter has already seen and
+sends only the rest (a drafter session is opened with everything so far). So
+a drafter that forgot its sessions (a restart) is simply re-opened with the
+full context, and the engine never knows.
+
+``SessionProposer`` adapts an in-process session drafter (``NGramDrafter``);
+``drafter_client.RemoteDrafter`` is the gRPC one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass
+class DraftRequest:
+    """One sequence's part of a batched propose call."""
+
+    session_id: str
+    tokens: list[int]  # prompt + generated so far (the proposer sends what its drafter lacks)
+    k: int  # draft tokens wanted
+    # Feedback on this sequence's previous draft: tokens the target scored, and accepted.
+    verified: int = 0
+    accepted: int = 0
+
+
+class DraftProposer(Protocol):
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """A draft (possibly empty) per request, in order; never raises for drafter trouble."""
+
+    def close(self, finished: list[tuple[str, list[int]]]) -> None:
+        """Sessions that ended, with their full tokens (the drafter learns from them)."""
+
+
+class SessionDrafter(Protocol):
+    def open(self, session_id: str, prompt_ids: Sequence[int]) -> None: ...
+
+    def propose(self, session_id: str, new_tokens: Sequence[int], k: int): ...
+
+    def close(self, session_id: str, observe: bool = True) -> None: ...
+
+
+class SessionProposer:
+    """A ``DraftProposer`` over an in-process drafter with open/propose/close sessions."""
+
+    def __init__(self, drafter: SessionDrafter) -> None:
+        self.drafter = drafter
+        self._sent: dict[str, int] = {}  # session -> tokens the drafter has seen
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        drafts = []
+        for request in requests:
+            new = self._new_tokens(request.session_id, request.tokens)
+            drafts.append(list(self.drafter.propose(request.session_id, new, request.k).tokens))
+        return drafts
+
+    def close(self, finished: list[tuple[str, list[int]]]) -> None:
+        for session_id, tokens in finished:
+            if session_id in self._sent:
+                self.drafter.propose(session_id, self._new_tokens(session_id, tokens), 0)  # the last tokens too
+                del self._sent[session_id]
+                self.drafter.close(session_id, observe=True)
+
+    def _new_tokens(self, session_id: str, tokens: list[int]) -> list[int]:
+        sent = self._sent.get(session_id)
+        self._sent[session_id] = len(tokens)
+        if sent is None:
+            self.drafter.open(session_id, tokens)
+            return []
+        return tokens[sent:]

@@ -1,0 +1,335 @@
+"""The verifier as a gRPC service: ``Generate`` and ``GenerateStream`` over one shared batch.
+
+Requests are checked before any model work (INVALID_ARGUMENT with a message
+naming the field), then handed to the ``Scheduler``, which runs every
+in-flight request in one forward pass per step. A full queue answers
+RESOURCE_EXHAUSTED at once. A client that cancels, or whose deadline passes,
+frees its batch slot at the next step (gRPC's termination callback cancels
+the handle).
+
+Start-up: the port is bound and health says NOT_SERVING while the model
+loads, the step-cost model is calibrated and one request is decoded as a
+warm-up; only then SERVING. The drafter is optional: without one (or while
+it is away) every step is plain decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specdec import serving
+from specdec.v1 import verifier_pb2, verifier_pb2_grpc
+from specdec.vocabulary import tokenizer_fingerprint
+from verifier_service.adaptive import StepCostModel
+from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
+from verifier_service.engine import (
+    FINISH_CANCELLED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineConfig,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    SpeculativeEngine,
+)
+from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
+from verifier_service.rejection import SamplingParams
+from verifier_service.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+FINISH_REASONS = {
+    FINISH_STOP: verifier_pb2.FINISH_REASON_STOP,
+    FINISH_LENGTH: verifier_pb2.FINISH_REASON_LENGTH,
+    FINISH_CANCELLED: verifier_pb2.FINISH_REASON_CANCELLED,
+}
+# Rows at which the step cost is measured at start-up: single-sequence
+# decoding up to a 16-sequence batch verifying 8 drafts each.
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 144)
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    port: int = 50052  # 0 picks a free port
+    host: str = "127.0.0.1"
+    model: str = DEFAULT_MODEL  # the embedded default, or any Hugging Face causal LM path/name
+    device: str | None = None  # None: CUDA when present, else CPU
+    # host:port of the drafter service; None runs without speculation.
+    drafter: str | None = None
+    drafter_timeout_s: float = 0.1  # see DrafterClientConfig.propose_timeout_s
+    max_batch_size: int = SchedulerConfig.max_batch_size
+    max_queued: int = SchedulerConfig.max_queued
+    # Longest generation one request may ask for; bounds a request's hold on a batch slot.
+    max_new_tokens_limit: int = 4096
+    max_speculative_tokens: int = EngineConfig.max_speculative_tokens
+    stop_strings_limit: int = 16  # each stop string costs a decode per emitted token
+    grace_s: float = 10.0  # SIGTERM: time in-flight requests get to finish
+    calibrate: bool = True  # measure step cost at start-up (False: the engine's CPU default)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    drafter_tls_ca: str | None = None
+
+
+class BadRequest(Exception):
+    pass
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, config: VerifierConfig) -> None:
+        self.config = config
+        self.ready = threading.Event()
+        self.engine: SpeculativeEngine | None = None
+        self.scheduler: Scheduler | None = None
+
+    def attach(self, engine: SpeculativeEngine, scheduler: Scheduler) -> None:
+        self.engine, self.scheduler = engine, scheduler
+        self.context_length = getattr(engine.model.config, "max_position_embeddings", None) or 1 << 30
+        self.ready.set()
+
+    # -- RPCs ---------------------------------------------------------------------
+
+    def Generate(self, request, context):
+        handle = self._submit(request, context)
+        result = self._wait(handle, context)
+        return verifier_pb2.GenerateResponse(
+            text=result.text, token_ids=result.token_ids,
+            finish_reason=FINISH_REASONS[result.finish_reason], stats=self._stats(handle, result),
+        )
+
+    def GenerateStream(self, request, context):
+        handle = self._submit(request, context)
+        text = IncrementalText(self.engine.tokenizer, handle.request.stop)
+        while True:
+            kind, payload = handle.events.get()
+            if kind == "tokens":
+                yield verifier_pb2.GenerateChunk(text=text.push(payload), token_ids=payload)
+                continue
+            result = self._final(kind, payload, handle, context)
+            yield verifier_pb2.GenerateChunk(
+                text=text.finish(result.text), finish_reason=FINISH_REASONS[result.finish_reason], stats=self._stats(handle, result)
+            )
+            return
+
+    # -- helpers --------------------------------------------------------------------
+
+    def _submit(self, request, context) -> RequestHandle:
+        if not self.ready.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health reports SERVING")
+        try:
+            generation = self._generation_request(request)
+            self.engine.validate(generation)
+        except (BadRequest, ValueError) as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        try:
+            handle = self.scheduler.submit(generation)
+        except QueueFull as error:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        context.add_callback(lambda: self.scheduler.cancel(handle))  # on cancel, deadline, or completion
+        return handle
+
+    def _wait(self, handle: RequestHandle, context) -> GenerationResult:
+        while True:
+            kind, payload = handle.events.get()
+            if kind != "tokens":
+                return self._final(kind, payload, handle, context)
+
+    def _final(self, kind: str, payload, handle: RequestHandle, context) -> GenerationResult:
+        if kind == "error":
+            context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {payload}")
+        if payload is None:  # cancelled while queued
+            return GenerationResult(handle.request.request_id, [], "", FINISH_CANCELLED, GenerationStats())
+        return payload
+
+    def _stats(self, handle: RequestHandle, result: GenerationResult) -> verifier_pb2.GenerationStats:
+        stats, now = result.stats, time.perf_counter()
+        first = handle.first_token_at
+        return verifier_pb2.GenerationStats(
+            target_forward_passes=stats.target_forward_passes,
+            draft_tokens=stats.draft_tokens,
+            accepted_tokens=stats.accepted_tokens,
+            acceptance_rate=stats.acceptance_rate,
+            tokens_per_forward_pass=stats.tokens_per_forward_pass,
+            time_to_first_token_ms=1000 * (first - handle.arrived) if first is not None else 0.0,
+            total_ms=1000 * (now - handle.arrived),
+            prompt_tokens=len(handle.request.prompt_ids),
+            generated_tokens=len(result.token_ids),
+        )
+
+    def _generation_request(self, request) -> GenerationRequest:
+        config = self.config
+        has_ids = len(request.prompt_token_ids) > 0
+        if request.prompt and has_ids:
+            raise BadRequest("set either prompt or prompt_token_ids, not both")
+        if not request.prompt and not has_ids:
+            raise BadRequest("prompt is empty: set prompt (text) or prompt_token_ids")
+        if has_ids and request.chat:
+            raise BadRequest("chat applies to a text prompt; prompt_token_ids are used as given")
+        if not 1 <= request.max_new_tokens <= config.max_new_tokens_limit:
+            raise BadRequest(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {request.max_new_tokens}")
+        for name in ("temperature", "top_p"):
+            value = getattr(request, name)
+            if not math.isfinite(value):
+                raise BadRequest(f"{name} must be a finite number, got {value}")
+        if request.temperature < 0:
+            raise BadRequest(f"temperature must be >= 0 (0 = greedy), got {request.temperature}")
+        if not 0 <= request.top_p <= 1:
+            raise BadRequest(f"top_p must be in [0, 1] (0 or 1 = off), got {request.top_p}")
+        if len(request.stop) > config.stop_strings_limit or any(not stop for stop in request.stop):
+            raise BadRequest(f"stop takes at most {config.stop_strings_limit} non-empty strings")
+        if request.HasField("num_speculative_tokens") and request.num_speculative_tokens > config.max_speculative_tokens:
+            raise BadRequest(
+                f"num_speculative_tokens must be in [0, {config.max_speculative_tokens}] (unset = adaptive), "
+                f"got {request.num_speculative_tokens}"
+            )
+        tokenizer = self.engine.tokenizer
+        if has_ids:
+            prompt_ids = list(request.prompt_token_ids)
+        elif request.chat:
+            prompt_ids = chat_prompt_ids(tokenizer, request.prompt)
+        else:
+            prompt_ids = tokenizer(request.prompt).input_ids
+        if len(prompt_ids) + request.max_new_tokens > self.context_length:
+            raise BadRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the "
+                f"model's context of {self.context_length} tokens"
+            )
+        sampling = SamplingParams(
+            temperature=float(request.temperature),
+            top_k=request.top_k,
+            top_p=float(request.top_p) if 0 < request.top_p < 1 else 1.0,
+            seed=request.seed if request.HasField("seed") else None,
+        )
+        k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
+        return GenerationRequest(prompt_ids, request.max_new_tokens, sampling, tuple(request.stop), k)
+
+
+class IncrementalText:
+    """Text deltas for a stream of tokens, each a prefix-safe piece of the final text.
+
+    Holds back a trailing partial UTF-8 character (decoded as U+FFFD) and any
+    tail that could be the start of a stop string, since the final text ends
+    before the stop string. ``finish`` sends the rest of the final text.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def push(self, tokens: list[int]) -> str:
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        safe = len(text.rstrip("\ufffd"))
+        safe -= max((_stop_prefix_at_end(text[:safe], stop) for stop in self.stop), default=0)
+        if safe <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent) : safe], text[:safe]
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        if not final_text.startswith(self.sent):  # cannot happen for prefix-stable tokenizers
+            log.warning("streamed text is not a prefix of the final text")
+            return ""
+        return final_text[len(self.sent) :]
+
+
+def _stop_prefix_at_end(text: str, stop: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``stop``: ("ab<", "<end>") -> 1."""
+    for length in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:length]):
+            return length
+    return 0
+
+
+@dataclass
+class VerifierServer:
+    server: grpc.Server
+    port: int
+    servicer: VerifierServicer
+    health: health.HealthServicer
+    drafter: RemoteDrafter | None = None
+
+    def load(self) -> None:
+        """Load the model, calibrate and warm up, start the scheduler, then report SERVING."""
+        config = self.servicer.config
+        started = time.perf_counter()
+        loaded = load_model(config.model, device=config.device)
+        torch.set_grad_enabled(False)
+        step_cost = calibrate_step_cost(loaded.model) if config.calibrate else None
+        if config.drafter:
+            self.drafter = RemoteDrafter(DrafterClientConfig(
+                target=config.drafter, vocabulary=tokenizer_fingerprint(loaded.tokenizer),
+                propose_timeout_s=config.drafter_timeout_s, tls_ca=config.drafter_tls_ca,
+            ))
+        engine = SpeculativeEngine(
+            loaded.model, loaded.tokenizer, self.drafter, EngineConfig(max_speculative_tokens=config.max_speculative_tokens), step_cost
+        )
+        engine.generate([GenerationRequest([0, 1, 2, 3], 4, num_speculative_tokens=0)])  # warm-up
+        scheduler = Scheduler(engine, SchedulerConfig(config.max_batch_size, config.max_queued))
+        scheduler.start()
+        self.servicer.attach(engine, scheduler)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("model %s ready on %s in %.1fs", config.model, engine.device, time.perf_counter() - started)
+
+    def stop(self, grace: float | None = None) -> bool:
+        """NOT_SERVING, drain in-flight requests for up to ``grace`` seconds, then stop."""
+        grace = self.servicer.config.grace_s if grace is None else grace
+        self.health.enter_graceful_shutdown()
+        drained = True
+        if self.servicer.scheduler is not None:
+            drained = self.servicer.scheduler.stop(grace)
+        self.server.stop(1.0).wait()
+        if self.drafter is not None:
+            self.drafter.stop()
+        return drained
+
+
+def calibrate_step_cost(model, rows: tuple[int, ...] = CALIBRATION_ROWS) -> StepCostModel:
+    """Seconds per forward pass at each row count (best of 3), on the real device."""
+    device = next(model.parameters()).device
+    points = {}
+    for count in rows:
+        input_ids = torch.zeros((1, count), dtype=torch.long, device=device)
+        times = []
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            model(input_ids=input_ids, use_cache=False)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        points[count] = min(times)
+    log.info("step cost (rows -> ms): %s", {k: round(1000 * v, 1) for k, v in points.items()})
+    return StepCostModel(points)
+
+
+def create_server(config: VerifierConfig) -> VerifierServer:
+    """Bind the port with health NOT_SERVING; call ``load()`` to bring the model up."""
+    # One worker per request that may be running or queued, plus health and reflection calls.
+    workers = config.max_batch_size + config.max_queued + 8
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers), options=serving.CHANNEL_OPTIONS, maximum_concurrent_rpcs=workers
+    )
+    health_servicer = health.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    servicer = VerifierServicer(config)
+    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key)
+    server.start()
+    return VerifierServer(server, port, servicer, health_servicer)

@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m verifier_service.local_generate
+	$(PY) -m verifier_service.local_run
 
 test: $(STAMP) check-protos
 	$(PY) -m pytest

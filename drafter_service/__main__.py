@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
 
 from drafter_service.ngram import NGramConfig
 from drafter_service.server import DrafterConfig, create_server
+from specdec.serving import env_default
 
 ENV_PREFIX = "SPECDEC_DRAFTER_"
 
@@ -19,7 +19,7 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
     defaults = DrafterConfig()
 
     def env(name: str, default):
-        return os.environ.get(ENV_PREFIX + name.upper(), default)
+        return env_default(ENV_PREFIX, name, default)
 
     parser = argparse.ArgumentParser(prog="python -m drafter_service", description="n-gram drafter gRPC service")
     parser.add_argument("--host", default=env("host", defaults.host), help="address to bind (SPECDEC_DRAFTER_HOST)")
@@ -30,7 +30,11 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
     parser.add_argument("--n-max", type=int, default=int(env("n_max", defaults.ngram.n_max)))
     parser.add_argument("--grace", type=float, default=float(env("grace", defaults.grace_s)), help="seconds SIGTERM gives in-flight calls")
     parser.add_argument("--session-idle-timeout", type=float, default=float(env("session_idle_timeout", defaults.session_idle_timeout_s)))
+    parser.add_argument("--tls-cert", default=env("tls_cert", None), help="PEM certificate: serve over TLS (with --tls-key)")
+    parser.add_argument("--tls-key", default=env("tls_key", None))
     args = parser.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
     try:
         ngram = NGramConfig(n_min=args.n_min, n_max=args.n_max)
     except ValueError as error:
@@ -40,6 +44,7 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
     return DrafterConfig(
         port=args.port, host=args.host, db=args.db, max_bytes=args.max_bytes, ngram=ngram,
         grace_s=args.grace, session_idle_timeout_s=args.session_idle_timeout,
+        tls_cert=args.tls_cert, tls_key=args.tls_key,
     )
 
 

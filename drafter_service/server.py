@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, ContextIndex, NGramConfig, NGramSource
 from drafter_service.store import LMDBNGramStore, StoreConfig
+from specdec import serving
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ class DrafterConfig:
     # Time SIGTERM gives in-flight calls to finish.
     grace_s: float = 5.0
     max_workers: int = 16
+    # PEM certificate and key: serve over TLS when both are set.
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
 
 # Observed tokens cost about this many table bytes (3 n-gram records with
@@ -467,9 +471,7 @@ def create_server(config: DrafterConfig) -> DrafterServer:
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        raise RuntimeError(f"could not bind {config.host}:{config.port}")
+    port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key)
     stores = StoreRegistry(config)
     writer = ObservationWriter(config.max_pending_observations)
     servicer = DrafterServicer(config, stores, writer)

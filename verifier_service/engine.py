@@ -321,8 +321,8 @@ class SpeculativeEngine:
         for sequence, draft, (count, token), was_asked in zip(self.active, drafts, decisions, asked):
             stats = sequence.stats
             stats.target_forward_passes += 1
-            sequence.verified, sequence.accepted = len(draft), count
-            if was_asked:
+            if was_asked:  # feedback on the drafter's draft, sent when it is next asked
+                sequence.verified, sequence.accepted = len(draft), count
                 self._back_off(sequence, count)
             if draft:
                 stats.draft_tokens += len(draft)

@@ -146,7 +146,9 @@ class Scheduler:
                 continue
             try:
                 sequence, finished = self.engine.add(handle.request)
-            except ValueError as error:  # validated by the service already; report, never crash
+            except Exception as error:  # out of memory on a long prompt, or a bug: this request only
+                if not isinstance(error, ValueError):  # ValueError: validated by the service already
+                    log.exception("prefill failed")
                 handle.events.put(("error", error))
                 continue
             handle._sequence = sequence

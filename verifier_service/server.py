@@ -231,6 +231,9 @@ class IncrementalText:
         self.tokens.extend(tokens)
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         safe = len(text.rstrip("\ufffd"))
+        # The final text ends before the first stop string: never send one, nor
+        # a tail that may yet become one.
+        safe = min([safe] + [text.find(stop) for stop in self.stop if stop in text])
         safe -= max((_stop_prefix_at_end(text[:safe], stop) for stop in self.stop), default=0)
         if safe <= len(self.sent) or not text.startswith(self.sent):
             return ""

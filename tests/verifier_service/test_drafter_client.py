@@ -1,0 +1,289 @@
+"""RemoteDrafter against a real in-process drafter service on a loopback port: sessions, feedback,
+fallback and back-off, restarts, and background observations."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import grpc
+import pytest
+
+from drafter_service.server import DrafterConfig, create_server
+from specdec.v1 import drafter_pb2 as pb
+from specdec.v1 import drafter_pb2_grpc as rpc
+from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
+from verifier_service.drafting import DraftRequest
+
+VOCABULARY = "00112233445566aa"
+# Upper bound on waiting for background work (observations, reconnects); never a pass/fail threshold.
+DEADLINE_S = 20
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until(condition, what: str):
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting until {what}")
+        time.sleep(0.02)
+
+
+class RecordingStub:
+    """Passes calls to the real stub; records each Propose request and each Observe outcome."""
+
+    def __init__(self, stub) -> None:
+        self.stub = stub
+        self.proposes: list[pb.ProposeRequest] = []
+        self.observe_outcomes: list[str] = []
+
+    def Propose(self, request, timeout=None):
+        self.proposes.append(request)
+        return self.stub.Propose(request, timeout=timeout)
+
+    def Observe(self, request, timeout=None):
+        try:
+            response = self.stub.Observe(request, timeout=timeout)
+        except grpc.RpcError as error:
+            self.observe_outcomes.append(error.code().name)
+            raise
+        self.observe_outcomes.append("OK")
+        return response
+
+    def __getattr__(self, name):
+        return getattr(self.stub, name)
+
+
+class Drafters:
+    """Starts drafter servers (each with its own table) and stats channels; stops them all at the end."""
+
+    def __init__(self, tmp_path) -> None:
+        self.tmp_path, self.servers, self.channels, self.count = tmp_path, [], [], 0
+
+    def start(self, port: int = 0):
+        self.count += 1
+        server = create_server(DrafterConfig(port=port, db=str(self.tmp_path / f"db{self.count}"), grace_s=0))
+        self.servers.append(server)
+        return server
+
+    def stats(self, server) -> pb.StatsResponse:
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        self.channels.append(channel)
+        return rpc.DrafterStub(channel).Stats(pb.StatsRequest(vocabulary=VOCABULARY), timeout=5)
+
+    def stub(self, server):
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        self.channels.append(channel)
+        return rpc.DrafterStub(channel)
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+        for server in self.servers:
+            server.stop(0)
+
+
+@pytest.fixture
+def drafters(tmp_path):
+    pool = Drafters(tmp_path)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def clients():
+    made = []
+
+    def make(port: int, **overrides) -> RemoteDrafter:
+        # A generous propose deadline: these tests check behaviour, not the latency budget.
+        settings = dict(propose_timeout_s=5.0, backoff_s=0.2, observe_timeout_s=2.0) | overrides
+        client = RemoteDrafter(DrafterClientConfig(target=f"127.0.0.1:{port}", vocabulary=VOCABULARY, **settings))
+        client.stub = RecordingStub(client.stub)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.stop(timeout_s=2)
+
+
+CONTEXT = [1, 2, 3, 4, 2, 3]  # "2 3" was followed by 4, "3 4" by 2, "4 2" by 3
+LONGER = CONTEXT + [4, 2]
+
+
+def test_first_propose_opens_the_session_with_the_whole_context(drafters, clients):
+    server = drafters.start()
+    client = clients(server.port)
+    assert client.propose([DraftRequest("seq-0", CONTEXT, 3)]) == [[4, 2, 3]]
+    [request] = client.stub.proposes
+    [update] = request.sequences
+    assert request.vocabulary == VOCABULARY
+    assert update.open is True
+    assert list(update.new_tokens) == CONTEXT
+    assert update.num_draft_tokens == 3
+    assert update.session_id.endswith("-seq-0-0")  # <instance>-<sequence>-<generation>
+    stats = drafters.stats(server)
+    assert (stats.open_sessions, stats.propose_calls, stats.proposed_tokens, stats.context_hits) == (1, 1, 3, 3)
+    assert client.fallbacks == 0
+
+
+def test_later_proposes_send_only_the_new_tokens_and_the_feedback(drafters, clients):
+    server = drafters.start()
+    client = clients(server.port)
+    client.propose([DraftRequest("seq-0", CONTEXT, 3)])
+    # Of the 3 drafts [4, 2, 3], the target verified 3 and accepted 2 (then "3" was wrong).
+    drafts = client.propose([DraftRequest("seq-0", LONGER, 3, verified=3, accepted=2)])
+    # [2, 3, 4, 2] was seen at positions 1-4 followed by 3; then [3, 4, 2, 3] -> 4, [4, 2, 3, 4] -> 2.
+    assert drafts == [[3, 4, 2]]
+    update = client.stub.proposes[1].sequences[0]
+    assert update.open is False
+    assert list(update.new_tokens) == [4, 2]
+    assert (update.verified_draft_tokens, update.accepted_draft_tokens) == (3, 2)
+    session = server.servicer.sessions[update.session_id]
+    assert session.context.tokens == LONGER  # nothing sent twice
+    stats = drafters.stats(server)
+    assert (stats.context_verified, stats.context_accepted) == (3, 2)
+    assert (stats.global_verified, stats.global_accepted) == (0, 0)
+
+
+def test_one_call_carries_every_sequence_of_the_batch(drafters, clients):
+    server = drafters.start()
+    client = clients(server.port)
+    drafts = client.propose([DraftRequest("a", CONTEXT, 3), DraftRequest("b", [7, 8, 9, 7, 8], 2), DraftRequest("c", [5], 4)])
+    # "7 8" was followed by 9, then "8 9" by 7; [5] has no 2-token suffix to match.
+    assert drafts == [[4, 2, 3], [9, 7], []]
+    assert len(client.stub.proposes) == 1
+    assert drafters.stats(server).open_sessions == 3
+
+
+def test_drafter_down_gives_empty_drafts_and_no_calls_during_the_back_off(drafters, clients, caplog):
+    server = drafters.start()
+    client = clients(server.port, backoff_s=60.0)  # long enough that the second call surely falls inside it
+    client.propose([DraftRequest("seq-0", CONTEXT, 3)])
+    server.stop(0)
+    with caplog.at_level(logging.WARNING, logger="verifier_service.drafter_client"):
+        assert client.propose([DraftRequest("seq-0", LONGER, 3), DraftRequest("seq-1", [5, 6], 2)]) == [[], []]
+    assert client.fallbacks == 1
+    assert len(client.stub.proposes) == 2  # the failed call was attempted
+    assert "drafter unavailable (UNAVAILABLE: " in caplog.text
+    assert "decoding without drafts for 60.0s" in caplog.text
+    assert client.propose([DraftRequest("seq-0", LONGER + [3], 3)]) == [[]]
+    assert client.fallbacks == 2
+    assert len(client.stub.proposes) == 2  # backing off: no call at all
+
+
+def test_restarted_drafter_gets_the_sessions_reopened_with_their_whole_context(drafters, clients):
+    port = free_port()
+    first = drafters.start(port)
+    client = clients(port, backoff_s=0.2)
+    assert client.propose([DraftRequest("seq-0", CONTEXT, 3)]) == [[4, 2, 3]]
+    first.stop(0)
+    assert client.propose([DraftRequest("seq-0", CONTEXT + [4], 3)]) == [[]]
+    second = drafters.start(port)  # a fresh process: it knows no sessions
+    drafts = wait_until(lambda: client.propose([DraftRequest("seq-0", LONGER, 3)])[0], "drafts come back")
+    assert drafts == [3, 4, 2]
+    update = client.stub.proposes[-1].sequences[0]
+    assert update.open is True
+    assert list(update.new_tokens) == LONGER
+    assert not update.session_id.endswith("-seq-0-0")  # a new generation of ids
+    assert drafters.stats(second).open_sessions == 1
+    assert client.fallbacks >= 1
+
+
+def test_a_session_the_drafter_forgot_is_reopened_on_the_next_step_without_back_off(drafters, clients, caplog):
+    server = drafters.start()
+    client = clients(server.port, backoff_s=60.0)
+    client.propose([DraftRequest("seq-0", CONTEXT, 3)])
+    session_id = client.stub.proposes[0].sequences[0].session_id
+    # As if the drafter had expired the idle session.
+    closed = drafters.stub(server).CloseSessions(pb.CloseSessionsRequest(vocabulary=VOCABULARY, session_ids=[session_id]), timeout=5)
+    assert closed.closed == 1
+    with caplog.at_level(logging.WARNING, logger="verifier_service.drafter_client"):
+        assert client.propose([DraftRequest("seq-0", LONGER, 3)]) == [[]]  # NOT_FOUND: this step runs plain
+    assert client.fallbacks == 1
+    assert "drafter unavailable" not in caplog.text  # the drafter is up: no back-off
+    assert client.propose([DraftRequest("seq-0", LONGER, 3)]) == [[3, 4, 2]]
+    update = client.stub.proposes[-1].sequences[0]
+    assert update.open is True and list(update.new_tokens) == LONGER
+    assert update.session_id.endswith("-seq-0-1")
+
+
+def test_close_observes_the_finished_tokens_into_the_global_table(drafters, clients):
+    server = drafters.start()
+    client = clients(server.port)
+    finished = [10, 11, 12, 13, 14, 15, 16]
+    client.propose([DraftRequest("seq-0", finished[:5], 2)])
+    client.close([("seq-0", finished)])
+    wait_until(lambda: drafters.stats(server).observed_tokens == len(finished), "the observation is stored")
+    wait_until(lambda: client.pending_observations == 0, "the client's queue is empty")
+    assert drafters.stats(server).open_sessions == 0  # its session was closed too
+    # Another request starting the same way is drafted from the global table (a 4-token match is trusted).
+    assert client.propose([DraftRequest("seq-1", [10, 11, 12, 13], 3)]) == [[14, 15, 16]]
+    assert drafters.stats(server).global_hits == 3
+
+
+def test_an_observation_made_while_the_drafter_is_down_arrives_after_it_returns(drafters, clients):
+    port = free_port()
+    first = drafters.start(port)
+    client = clients(port)
+    first.stop(0)
+    finished = [20, 21, 22, 23, 24]
+    client.close([("seq-0", finished)])
+    wait_until(lambda: "UNAVAILABLE" in client.stub.observe_outcomes, "an Observe attempt fails")
+    assert client.pending_observations == 1  # kept for a retry
+    second = drafters.start(port)
+    wait_until(lambda: drafters.stats(second).observed_tokens == len(finished), "the retried observation is stored")
+    wait_until(lambda: client.pending_observations == 0, "the client's queue is empty")
+    assert client.stub.observe_outcomes[-1] == "OK"
+    assert client.dropped_observations == 0
+
+
+def test_an_observation_the_drafter_refuses_is_dropped_not_retried(drafters, clients, caplog):
+    server = drafters.start()
+    client = clients(server.port)
+    with caplog.at_level(logging.ERROR, logger="verifier_service.drafter_client"):
+        client.close([("seq-0", [5, 1 << 24])])  # above the drafter's max_token_id
+        wait_until(lambda: client.pending_observations == 0, "the refused observation leaves the queue")
+    assert client.stub.observe_outcomes == ["INVALID_ARGUMENT"]
+    assert "drafter refused an observation: sequences[0]: token id 16777216 is out of range (must be < 16777216)" in caplog.text
+    assert drafters.stats(server).observed_tokens == 0
+
+
+def test_pending_observations_beyond_the_bound_drop_the_oldest(drafters, clients):
+    port = free_port()
+    client = clients(port, max_pending_observations=2)  # nothing listens on the port
+    client.close([("a", [1, 2, 3, 4, 5]), ("b", [6, 7, 8]), ("c", [9, 10, 11, 12])])
+    assert client.dropped_observations == 1
+    assert client.pending_observations == 2
+    server = drafters.start(port)
+    # b and c: 3 + 4 tokens (a's 5 were dropped; dropping the newest instead would leave 8).
+    wait_until(lambda: drafters.stats(server).observed_tokens == 7, "the two kept observations are stored")
+    wait_until(lambda: client.pending_observations == 0, "the client's queue is empty")
+
+
+def test_stop_flushes_pending_observations_before_returning(drafters, clients):
+    server = drafters.start()
+    client = clients(server.port)
+    client.close([("seq-0", [30, 31, 32, 33])])
+    client.stop(timeout_s=DEADLINE_S)
+    assert client.pending_observations == 0
+    assert drafters.stats(server).observed_tokens == 4
+
+
+def test_stop_returns_while_the_drafter_is_down(drafters, clients):
+    port = free_port()
+    client = clients(port)  # nothing listens on the port
+    client.close([("seq-0", [30, 31, 32])])
+    wait_until(lambda: "UNAVAILABLE" in client.stub.observe_outcomes, "an Observe attempt fails")
+    client.stop(timeout_s=DEADLINE_S)
+    assert client.pending_observations == 1  # given up at stop: drafts get worse, outputs never do
+    assert not client._worker.is_alive()

@@ -9,7 +9,7 @@ import sys
 import threading
 
 from drafter_service.ngram import NGramConfig
-from drafter_service.server import DrafterConfig, create_server
+from drafter_service.server import DEFAULT_METRICS_PORT, DrafterConfig, create_server
 from specdec.serving import env_default
 
 ENV_PREFIX = "SPECDEC_DRAFTER_"
@@ -30,6 +30,8 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
     parser.add_argument("--n-max", type=int, default=int(env("n_max", defaults.ngram.n_max)))
     parser.add_argument("--grace", type=float, default=float(env("grace", defaults.grace_s)), help="seconds SIGTERM gives in-flight calls")
     parser.add_argument("--session-idle-timeout", type=float, default=float(env("session_idle_timeout", defaults.session_idle_timeout_s)))
+    parser.add_argument("--metrics-port", type=int, default=int(env("metrics_port", DEFAULT_METRICS_PORT)),
+                        help="Prometheus /metrics port (0: a free one, -1: off)")
     parser.add_argument("--tls-cert", default=env("tls_cert", None), help="PEM certificate: serve over TLS (with --tls-key)")
     parser.add_argument("--tls-key", default=env("tls_key", None))
     args = parser.parse_args(argv)
@@ -44,7 +46,7 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
     return DrafterConfig(
         port=args.port, host=args.host, db=args.db, max_bytes=args.max_bytes, ngram=ngram,
         grace_s=args.grace, session_idle_timeout_s=args.session_idle_timeout,
-        tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
     )
 
 
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, on_signal)
     drafter = create_server(config)
     print(f"drafter listening on {config.host}:{drafter.port} (db {config.db})", flush=True)
+    if drafter.metrics_port is not None:
+        print(f"drafter metrics on {config.host}:{drafter.metrics_port}", flush=True)
     stopping.wait()
     drafter.stop()
     logging.info("stopped cleanly")

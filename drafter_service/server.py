@@ -25,16 +25,21 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.trace import SpanKind
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from grpc_reflection.v1alpha import reflection
 
 from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, ContextIndex, NGramConfig, NGramSource
 from drafter_service.store import LMDBNGramStore, StoreConfig
-from specdec import serving
+from specdec import serving, telemetry
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+# Beside Prometheus' own 9090 without clashing with the usual node exporters.
+DEFAULT_METRICS_PORT = 9101
 VOCABULARY_PATTERN = re.compile(r"^[0-9a-f]{16}$")
 _SOURCES = {SOURCE_CONTEXT: drafter_pb2.DRAFT_SOURCE_CONTEXT, SOURCE_GLOBAL: drafter_pb2.DRAFT_SOURCE_GLOBAL}
 
@@ -70,6 +75,9 @@ class DrafterConfig:
     # Time SIGTERM gives in-flight calls to finish.
     grace_s: float = 5.0
     max_workers: int = 16
+    # Prometheus /metrics port (0: a free one; None: not served, the default
+    # for in-process servers; the command line serves on DEFAULT_METRICS_PORT).
+    metrics_port: int | None = None
     # PEM certificate and key: serve over TLS when both are set.
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -209,10 +217,19 @@ def _check(condition: bool, message: str, code: grpc.StatusCode = grpc.StatusCod
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, config: DrafterConfig, stores: StoreRegistry, writer: ObservationWriter) -> None:
+    def __init__(
+        self, config: DrafterConfig, stores: StoreRegistry, writer: ObservationWriter, tracing: telemetry.Tracing | None = None
+    ) -> None:
         self.config = config
         self.stores = stores
         self.writer = writer
+        self.tracing = tracing or telemetry.Tracing("specdec-drafter")
+        self.registry = CollectorRegistry()
+        self.registry.register(_DrafterCollector(self))
+        self.propose_seconds = Histogram(
+            "specdec_drafter_propose_seconds", "Server-side Propose latency", registry=self.registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+        )
         self.sessions: dict[str, _Session] = {}
         self.lock = threading.Lock()
         self.counters = dict.fromkeys(
@@ -290,6 +307,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     # -- RPCs -------------------------------------------------------------------
 
     def Propose(self, request, context):
+        started = time.perf_counter()
+        with self.tracing.tracer.start_as_current_span(
+            "specdec.drafter.propose", context=telemetry.incoming_context(context), kind=SpanKind.SERVER,
+            attributes={"specdec.sequences": len(request.sequences)},
+        ) as span:
+            response = self._propose(request, context)
+            span.set_attribute("specdec.draft_tokens", sum(len(draft.tokens) for draft in response.drafts))
+        self.propose_seconds.observe(time.perf_counter() - started)
+        return response
+
+    def _propose(self, request, context):
         with self.lock:
             try:
                 self._check_propose(request)
@@ -351,6 +379,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         )
 
     def Observe(self, request, context):
+        with self.tracing.tracer.start_as_current_span(
+            "specdec.drafter.observe", context=telemetry.incoming_context(context), kind=SpanKind.SERVER,
+            attributes={"specdec.sequences": len(request.sequences)},
+        ):
+            return self._observe(request, context)
+
+    def _observe(self, request, context):
         try:
             self._check_vocabulary(request.vocabulary)
             _check(bool(request.observe_id), "observe_id is empty: give each Observe a unique id so retries are not counted twice")
@@ -433,6 +468,47 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return len(stale)
 
 
+class _DrafterCollector:
+    """Prometheus view of the servicer's counters and the tables' sizes, read at scrape time."""
+
+    def __init__(self, servicer: DrafterServicer) -> None:
+        self.servicer = servicer
+
+    def collect(self):
+        counters, prefix = dict(self.servicer.counters), "specdec_drafter_"
+        for name, help_text in (
+            ("propose_calls", "Propose calls"),
+            ("misses", "Sequences that asked for drafts and got none"),
+            ("observed_tokens", "Tokens observed into the global table"),
+        ):
+            yield _counter(prefix + name, help_text, {(): counters[name]})
+        yield _counter(prefix + "proposed_tokens", "Draft tokens proposed, by source",
+                       {("context",): counters["context_hits"], ("global",): counters["global_hits"]}, ["source"])
+        for verdict in ("verified", "accepted"):
+            yield _counter(prefix + f"{verdict}_tokens", f"Draft tokens the verifier reported {verdict}, by source",
+                           {(source,): counters[f"{source}_{verdict}"] for source in ("context", "global")}, ["source"])
+        yield _counter(prefix + "dropped_spans", "Trace spans dropped (collector down or queue full)",
+                       {(): self.servicer.tracing.dropped_spans})
+        sessions = GaugeMetricFamily(prefix + "open_sessions", "Open sessions")
+        sessions.add_metric([], len(self.servicer.sessions))
+        yield sessions
+        entries = GaugeMetricFamily(prefix + "table_entries", "n-grams in the global table", labels=["vocabulary"])
+        size = GaugeMetricFamily(prefix + "table_bytes", "Tracked size of the global table", labels=["vocabulary"])
+        for vocabulary, store in self.servicer.stores.all().items():
+            stats = store.stats()
+            entries.add_metric([vocabulary], stats.get("entries", 0))
+            size.add_metric([vocabulary], stats.get("bytes", 0))
+        yield entries
+        yield size
+
+
+def _counter(name: str, help_text: str, samples: dict[tuple, float], labels: list[str] | None = None) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, help_text, labels=labels or [])
+    for label_values, value in samples.items():
+        family.add_metric(list(label_values), value)
+    return family
+
+
 @dataclass
 class DrafterServer:
     server: grpc.Server
@@ -441,6 +517,8 @@ class DrafterServer:
     health: health.HealthServicer
     stores: StoreRegistry
     writer: ObservationWriter
+    metrics_port: int | None = None  # where /metrics is served; None: not served
+    _metrics_server: object = None
     _stop_janitor: threading.Event = field(default_factory=threading.Event)
 
     def start_janitor(self) -> None:
@@ -459,6 +537,9 @@ class DrafterServer:
         self.server.stop(self.servicer.config.grace_s if grace is None else grace).wait()
         self.writer.stop()
         self.stores.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        self.servicer.tracing.shutdown()
 
 
 def create_server(config: DrafterConfig) -> DrafterServer:
@@ -478,6 +559,8 @@ def create_server(config: DrafterConfig) -> DrafterServer:
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     drafter = DrafterServer(server, port, servicer, health_servicer, stores, writer)
+    if config.metrics_port is not None:
+        drafter._metrics_server, drafter.metrics_port = telemetry.start_metrics_server(servicer.registry, config.host, config.metrics_port)
     writer.start()
     server.start()
     drafter.start_janitor()

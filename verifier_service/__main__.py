@@ -13,7 +13,7 @@ import sys
 import threading
 
 from specdec.serving import env_default
-from verifier_service.server import VerifierConfig, create_server
+from verifier_service.server import DEFAULT_METRICS_PORT, VerifierConfig, create_server
 
 ENV_PREFIX = "SPECDEC_VERIFIER_"
 
@@ -37,6 +37,8 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
     parser.add_argument("--grace", type=float, default=float(env("grace", defaults.grace_s)), help="seconds SIGTERM gives in-flight requests")
     parser.add_argument("--no-calibrate", action="store_true", default=env("no_calibrate", "") == "1",
                         help="skip the start-up step-cost measurement (tests, tiny models)")
+    parser.add_argument("--metrics-port", type=int, default=int(env("metrics_port", DEFAULT_METRICS_PORT)),
+                        help="Prometheus /metrics port (0: a free one, -1: off)")
     parser.add_argument("--tls-cert", default=env("tls_cert", None), help="PEM certificate: serve over TLS (with --tls-key)")
     parser.add_argument("--tls-key", default=env("tls_key", None))
     parser.add_argument("--drafter-tls-ca", default=env("drafter_tls_ca", None), help="PEM root certificate: reach the drafter over TLS")
@@ -51,6 +53,7 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         drafter_timeout_s=args.drafter_timeout, max_batch_size=args.max_batch_size, max_queued=args.max_queued,
         max_new_tokens_limit=args.max_new_tokens_limit, grace_s=args.grace, calibrate=not args.no_calibrate,
         tls_cert=args.tls_cert, tls_key=args.tls_key, drafter_tls_ca=args.drafter_tls_ca,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
     )
 
 
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     verifier = create_server(config)
     # Health answers NOT_SERVING from here on while the model loads.
     print(f"verifier listening on {config.host}:{verifier.port} (model {config.model})", flush=True)
+    if verifier.metrics_port is not None:
+        print(f"verifier metrics on {config.host}:{verifier.metrics_port}", flush=True)
     failed = threading.Event()
 
     def load() -> None:

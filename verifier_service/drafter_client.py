@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from specdec import serving
+from specdec import serving, telemetry
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 from verifier_service.drafting import DraftRequest
 
@@ -81,6 +81,7 @@ class RemoteDrafter:
             response = self.stub.Propose(
                 drafter_pb2.ProposeRequest(vocabulary=self.config.vocabulary, sequences=updates),
                 timeout=self.config.propose_timeout_s,
+                metadata=telemetry.outgoing_metadata(),  # the drafter's span joins the caller's trace
             )
         except grpc.RpcError as error:
             self._on_error(error)

@@ -22,10 +22,11 @@ cache, no batching) that the tests hold the fast path against.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +98,20 @@ class GenerationResult:
     stats: GenerationStats
 
 
+class _NoSpan:
+    def set_attribute(self, key: str, value) -> None:
+        pass
+
+
+def no_stage_spans(name: str, attributes: dict) -> contextlib.AbstractContextManager:
+    """The default stage hook: nothing recorded. The service passes one that opens
+    a tracing span per stage (this module stays free of any tracing library)."""
+    return contextlib.nullcontext(_NoSpan())
+
+
+StageSpans = Callable[[str, dict], contextlib.AbstractContextManager]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     # Hard cap on K per step: the verify pass widens with K, and on CPU the
@@ -134,6 +149,7 @@ class SpeculativeEngine:
         proposer: DraftProposer | None = None,
         config: EngineConfig | None = None,
         step_cost: StepCostModel | None = None,
+        stage_spans: StageSpans = no_stage_spans,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -148,6 +164,7 @@ class SpeculativeEngine:
         # Measured on this 2-core CPU with the default model: ~48 ms a step plus
         # ~8 ms a row. The service replaces it with a start-up calibration.
         self.step_cost = step_cost or StepCostModel.linear(0.048, 0.008)
+        self.stage_spans = stage_spans
 
     # -- public driver -------------------------------------------------------
 
@@ -311,11 +328,18 @@ class SpeculativeEngine:
         if not self.active:
             return finished
         asked = [self._speculates(seq) and not seq.skip_proposals for seq in self.active]
-        drafts = self.fit_drafts(self.propose())
+        with self.stage_spans("specdec.propose", {"specdec.batch_size": len(self.active), "specdec.sequences": sum(asked)}) as span:
+            drafts = self.fit_drafts(self.propose())
+            span.set_attribute("specdec.draft_tokens", sum(map(len, drafts)))
         old_columns = self.cache.columns
         started = time.perf_counter()
-        logits = self.verify(drafts)
-        decisions = self.accept(drafts, logits)
+        with self.stage_spans("specdec.score", {"specdec.batch_size": len(self.active)}) as span:
+            logits = self.verify(drafts)
+            span.set_attribute("specdec.width", logits.shape[1])
+            span.set_attribute("specdec.tokens_scored", logits.shape[0] * logits.shape[1])
+        with self.stage_spans("specdec.accept", {"specdec.draft_tokens": sum(map(len, drafts))}) as span:
+            decisions = self.accept(drafts, logits)
+            span.set_attribute("specdec.accepted", sum(count for count, _ in decisions))
         self.step_cost.observe(logits.shape[0] * logits.shape[1], time.perf_counter() - started)
         self.cache.commit(old_columns, [1 + count for count, _ in decisions])
         for sequence, draft, (count, token), was_asked in zip(self.active, drafts, decisions, asked):

@@ -12,16 +12,21 @@ Bounds: at most ``max_batch_size`` sequences run at once and at most
 
 A failure inside a step (a bug, out of memory) fails the requests of that
 batch with an error and resets the batch; the loop, and the process, go on.
+
+What happens is reported to a ``SchedulerObserver`` (tracing and metrics in
+the service; nothing by default), so this module needs neither.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from verifier_service.engine import GenerationRequest, GenerationResult, SpeculativeEngine
 
@@ -30,6 +35,35 @@ log = logging.getLogger(__name__)
 
 class QueueFull(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class RowStep:
+    """One sequence's part in one step."""
+
+    verified: int  # draft tokens the target scored
+    accepted: int  # of those, accepted
+    emitted: int  # tokens added to the output (accepted + the step's own, cut at a stop)
+
+
+class SchedulerObserver(Protocol):
+    def step(self, handles: list[RequestHandle]) -> contextlib.AbstractContextManager:
+        """Wraps one engine step over ``handles`` (the batch, in row order)."""
+
+    def stepped(self, handles: list[RequestHandle], started: float, seconds: float, rows: list[RowStep]) -> None: ...
+
+    def prefilled(self, handle: RequestHandle, emitted: int) -> None: ...
+
+
+class NoObserver:
+    def step(self, handles):
+        return contextlib.nullcontext()
+
+    def stepped(self, handles, started, seconds, rows) -> None:
+        pass
+
+    def prefilled(self, handle, emitted) -> None:
+        pass
 
 
 @dataclass
@@ -50,14 +84,16 @@ class RequestHandle:
     events: queue.Queue = field(default_factory=queue.Queue)
     first_token_at: float | None = None
     cancelled: bool = False
+    trace_context: object = None  # the request's tracing context, for the observer
     _sequence: object = None
     _delivered: int = 0
 
 
 class Scheduler:
-    def __init__(self, engine: SpeculativeEngine, config: SchedulerConfig) -> None:
+    def __init__(self, engine: SpeculativeEngine, config: SchedulerConfig, observer: SchedulerObserver | None = None) -> None:
         self.engine = engine
         self.config = config
+        self.observer = observer or NoObserver()
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._running: list[RequestHandle] = []
         self._wake = threading.Condition()
@@ -68,8 +104,8 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        handle = RequestHandle(request)
+    def submit(self, request: GenerationRequest, trace_context: object = None) -> RequestHandle:
+        handle = RequestHandle(request, trace_context=trace_context)
         with self._wake:
             if self._stopping:
                 raise QueueFull("the verifier is shutting down")
@@ -152,6 +188,7 @@ class Scheduler:
                 handle.events.put(("error", error))
                 continue
             handle._sequence = sequence
+            self.observer.prefilled(handle, len(sequence.generated))
             self._deliver(handle, sequence)
             if finished is not None:
                 handle.events.put(("done", finished))
@@ -159,8 +196,15 @@ class Scheduler:
                 self._running.append(handle)
 
     def _step(self) -> None:
-        finished = {id(sequence): result for sequence, result in self.engine.step()}
+        handles = self._running
+        before = [_progress(handle._sequence) for handle in handles]
+        started = time.perf_counter()
+        with self.observer.step(handles):
+            finished = {id(sequence): result for sequence, result in self.engine.step()}
+        seconds = time.perf_counter() - started
         self.steps += 1
+        rows = [RowStep(*(now - then for now, then in zip(_progress(h._sequence), old))) for h, old in zip(handles, before)]
+        self.observer.stepped(handles, started, seconds, rows)
         still_running = []
         for handle in self._running:
             self._deliver(handle, handle._sequence)
@@ -179,6 +223,11 @@ class Scheduler:
                 handle.first_token_at = time.perf_counter()
             handle._delivered += len(new)
             handle.events.put(("tokens", list(new)))
+
+
+def _progress(sequence) -> tuple[int, int, int]:
+    stats = sequence.stats
+    return stats.draft_tokens, stats.accepted_tokens, len(sequence.generated)
 
 
 def result_of(handle: RequestHandle) -> GenerationResult | None:

@@ -15,6 +15,7 @@ it is away) every step is plain decoding.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -26,8 +27,10 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from specdec import serving
+from specdec import serving, telemetry
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from specdec.vocabulary import tokenizer_fingerprint
 from verifier_service.adaptive import StepCostModel
@@ -42,7 +45,9 @@ from verifier_service.engine import (
     GenerationStats,
     SpeculativeEngine,
 )
+from verifier_service.metrics import VerifierMetrics
 from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
+from verifier_service.observability import ServiceObserver
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerConfig
 
@@ -57,6 +62,7 @@ FINISH_REASONS = {
 # Rows at which the step cost is measured at start-up: single-sequence
 # decoding up to a 16-sequence batch verifying 8 drafts each.
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 144)
+DEFAULT_METRICS_PORT = 9102  # the drafter's is 9101
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,9 @@ class VerifierConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     drafter_tls_ca: str | None = None
+    # Prometheus /metrics port (0: a free one; None: not served, the default
+    # for in-process servers; the command line serves on DEFAULT_METRICS_PORT).
+    metrics_port: int | None = None
 
 
 class BadRequest(Exception):
@@ -86,8 +95,9 @@ class BadRequest(Exception):
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, config: VerifierConfig) -> None:
+    def __init__(self, config: VerifierConfig, tracing: telemetry.Tracing, metrics: VerifierMetrics) -> None:
         self.config = config
+        self.tracing, self.metrics = tracing, metrics
         self.ready = threading.Event()
         self.engine: SpeculativeEngine | None = None
         self.scheduler: Scheduler | None = None
@@ -100,30 +110,60 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     # -- RPCs ---------------------------------------------------------------------
 
     def Generate(self, request, context):
-        handle = self._submit(request, context)
-        result = self._wait(handle, context)
-        return verifier_pb2.GenerateResponse(
-            text=result.text, token_ids=result.token_ids,
-            finish_reason=FINISH_REASONS[result.finish_reason], stats=self._stats(handle, result),
-        )
+        with self._request_span(context) as span:
+            handle = self._submit(request, context, span)
+            result = self._wait(handle, context)
+            stats = self._finished(handle, result, span)
+            return verifier_pb2.GenerateResponse(
+                text=result.text, token_ids=result.token_ids, finish_reason=FINISH_REASONS[result.finish_reason], stats=stats
+            )
 
     def GenerateStream(self, request, context):
-        handle = self._submit(request, context)
-        text = IncrementalText(self.engine.tokenizer, handle.request.stop)
-        while True:
-            kind, payload = handle.events.get()
-            if kind == "tokens":
-                yield verifier_pb2.GenerateChunk(text=text.push(payload), token_ids=payload)
-                continue
-            result = self._final(kind, payload, handle, context)
-            yield verifier_pb2.GenerateChunk(
-                text=text.finish(result.text), finish_reason=FINISH_REASONS[result.finish_reason], stats=self._stats(handle, result)
-            )
-            return
+        with self._request_span(context) as span:
+            handle = self._submit(request, context, span)
+            text = IncrementalText(self.engine.tokenizer, handle.request.stop)
+            while True:
+                kind, payload = handle.events.get()
+                if kind == "tokens":
+                    yield verifier_pb2.GenerateChunk(text=text.push(payload), token_ids=payload)
+                    continue
+                result = self._final(kind, payload, handle, context)
+                stats = self._finished(handle, result, span)
+                yield verifier_pb2.GenerateChunk(
+                    text=text.finish(result.text), finish_reason=FINISH_REASONS[result.finish_reason], stats=stats
+                )
+                return
 
     # -- helpers --------------------------------------------------------------------
 
-    def _submit(self, request, context) -> RequestHandle:
+    @contextlib.contextmanager
+    def _request_span(self, context):
+        """The request's root span, a child of the caller's trace when it sent one.
+        Not made current: the work runs on the scheduler thread (it gets the
+        context through the handle), and a stream's generator may be resumed elsewhere."""
+        span = self.tracing.tracer.start_span("specdec.generate", context=telemetry.incoming_context(context), kind=SpanKind.SERVER)
+        try:
+            yield span
+        except BaseException as error:
+            if not isinstance(error, GeneratorExit):  # a stream the client stopped reading is not an error
+                span.record_exception(error)
+                span.set_status(Status(StatusCode.ERROR, str(error)))
+            raise
+        finally:
+            span.end()
+
+    def _finished(self, handle: RequestHandle, result: GenerationResult, span) -> verifier_pb2.GenerationStats:
+        stats = self._stats(handle, result)
+        span.set_attributes({
+            "specdec.prompt_tokens": stats.prompt_tokens, "specdec.generated_tokens": stats.generated_tokens,
+            "specdec.forward_passes": stats.target_forward_passes, "specdec.draft_tokens": stats.draft_tokens,
+            "specdec.accepted": stats.accepted_tokens, "specdec.finish_reason": result.finish_reason,
+        })
+        first = None if handle.first_token_at is None else handle.first_token_at - handle.arrived
+        self.metrics.record_request(result.finish_reason, stats.total_ms / 1000, first)
+        return stats
+
+    def _submit(self, request, context, span) -> RequestHandle:
         if not self.ready.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health reports SERVING")
         try:
@@ -131,8 +171,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self.engine.validate(generation)
         except (BadRequest, ValueError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        span.set_attributes({"specdec.max_new_tokens": generation.max_new_tokens, "specdec.greedy": generation.sampling.greedy,
+                             "specdec.k_requested": -1 if generation.num_speculative_tokens is None else generation.num_speculative_tokens})
         try:
-            handle = self.scheduler.submit(generation)
+            handle = self.scheduler.submit(generation, trace.set_span_in_context(span))
         except QueueFull as error:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         context.add_callback(lambda: self.scheduler.cancel(handle))  # on cancel, deadline, or completion
@@ -262,6 +304,8 @@ class VerifierServer:
     servicer: VerifierServicer
     health: health.HealthServicer
     drafter: RemoteDrafter | None = None
+    metrics_port: int | None = None  # where /metrics is served; None: not served
+    _metrics_server: object = None
 
     def load(self) -> None:
         """Load the model, calibrate and warm up, start the scheduler, then report SERVING."""
@@ -275,11 +319,19 @@ class VerifierServer:
                 target=config.drafter, vocabulary=tokenizer_fingerprint(loaded.tokenizer),
                 propose_timeout_s=config.drafter_timeout_s, tls_ca=config.drafter_tls_ca,
             ))
+            self.servicer.metrics.watch("drafter_fallbacks", "Steps run without drafts because the drafter failed or was backed off",
+                                        lambda: self.drafter.fallbacks)
+            self.servicer.metrics.watch("dropped_observations", "Finished sequences never observed (the drafter was away too long)",
+                                        lambda: self.drafter.dropped_observations)
+        observer = ServiceObserver(self.servicer.tracing, self.servicer.metrics)
         engine = SpeculativeEngine(
-            loaded.model, loaded.tokenizer, self.drafter, EngineConfig(max_speculative_tokens=config.max_speculative_tokens), step_cost
+            loaded.model, loaded.tokenizer, self.drafter, EngineConfig(max_speculative_tokens=config.max_speculative_tokens),
+            step_cost, stage_spans=observer.stage_spans,
         )
         engine.generate([GenerationRequest([0, 1, 2, 3], 4, num_speculative_tokens=0)])  # warm-up
-        scheduler = Scheduler(engine, SchedulerConfig(config.max_batch_size, config.max_queued))
+        scheduler = Scheduler(engine, SchedulerConfig(config.max_batch_size, config.max_queued), observer)
+        self.servicer.metrics.queue_depth.set_function(lambda: scheduler.queue_depth)
+        self.servicer.metrics.active_sequences.set_function(lambda: scheduler.batch_size)
         scheduler.start()
         self.servicer.attach(engine, scheduler)
         for name in ("", SERVICE_NAME):
@@ -296,6 +348,9 @@ class VerifierServer:
         self.server.stop(1.0).wait()
         if self.drafter is not None:
             self.drafter.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        self.servicer.tracing.shutdown()
         return drained
 
 
@@ -330,9 +385,17 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    servicer = VerifierServicer(config)
+    tracing = telemetry.Tracing("specdec-verifier")
+    metrics = VerifierMetrics()
+    metrics.watch("dropped_spans", "Trace spans dropped (collector down or queue full)", lambda: tracing.dropped_spans)
+    servicer = VerifierServicer(config, tracing, metrics)
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key)
     server.start()
-    return VerifierServer(server, port, servicer, health_servicer)
+    verifier = VerifierServer(server, port, servicer, health_servicer)
+    if config.metrics_port is not None:
+        verifier._metrics_server, verifier.metrics_port = telemetry.start_metrics_server(
+            metrics.registry, config.host, config.metrics_port
+        )
+    return verifier

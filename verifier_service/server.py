@@ -49,7 +49,7 @@ from verifier_service.metrics import VerifierMetrics
 from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
 from verifier_service.observability import ServiceObserver
 from verifier_service.rejection import SamplingParams
-from verifier_service.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerConfig
+from verifier_service.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerConfig, ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             handle = self.scheduler.submit(generation, trace.set_span_in_context(span))
         except QueueFull as error:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        context.add_callback(lambda: self.scheduler.cancel(handle))  # on cancel, deadline, or completion
+        except ShuttingDown as error:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        # On cancel, deadline, or completion; False when the call already ended
+        # (the client gave up while we validated): free the slot at once.
+        if not context.add_callback(lambda: self.scheduler.cancel(handle)):
+            self.scheduler.cancel(handle)
         return handle
 
     def _wait(self, handle: RequestHandle, context) -> GenerationResult:
@@ -262,25 +267,43 @@ class IncrementalText:
     Holds back a trailing partial UTF-8 character (decoded as U+FFFD) and any
     tail that could be the start of a stop string, since the final text ends
     before the stop string. ``finish`` sends the rest of the final text.
+
+    Decoding is incremental (as vLLM's detokenizer does): each push decodes a
+    short window of tokens ending at the new ones and keeps the difference to
+    the window without them, so a long stream costs linear, not quadratic, time.
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
         self.tokenizer, self.stop = tokenizer, stop
         self.tokens: list[int] = []
-        self.sent = ""
+        self.text = ""  # decoded so far
+        self.sent = ""  # the prefix of text already streamed
+        self._prefix_offset = self._read_offset = 0  # the window: tokens[prefix:read] is decoded context
 
     def push(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        safe = len(text.rstrip("\ufffd"))
-        # The final text ends before the first stop string: never send one, nor
-        # a tail that may yet become one.
-        safe = min([safe] + [text.find(stop) for stop in self.stop if stop in text])
+        self.text += self._decode_new()
+        text, safe = self.text, len(self.text)
+        # The final text ends before the first stop string: never send one, nor a
+        # tail that may yet become one. None can start inside what was sent.
+        for stop in self.stop:
+            found = text.find(stop, len(self.sent))
+            if found >= 0:
+                safe = min(safe, found)
         safe -= max((_stop_prefix_at_end(text[:safe], stop) for stop in self.stop), default=0)
-        if safe <= len(self.sent) or not text.startswith(self.sent):
+        if safe <= len(self.sent):
             return ""
         delta, self.sent = text[len(self.sent) : safe], text[:safe]
         return delta
+
+    def _decode_new(self) -> str:
+        decode = self.tokenizer.decode
+        before = decode(self.tokens[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        after = decode(self.tokens[self._prefix_offset :], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
+            return ""  # nothing yet, half a character, or a decode that rewrote its past: wait
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.tokens)
+        return after[len(before) :]
 
     def finish(self, final_text: str) -> str:
         if not final_text.startswith(self.sent):  # cannot happen for prefix-stable tokenizers

@@ -34,13 +34,18 @@ class ServiceProcess:
 
     def __init__(self, module: str, *args: str, env: dict[str, str] | None = None) -> None:
         self.command = [sys.executable, "-m", module, *args]
-        self.log_file = tempfile.TemporaryFile("w+")
+        # Append mode: the child's writes go to the end whatever offset log() leaves behind.
+        self.log_file = tempfile.TemporaryFile("a+")
+        self.channel: grpc.Channel | None = None
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=self.log_file, text=True, env=env)
-        self.line = self.process.stdout.readline()
-        match = LISTENING_LINE.search(self.line)
+        match = None
+        for line in self.process.stdout:  # ends at EOF if the process dies first
+            match = LISTENING_LINE.search(line)
+            if match:
+                break
         if not match:
             self.kill()
-            raise RuntimeError(f"{module} did not start: {self.line!r}\n{self.log()}")
+            raise RuntimeError(f"{module} did not start (exit code {self.process.returncode}):\n{self.log()}")
         self.port = int(match.group(1))
         self.address = f"127.0.0.1:{self.port}"
         self.channel = grpc.insecure_channel(self.address)
@@ -81,7 +86,8 @@ class ServiceProcess:
             self._close()
 
     def _close(self) -> None:
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
         self.process.stdout.close()
 
 

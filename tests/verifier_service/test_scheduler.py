@@ -11,7 +11,7 @@ import pytest
 from drafter_service.ngram import NGramDrafter
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import FINISH_CANCELLED, FINISH_LENGTH, GenerationRequest, SpeculativeEngine
-from verifier_service.scheduler import QueueFull, Scheduler, SchedulerConfig, result_of
+from verifier_service.scheduler import QueueFull, Scheduler, SchedulerConfig, ShuttingDown, result_of
 
 PROMPTS = [[5, 6, 7], [9, 3, 3, 9, 3, 3, 9, 3], [12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [20, 21, 20, 21], [33]]
 NO_EOS = frozenset()
@@ -279,7 +279,7 @@ def test_stop_drains_running_requests_then_refuses_new_ones(scheduler_factory, t
         result = result_of(handle)
         assert result.finish_reason == FINISH_LENGTH
         assert result.token_ids == alone(tiny_model, tiny_tokenizer, request)
-    with pytest.raises(QueueFull, match="^the verifier is shutting down$"):
+    with pytest.raises(ShuttingDown, match="^the verifier is shutting down; retry on another replica$"):
         scheduler.submit(REQUESTS[0])
     assert not scheduler._thread.is_alive()
 
@@ -288,7 +288,7 @@ def test_stop_with_an_idle_loop_returns_at_once(scheduler_factory):
     scheduler = scheduler_factory()
     assert scheduler.stop(timeout_s=EVENT_TIMEOUT_S) is True
     assert not scheduler._thread.is_alive()
-    with pytest.raises(QueueFull, match="^the verifier is shutting down$"):
+    with pytest.raises(ShuttingDown, match="^the verifier is shutting down; retry on another replica$"):
         scheduler.submit(REQUESTS[0])
 
 

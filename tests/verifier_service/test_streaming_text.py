@@ -36,7 +36,7 @@ class RewritingTokenizer:
     """Not prefix-stable: [0] decodes to "x", but [0, 1] to "yz"."""
 
     def decode(self, tokens, skip_special_tokens=False):
-        return {(0,): "x", (0, 1): "yz"}[tuple(tokens)]
+        return {(): "", (0,): "x", (0, 1): "yz"}[tuple(tokens)]
 
 
 def stream(tokenizer, stop, chunks, final_text):
@@ -142,8 +142,10 @@ def test_the_longest_hold_among_several_stop_strings_wins():
 
 
 def test_a_partial_character_and_a_stop_prefix_together():
-    # "ab<e" + half an "é": the U+FFFD is dropped first, then "<e" held as a stop prefix.
-    assert stream(ByteTokenizer(), ("<end>",), [[0, 1, 6]], "ab<e\ufffd") == ["ab", "<e\ufffd"]
+    # "ab<e" + half an "é": a push that ends on half a character is held whole
+    # (its window is decoded again once the character completes); here the
+    # generation ended there, so finish sends the final text.
+    assert stream(ByteTokenizer(), ("<end>",), [[0, 1, 6]], "ab<e\ufffd") == ["", "ab<e\ufffd"]
 
 
 def test_a_stop_string_completed_across_tokens_is_never_streamed():
@@ -159,3 +161,19 @@ def test_text_that_rewrites_what_was_streamed_sends_nothing(caplog):
     with caplog.at_level(logging.WARNING, logger="verifier_service.server"):
         assert text.finish("yz") == ""
     assert "streamed text is not a prefix of the final text" in caplog.text
+
+
+def test_each_push_decodes_a_short_window_not_the_whole_stream(tiny_tokenizer):
+    """Incremental decoding: a long stream costs linear time, so no decode call may
+    see more than the last couple of pushes' tokens."""
+    windows = []
+
+    class Counting:
+        def decode(self, tokens, skip_special_tokens=False):
+            windows.append(len(tokens))
+            return tiny_tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    tokens = [3 + i % 50 for i in range(300)]
+    deltas = stream(Counting(), (), [[token] for token in tokens], tiny_tokenizer.decode(tokens))
+    assert "".join(deltas) == tiny_tokenizer.decode(tokens)
+    assert max(windows) <= 2  # the previous push's token and the new one

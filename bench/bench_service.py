@@ -1,6 +1,6 @@
 """Service benchmark: end-to-end greedy throughput and latency of the verifier, speculative vs plain, under concurrency.
 
-    python -m bench.bench_service [--clients 1 4 16] [--max-new-tokens 64] [--requests-per-client 2] [--out bench/results]
+    python -m bench.bench_service [--clients 1 4 16] [--max-new-tokens 128] [--requests-per-client 2] [--out bench/results]
 
 Starts the drafter and the verifier as real processes on loopback ports (the
 drafter's LMDB table in a temporary folder), waits until both report SERVING
@@ -221,7 +221,7 @@ def run_benchmark(verifier_target: str, drafter: Drafter, args: argparse.Namespa
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=128)  # as bench_core: prefill is not the whole story
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)

@@ -191,7 +191,7 @@ class Drafter:
         self.generation += 1
         db = self.root / f"db-{self.generation}"
         self.process, _ = start_process(
-            "drafter", ["drafter_service", "--port", str(self.port), "--db", str(db)], DRAFTER_PORT_LINE)
+            "drafter", ["drafter_service", "--port", str(self.port), "--metrics-port", "-1", "--db", str(db)], DRAFTER_PORT_LINE)
         wait_for_serving(f"127.0.0.1:{self.port}")
 
     def stop(self) -> None:
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             drafter.restart_empty()
             verifier, verifier_port = start_process(
-                "verifier", ["verifier_service", "--port", "0", "--drafter", f"127.0.0.1:{drafter.port}"],
+                "verifier", ["verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", f"127.0.0.1:{drafter.port}"],
                 VERIFIER_PORT_LINE)
             wait_for_serving(f"127.0.0.1:{verifier_port}")
             cells = run_benchmark(f"127.0.0.1:{verifier_port}", drafter, args)

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 
 from drafter_service.ngram import NGramConfig
 from drafter_service.server import DEFAULT_METRICS_PORT, DrafterConfig, create_server
-from specdec.serving import env_default
+from specdec.serving import add_serving_flags, announce, env_default, serving_options, stop_on_signals
 
 ENV_PREFIX = "SPECDEC_DRAFTER_"
 
@@ -30,13 +28,9 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
     parser.add_argument("--n-max", type=int, default=int(env("n_max", defaults.ngram.n_max)))
     parser.add_argument("--grace", type=float, default=float(env("grace", defaults.grace_s)), help="seconds SIGTERM gives in-flight calls")
     parser.add_argument("--session-idle-timeout", type=float, default=float(env("session_idle_timeout", defaults.session_idle_timeout_s)))
-    parser.add_argument("--metrics-port", type=int, default=int(env("metrics_port", DEFAULT_METRICS_PORT)),
-                        help="Prometheus /metrics port (0: a free one, -1: off)")
-    parser.add_argument("--tls-cert", default=env("tls_cert", None), help="PEM certificate: serve over TLS (with --tls-key)")
-    parser.add_argument("--tls-key", default=env("tls_key", None))
+    add_serving_flags(parser, ENV_PREFIX, DEFAULT_METRICS_PORT)
     args = parser.parse_args(argv)
-    if bool(args.tls_cert) != bool(args.tls_key):
-        parser.error("--tls-cert and --tls-key go together")
+    serving = serving_options(parser, args)
     try:
         ngram = NGramConfig(n_min=args.n_min, n_max=args.n_max)
     except ValueError as error:
@@ -46,26 +40,15 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
     return DrafterConfig(
         port=args.port, host=args.host, db=args.db, max_bytes=args.max_bytes, ngram=ngram,
         grace_s=args.grace, session_idle_timeout_s=args.session_idle_timeout,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        **serving,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_config(argv)
-    stopping = threading.Event()
-
-    def on_signal(signum, _frame):
-        logging.info("signal %s: draining", signum)
-        stopping.set()
-
-    # Before the port is announced: a supervisor may signal as soon as it reads it.
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stopping = stop_on_signals()
     drafter = create_server(config)
-    print(f"drafter listening on {config.host}:{drafter.port} (db {config.db})", flush=True)
-    if drafter.metrics_port is not None:
-        print(f"drafter metrics on {config.host}:{drafter.metrics_port}", flush=True)
+    announce("drafter", config.host, drafter.port, drafter.metrics_port, f"db {config.db}")
     stopping.wait()
     drafter.stop()
     logging.info("stopped cleanly")

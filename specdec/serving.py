@@ -3,7 +3,11 @@ channel to a peer, and reading flags' defaults from environment variables."""
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
+import signal
+import threading
 from pathlib import Path
 
 import grpc
@@ -43,3 +47,40 @@ def channel(target: str, tls_ca: str | None = None) -> grpc.Channel:
 def env_default(prefix: str, name: str, default):
     """The environment's value for a flag (``prefix`` + NAME), else ``default``."""
     return os.environ.get(prefix + name.upper(), default)
+
+
+def add_serving_flags(parser: argparse.ArgumentParser, env_prefix: str, default_metrics_port: int) -> None:
+    """The flags every service has: its /metrics port and its TLS certificate and key."""
+    parser.add_argument("--metrics-port", type=int, default=int(env_default(env_prefix, "metrics_port", default_metrics_port)),
+                        help="Prometheus /metrics port (0: a free one, -1: off)")
+    parser.add_argument("--tls-cert", default=env_default(env_prefix, "tls_cert", None), help="PEM certificate: serve over TLS (with --tls-key)")
+    parser.add_argument("--tls-key", default=env_default(env_prefix, "tls_key", None))
+
+
+def serving_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """Config fields from ``add_serving_flags``' flags, checked (exits with a usage error)."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    return {"tls_cert": args.tls_cert, "tls_key": args.tls_key, "metrics_port": None if args.metrics_port < 0 else args.metrics_port}
+
+
+def stop_on_signals() -> threading.Event:
+    """Logging set up, and an event that SIGTERM or SIGINT sets. Call it before
+    announcing the port: a supervisor may signal as soon as it reads it."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stopping = threading.Event()
+
+    def on_signal(signum, _frame) -> None:
+        logging.info("signal %s: draining", signum)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stopping
+
+
+def announce(name: str, host: str, port: int, metrics_port: int | None, detail: str) -> None:
+    """The lines supervisors and tests read: the gRPC port first, then the metrics port."""
+    print(f"{name} listening on {host}:{port} ({detail})", flush=True)
+    if metrics_port is not None:
+        print(f"{name} metrics on {host}:{metrics_port}", flush=True)

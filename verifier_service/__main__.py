@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import threading
 
-from specdec.serving import env_default
+from specdec.serving import add_serving_flags, announce, env_default, serving_options, stop_on_signals
 from verifier_service.server import DEFAULT_METRICS_PORT, VerifierConfig, create_server
 
 ENV_PREFIX = "SPECDEC_VERIFIER_"
@@ -37,42 +36,27 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
     parser.add_argument("--grace", type=float, default=float(env("grace", defaults.grace_s)), help="seconds SIGTERM gives in-flight requests")
     parser.add_argument("--no-calibrate", action="store_true", default=env("no_calibrate", "") == "1",
                         help="skip the start-up step-cost measurement (tests, tiny models)")
-    parser.add_argument("--metrics-port", type=int, default=int(env("metrics_port", DEFAULT_METRICS_PORT)),
-                        help="Prometheus /metrics port (0: a free one, -1: off)")
-    parser.add_argument("--tls-cert", default=env("tls_cert", None), help="PEM certificate: serve over TLS (with --tls-key)")
-    parser.add_argument("--tls-key", default=env("tls_key", None))
+    add_serving_flags(parser, ENV_PREFIX, DEFAULT_METRICS_PORT)
     parser.add_argument("--drafter-tls-ca", default=env("drafter_tls_ca", None), help="PEM root certificate: reach the drafter over TLS")
     args = parser.parse_args(argv)
     for name in ("max_batch_size", "max_queued", "max_new_tokens_limit"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if bool(args.tls_cert) != bool(args.tls_key):
-        parser.error("--tls-cert and --tls-key go together")
+    serving = serving_options(parser, args)
     return VerifierConfig(
         port=args.port, host=args.host, model=args.model, device=args.device, drafter=args.drafter,
         drafter_timeout_s=args.drafter_timeout, max_batch_size=args.max_batch_size, max_queued=args.max_queued,
         max_new_tokens_limit=args.max_new_tokens_limit, grace_s=args.grace, calibrate=not args.no_calibrate,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, drafter_tls_ca=args.drafter_tls_ca,
-        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        drafter_tls_ca=args.drafter_tls_ca, **serving,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_config(argv)
-    stopping = threading.Event()
-
-    def on_signal(signum, _frame):
-        logging.info("signal %s: draining", signum)
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stopping = stop_on_signals()
     verifier = create_server(config)
     # Health answers NOT_SERVING from here on while the model loads.
-    print(f"verifier listening on {config.host}:{verifier.port} (model {config.model})", flush=True)
-    if verifier.metrics_port is not None:
-        print(f"verifier metrics on {config.host}:{verifier.metrics_port}", flush=True)
+    announce("verifier", config.host, verifier.port, verifier.metrics_port, f"model {config.model}")
     failed = threading.Event()
 
     def load() -> None:

@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     processes = []
     try:
-        drafter, drafter_port = start_process("drafter", ["drafter_service", "--port", "0", "--db", str(args.data / "drafter")], DRAFTER_PORT_LINE)
+        drafter, drafter_port = start_process("drafter", ["drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(args.data / "drafter")], DRAFTER_PORT_LINE)
         processes.append(drafter)
-        verifier, verifier_port = start_process("verifier", ["verifier_service", "--port", "0", "--drafter", f"127.0.0.1:{drafter_port}"], VERIFIER_PORT_LINE)
+        verifier, verifier_port = start_process("verifier", ["verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", f"127.0.0.1:{drafter_port}"], VERIFIER_PORT_LINE)
         processes.append(verifier)
         print(f"drafter on 127.0.0.1:{drafter_port}, verifier on 127.0.0.1:{verifier_port}; waiting for the model...", flush=True)
         wait_for_serving(f"127.0.0.1:{verifier_port}")

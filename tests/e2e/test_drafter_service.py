@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -28,15 +29,19 @@ STARTUP_TIMEOUT_S = 30
 
 class DrafterProcess:
     def __init__(self, db, *extra):
+        # Logs go to a file, never an unread pipe (a full pipe blocks the process);
+        # metrics on a free port, so drafters of parallel runs never collide on 9101.
+        self.log_file = tempfile.TemporaryFile("w+")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "drafter_service", "--port", "0", "--db", str(db), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=self.log_file, text=True,
+            env={**os.environ, "SPECDEC_DRAFTER_METRICS_PORT": os.environ.get("SPECDEC_DRAFTER_METRICS_PORT", "0")},
         )
         line = self.process.stdout.readline()
         match = re.search(r"listening on [\d.]+:(\d+)", line)
         if not match:
             self.process.kill()
-            raise RuntimeError(f"drafter did not start: {line!r} {self.process.stderr.read()}")
+            raise RuntimeError(f"drafter did not start: {line!r} {self.log()}")
         self.port = int(match.group(1))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = rpc.DrafterStub(self.channel)
@@ -47,10 +52,17 @@ class DrafterProcess:
         self.process.wait(timeout=10)
         self.channel.close()
 
+    def log(self) -> str:
+        self.log_file.seek(0)
+        return self.log_file.read()
+
     def terminate(self):
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            code = self.process.wait(timeout=30)
+            try:
+                code = self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"drafter did not exit 30 s after SIGTERM; its log:\n{self.log()}") from None
             self.channel.close()
             return code
         return self.process.returncode
@@ -299,7 +311,7 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
 
 
 def test_flags_come_from_environment_variables(tmp_path):
-    env = dict(os.environ, SPECDEC_DRAFTER_DB=str(tmp_path / "envdb"), SPECDEC_DRAFTER_PORT="0")
+    env = dict(os.environ, SPECDEC_DRAFTER_DB=str(tmp_path / "envdb"), SPECDEC_DRAFTER_PORT="0", SPECDEC_DRAFTER_METRICS_PORT="-1")
     process = subprocess.Popen([sys.executable, "-m", "drafter_service"], stdout=subprocess.PIPE, text=True, env=env)
     try:
         line = process.stdout.readline()

@@ -330,20 +330,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         with store.snapshot() as table:
             drafts = [self._draft(update, session, table) for update, session in updates]
         with self.lock:
-            self._count(drafts, asked=[update.num_draft_tokens > 0 for update, _ in updates])
-            for draft, (_, session) in zip(drafts, updates):
-                session.last_sources = list(draft.sources)
+            self._count([session.last_sources for _, session in updates], asked=[update.num_draft_tokens > 0 for update, _ in updates])
         return drafter_pb2.ProposeResponse(drafts=drafts)
 
-    def _count(self, drafts: list[drafter_pb2.SequenceDraft], asked: list[bool]) -> None:
+    def _count(self, sources: list[list[int]], asked: list[bool]) -> None:
+        """Counters for one call; ``sources``: each draft's per-token sources."""
         counters = self.counters
         counters["propose_calls"] += 1
-        for draft, wanted in zip(drafts, asked):
-            context_hits = list(draft.sources).count(drafter_pb2.DRAFT_SOURCE_CONTEXT)
-            counters["proposed_tokens"] += len(draft.tokens)
+        for draft_sources, wanted in zip(sources, asked):
+            context_hits = draft_sources.count(drafter_pb2.DRAFT_SOURCE_CONTEXT)
+            counters["proposed_tokens"] += len(draft_sources)
             counters["context_hits"] += context_hits
-            counters["global_hits"] += len(draft.tokens) - context_hits
-            counters["misses"] += wanted and not draft.tokens
+            counters["global_hits"] += len(draft_sources) - context_hits
+            counters["misses"] += wanted and not draft_sources
 
     def _credit_feedback(self, update, session: _Session) -> None:
         """Count the verifier's verdict on the session's previous draft, per source."""
@@ -365,14 +364,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return session
 
     def _draft(self, update, session: _Session, table: NGramSource) -> drafter_pb2.SequenceDraft:
+        """The session's draft; its per-token sources are kept for the verifier's feedback."""
         chain = session.context.propose(table, update.num_draft_tokens)
         if not chain.tokens:
+            session.last_sources = []
             return drafter_pb2.SequenceDraft(session_id=update.session_id)
         sources, match_lengths, counts, totals = zip(*chain.evidence)
+        session.last_sources = [_SOURCES[source] for source in sources]
         return drafter_pb2.SequenceDraft(
             session_id=update.session_id,
             tokens=chain.tokens,
-            sources=[_SOURCES[source] for source in sources],
+            sources=session.last_sources,
             match_lengths=match_lengths,
             counts=counts,
             totals=totals,

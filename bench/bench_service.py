@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -48,7 +47,7 @@ from pathlib import Path
 import grpc
 
 from bench.workloads import service_prompts
-from specdec.processes import DRAFTER_PORT_LINE, VERIFIER_PORT_LINE, start_process, stop_process, wait_for_serving
+from specdec.processes import DRAFTER_PORT_LINE, VERIFIER_PORT_LINE, free_port, start_process, stop_process, wait_for_serving
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 
@@ -182,9 +181,7 @@ class Drafter:
 
     def __init__(self, root: Path) -> None:
         self.root, self.generation, self.process = root, 0, None
-        with socket.socket() as probe:  # a free port, kept across restarts
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port = free_port()  # kept across restarts
 
     def restart_empty(self) -> None:
         self.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -51,9 +52,18 @@ def wait_for_port(process: subprocess.Popen, pattern: re.Pattern, timeout_s: flo
             return int(match.group(1))
 
 
-def start_process(name: str, args: list[str], pattern: re.Pattern, timeout_s: float = STARTUP_TIMEOUT_S) -> tuple[subprocess.Popen, int]:
+def free_port() -> int:
+    """A loopback port that was free a moment ago (for a service that must come back on the same port)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_process(
+    name: str, args: list[str], pattern: re.Pattern, timeout_s: float = STARTUP_TIMEOUT_S, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, int]:
     # stderr (the services' logs) goes to our stderr; stdout carries the port line.
-    process = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, text=True, env=env)
     try:
         return process, wait_for_port(process, pattern, timeout_s, name)
     except BaseException:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,15 +17,10 @@ from contextlib import contextmanager
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.processes import free_port  # noqa: F401 -- the tests import it from here
+
 STOP_TIMEOUT_S = 60  # SIGTERM, then SIGKILL after this long
 LISTENING_LINE = re.compile(r"listening on [\d.]+:(\d+)")
-
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago: for a service that must come back on the same port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class ServiceProcess:

@@ -231,12 +231,14 @@ class SpeculativeEngine:
         if sequence.finish_reason is None:
             sequence.finish_reason = FINISH_CANCELLED
 
-    def propose(self) -> list[list[int]]:
-        """Drafts for every active row, from one proposer call for the whole batch."""
+    def propose(self) -> tuple[list[list[int]], list[bool]]:
+        """Drafts for every active row, from one proposer call for the whole batch,
+        and which rows the proposer was asked for (the others are backed off or plain)."""
         rows = [i for i, sequence in enumerate(self.active) if self._speculates(sequence) and self._due(sequence)]
         drafts: list[list[int]] = [[] for _ in self.active]
+        asked = [False] * len(self.active)
         if not rows:
-            return drafts
+            return drafts, asked
         requests = []
         for i in rows:
             sequence = self.active[i]
@@ -246,7 +248,8 @@ class SpeculativeEngine:
             ))
         for i, request, draft in zip(rows, requests, self.proposer.propose(requests)):
             drafts[i] = self._usable_prefix(draft[: request.k])
-        return drafts
+            asked[i] = True
+        return drafts, asked
 
     @staticmethod
     def _due(sequence: _Sequence) -> bool:
@@ -327,9 +330,10 @@ class SpeculativeEngine:
         finished = self._retire_finished()  # cancelled since the last step
         if not self.active:
             return finished
-        asked = [self._speculates(seq) and not seq.skip_proposals for seq in self.active]
-        with self.stage_spans("specdec.propose", {"specdec.batch_size": len(self.active), "specdec.sequences": sum(asked)}) as span:
-            drafts = self.fit_drafts(self.propose())
+        with self.stage_spans("specdec.propose", {"specdec.batch_size": len(self.active)}) as span:
+            drafts, asked = self.propose()
+            drafts = self.fit_drafts(drafts)
+            span.set_attribute("specdec.sequences", sum(asked))
             span.set_attribute("specdec.draft_tokens", sum(map(len, drafts)))
         old_columns = self.cache.columns
         started = time.perf_counter()

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from grpc_reflection.v1alpha import reflection
@@ -308,10 +307,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def Propose(self, request, context):
         started = time.perf_counter()
-        with self.tracing.tracer.start_as_current_span(
-            "specdec.drafter.propose", context=telemetry.incoming_context(context), kind=SpanKind.SERVER,
-            attributes={"specdec.sequences": len(request.sequences)},
-        ) as span:
+        with self.tracing.server_span("specdec.drafter.propose", context, {"specdec.sequences": len(request.sequences)}) as span:
             response = self._propose(request, context)
             span.set_attribute("specdec.draft_tokens", sum(len(draft.tokens) for draft in response.drafts))
         self.propose_seconds.observe(time.perf_counter() - started)
@@ -381,10 +377,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         )
 
     def Observe(self, request, context):
-        with self.tracing.tracer.start_as_current_span(
-            "specdec.drafter.observe", context=telemetry.incoming_context(context), kind=SpanKind.SERVER,
-            attributes={"specdec.sequences": len(request.sequences)},
-        ):
+        with self.tracing.server_span("specdec.drafter.observe", context, {"specdec.sequences": len(request.sequences)}):
             return self._observe(request, context)
 
     def _observe(self, request, context):

@@ -20,6 +20,7 @@ lists, which may hold user data.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -95,6 +96,15 @@ class Tracing:
     @property
     def enabled(self) -> bool:
         return self.provider is not None
+
+    def server_span(self, name: str, grpc_context, attributes: dict) -> contextlib.AbstractContextManager:
+        """The current span for one RPC, a child of the caller's trace context. With tracing
+        off, nothing at all: not even the context extraction, which costs tens of µs per call."""
+        if self.provider is None:
+            return contextlib.nullcontext(trace.INVALID_SPAN)
+        return self.tracer.start_as_current_span(
+            name, context=incoming_context(grpc_context), kind=trace.SpanKind.SERVER, attributes=attributes
+        )
 
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Export what is queued, waiting at most ``timeout_s`` whatever the collector does."""

@@ -97,18 +97,24 @@ class InMemoryNGramTable:
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
-        self._counts: dict[tuple[int, ...], dict[int, int]] = {}
         # Per key: (best token, its count, total), replaced by extend so that
         # drafting costs one dict lookup: ``best`` is that dict's own ``get``
         # (a plain tuple unpacks and compares like a Continuation).
         self._best: dict[tuple[int, ...], tuple[int, int, int]] = {}
         self.best = self._best.get
+        # Full next-token counts, only for keys followed by two or more distinct
+        # tokens; for the rest (most n-grams of a context) the summary is the count.
+        self._counts: dict[tuple[int, ...], dict[int, int]] = {}
 
     def __len__(self) -> int:
-        return len(self._counts)
+        return len(self._best)
 
     def continuations(self, key: tuple[int, ...]) -> dict[int, int] | None:
-        return self._counts.get(key)
+        counts = self._counts.get(key)
+        if counts is not None:
+            return counts
+        summary = self._best.get(key)
+        return None if summary is None else {summary[0]: summary[1]}
 
     def observe(self, tokens: Sequence[int]) -> None:
         self.extend(tokens, start=1)
@@ -124,17 +130,21 @@ class InMemoryNGramTable:
             following = tokens[position]
             for n in range(self.n_min, min(self.n_max, position) + 1):
                 key = tuple(tokens[position - n : position])
-                counts = all_counts.setdefault(key, {})
-                count = counts[following] = counts.get(following, 0) + 1
                 summary = best.get(key)
-                if summary is None:
-                    best[key] = (following, count, 1)
-                # Strictly more: on a tie the continuation recorded first stays
-                # best, as in most_frequent.
-                elif count > summary[1]:
-                    best[key] = (following, count, summary[2] + 1)
-                else:
-                    best[key] = (summary[0], summary[1], summary[2] + 1)
+                if summary is None:  # a new n-gram, the commonest case
+                    best[key] = (following, 1, 1)
+                    continue
+                token, top, total = summary
+                if token == following and top == total:  # still its only continuation
+                    best[key] = (token, top + 1, total + 1)
+                    continue
+                counts = all_counts.get(key)
+                if counts is None:  # a second distinct continuation: keep full counts from now on
+                    counts = all_counts[key] = {token: top}
+                count = counts[following] = counts.get(following, 0) + 1
+                # Strictly more: on a tie the current best stays (the first to
+                # reach that count), so drafts do not flip between tied tokens.
+                best[key] = (following, count, total + 1) if count > top else (token, top, total + 1)
 
 
 def most_frequent(counts: dict[int, int]) -> tuple[int, int]:
@@ -188,19 +198,19 @@ def propose_chain(
     ``global_trusted_match_length`` long. This loop runs per draft token on
     the service's hot path, so the lookup is written inline.
     """
-    n_max, n_min = config.n_max, config.n_min
-    min_global, trusted = config.min_global_count, config.global_trusted_match_length
+    n_max, min_global, trusted = config.n_max, config.min_global_count, config.global_trusted_match_length
     lookups = [(name, source.best, name == SOURCE_GLOBAL) for name, source in sources]
     tail = tuple(context[-n_max:]) if context else ()  # slices of a tuple are the keys themselves
+    lengths = range(min(n_max, len(tail)), config.n_min - 1, -1)  # longest suffix first
     tokens: list[int] = []
     evidence: list[Evidence] = []
-    while len(tokens) < k:
+    for _ in range(k):
         hit = None
-        for n in range(min(n_max, len(tail)), n_min - 1, -1):
-            key = tail[len(tail) - n :]
+        for n in lengths:
+            key = tail[-n:]
             for name, best, is_global in lookups:
                 hit = best(key)
-                if hit is not None and (hit[1] >= min_global or n >= trusted or not is_global):
+                if hit is not None and (not is_global or n >= trusted or hit[1] >= min_global):
                     break
                 hit = None
             if hit is not None:
@@ -211,6 +221,8 @@ def propose_chain(
         tokens.append(token)
         evidence.append(Evidence(name, n, count, total))
         tail = (tail + (token,))[-n_max:]
+        if len(tail) > lengths.start:  # a short context grew: longer suffixes exist now
+            lengths = range(len(tail), config.n_min - 1, -1)
     return Draft(tokens, evidence)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from drafter_service.ngram import (
     SOURCE_CONTEXT,
@@ -462,3 +464,26 @@ def test_config_rejects_invalid_values(kwargs, message):
 def test_config_accepts_n_min_equal_to_n_max():
     config = NGramConfig(n_min=3, n_max=3, min_global_count=1)
     assert (config.n_min, config.n_max, config.min_global_count) == (3, 3, 1)
+
+
+@given(st.lists(st.integers(0, 4), max_size=60), st.integers(0, 60))
+def test_table_matches_plain_counting_however_the_tokens_arrive(tokens, split):
+    """Full counts are kept only for keys with two or more continuations; whatever
+    the order and chunking, continuations and best equal plain counting."""
+    table = InMemoryNGramTable(n_min=1, n_max=3)
+    split = min(split, len(tokens))
+    table.extend(tokens[:split], start=1)
+    table.extend(tokens, start=split)  # the rest, incrementally
+    expected: dict[tuple[int, ...], dict[int, int]] = {}
+    for position in range(1, len(tokens)):
+        for n in range(1, min(3, position) + 1):
+            counts = expected.setdefault(tuple(tokens[position - n : position]), {})
+            counts[tokens[position]] = counts.get(tokens[position], 0) + 1
+    assert len(table) == len(expected)
+    for key, counts in expected.items():
+        assert table.continuations(key) == counts
+        token, count, total = table.best(key)
+        # On a tie the incumbent best stays (which of the tied tokens that is
+        # depends on the order counts grew), so check the count and membership.
+        assert (count, total) == (max(counts.values()), sum(counts.values()))
+        assert counts[token] == count

@@ -115,6 +115,8 @@ import os
 import struct
 import threading
 from collections import Counter
+from itertools import chain
+from operator import itemgetter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -156,6 +158,7 @@ MAX_CONTINUATIONS = 255
 # Named sub-databases: ngrams, coldness, applied, meta.
 SUB_DATABASES = 4
 
+_COUNT = itemgetter(1)  # of a (token, count) pair
 _HEADER = struct.Struct(">BII")  # version, last-touched epoch, total
 _PAIR_BYTES = 8
 _UINT32 = struct.Struct(">I")
@@ -261,7 +264,7 @@ class StoreConfig:
 
 def encode_value(epoch: int, pairs: Sequence[tuple[int, int]], total: int | None = None) -> bytes:
     """The ``ngrams`` value: header, then (token, count) pairs as stored."""
-    flat = [number for pair in pairs for number in pair]
+    flat = list(chain.from_iterable(pairs))
     if total is None:
         total = total_count(pairs)
     return _HEADER.pack(FORMAT_VERSION, epoch, total) + _PAIRS[len(pairs)].pack(*flat)
@@ -280,9 +283,7 @@ def decode_value(value: bytes) -> tuple[int, int, list[tuple[int, int]]]:
 
 
 def total_count(pairs: Sequence[tuple[int, int]]) -> int:
-    total = 0
-    for _token, count in pairs:
-        total += count
+    total = sum(count for _token, count in pairs)
     return total if total < UINT32_MAX else UINT32_MAX
 
 
@@ -306,15 +307,15 @@ def merge_continuations(
     stored before new, new in first-seen order); max_continuations 2 ->
     [(7, 1), (8, 1)].
     """
-    merged = dict(decayed(stored, age, decay_shift))
+    merged = dict(stored) if age == 0 else dict(decayed(stored, age, decay_shift))  # age 0: the usual case
     for token, count in additions.items():
         merged[token] = min(UINT32_MAX, merged.get(token, 0) + count)
-    ranked = sorted(merged.items(), key=_by_count_descending)
-    return ranked[:max_continuations]
+    return _ranked(merged.items())[:max_continuations]
 
 
-def _by_count_descending(pair: tuple[int, int]) -> int:
-    return -pair[1]
+def _ranked(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Pairs by count, highest first; equal counts keep their order (reverse sorts are stable)."""
+    return sorted(pairs, key=_COUNT, reverse=True)
 
 
 def count_ngrams(
@@ -629,7 +630,7 @@ class LMDBNGramStore:
             value = _HEADER.pack(FORMAT_VERSION, meta.epoch, total) + _FIRST_PAIR.pack(token, total)
         else:
             if old is None:  # nothing to decay or merge
-                pairs = sorted(additions.items(), key=_by_count_descending)[: config.max_continuations]
+                pairs = _ranked(additions.items())[: config.max_continuations]
             else:
                 old_epoch, old_total, stored = decode_value(old)
                 self._delete_record(txn, self._coldness, coldness_key(old_epoch, old_total, key), meta)

@@ -354,7 +354,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         session = self.sessions[update.session_id]
         if update.verified_draft_tokens:
             self._credit_feedback(update, session)
-        session.last_sources = []
         session.context.extend(update.new_tokens)
         session.last_used = now
         return session

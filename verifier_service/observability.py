@@ -54,7 +54,7 @@ class ServiceObserver:
         with trace.use_span(span, end_on_exit=True):
             yield
 
-    def stepped(self, handles: list[RequestHandle], started: float, seconds: float, rows: list[RowStep]) -> None:
+    def stepped(self, handles: list[RequestHandle], seconds: float, rows: list[RowStep]) -> None:
         self.metrics.record_step(seconds, [(row.verified, row.accepted, row.emitted) for row in rows])
         if not self.tracing.enabled or self._batch_span is None:
             return

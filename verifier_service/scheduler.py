@@ -54,7 +54,7 @@ class SchedulerObserver(Protocol):
     def step(self, handles: list[RequestHandle]) -> contextlib.AbstractContextManager:
         """Wraps one engine step over ``handles`` (the batch, in row order)."""
 
-    def stepped(self, handles: list[RequestHandle], started: float, seconds: float, rows: list[RowStep]) -> None: ...
+    def stepped(self, handles: list[RequestHandle], seconds: float, rows: list[RowStep]) -> None: ...
 
     def prefilled(self, handle: RequestHandle, emitted: int) -> None: ...
 
@@ -63,7 +63,7 @@ class NoObserver:
     def step(self, handles):
         return contextlib.nullcontext()
 
-    def stepped(self, handles, started, seconds, rows) -> None:
+    def stepped(self, handles, seconds, rows) -> None:
         pass
 
     def prefilled(self, handle, emitted) -> None:
@@ -214,7 +214,7 @@ class Scheduler:
         seconds = time.perf_counter() - started
         self.steps += 1
         rows = [RowStep(*(now - then for now, then in zip(_progress(h._sequence), old))) for h, old in zip(handles, before)]
-        self.observer.stepped(handles, started, seconds, rows)
+        self.observer.stepped(handles, seconds, rows)
         still_running = []
         for handle in self._running:
             self._deliver(handle, handle._sequence)

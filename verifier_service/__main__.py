@@ -33,22 +33,31 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
     parser.add_argument("--max-batch-size", type=int, default=int(env("max_batch_size", defaults.max_batch_size)))
     parser.add_argument("--max-queued", type=int, default=int(env("max_queued", defaults.max_queued)))
     parser.add_argument("--max-new-tokens-limit", type=int, default=int(env("max_new_tokens_limit", defaults.max_new_tokens_limit)))
+    parser.add_argument("--max-sequence-tokens", type=int, default=_optional_int(env("max_sequence_tokens", defaults.max_sequence_tokens)),
+                        help="KV cache positions per request, prompt + max_new_tokens (default: the model's context, at most 4096)")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=int(env("prefill_chunk_tokens", defaults.prefill_chunk_tokens)),
+                        help="prompt tokens one step may prefill alongside the running sequences")
     parser.add_argument("--grace", type=float, default=float(env("grace", defaults.grace_s)), help="seconds SIGTERM gives in-flight requests")
     parser.add_argument("--no-calibrate", action="store_true", default=env("no_calibrate", "") == "1",
                         help="skip the start-up step-cost measurement (tests, tiny models)")
     add_serving_flags(parser, ENV_PREFIX, DEFAULT_METRICS_PORT)
     parser.add_argument("--drafter-tls-ca", default=env("drafter_tls_ca", None), help="PEM root certificate: reach the drafter over TLS")
     args = parser.parse_args(argv)
-    for name in ("max_batch_size", "max_queued", "max_new_tokens_limit"):
-        if getattr(args, name) < 1:
+    for name in ("max_batch_size", "max_queued", "max_new_tokens_limit", "max_sequence_tokens", "prefill_chunk_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     serving = serving_options(parser, args)
     return VerifierConfig(
         port=args.port, host=args.host, model=args.model, device=args.device, drafter=args.drafter,
         drafter_timeout_s=args.drafter_timeout, max_batch_size=args.max_batch_size, max_queued=args.max_queued,
-        max_new_tokens_limit=args.max_new_tokens_limit, grace_s=args.grace, calibrate=not args.no_calibrate,
+        max_new_tokens_limit=args.max_new_tokens_limit, max_sequence_tokens=args.max_sequence_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens, grace_s=args.grace, calibrate=not args.no_calibrate,
         drafter_tls_ca=args.drafter_tls_ca, **serving,
     )
+
+
+def _optional_int(value) -> int | None:
+    return None if value in (None, "") else int(value)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,7 +27,7 @@ import grpc
 
 from specdec import serving, telemetry
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
-from verifier_service.drafting import DraftRequest
+from verifier_service.drafting import DraftEvidence, DraftRequest, ProposedDraft
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +71,10 @@ class RemoteDrafter:
 
     # -- DraftProposer ------------------------------------------------------------
 
-    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+    def propose(self, requests: list[DraftRequest]) -> list[ProposedDraft]:
         if time.monotonic() < self._skip_until:
             self.fallbacks += 1
-            return [[] for _ in requests]
+            return [ProposedDraft([]) for _ in requests]
         sent = dict(self._sent)
         updates = [self._update(request, sent) for request in requests]
         try:
@@ -85,10 +85,10 @@ class RemoteDrafter:
             )
         except grpc.RpcError as error:
             self._on_error(error)
-            return [[] for _ in requests]
+            return [ProposedDraft([]) for _ in requests]
         for request in requests:
             self._sent[request.session_id] = len(request.tokens)
-        return [list(draft.tokens) for draft in response.drafts]
+        return [_draft(message) for message in response.drafts]
 
     def close(self, finished: list[tuple[str, list[int]]]) -> None:
         """Observe the finished sequences and close their sessions, both in the background."""
@@ -190,3 +190,17 @@ class RemoteDrafter:
             )
         except grpc.RpcError:
             pass
+
+
+_SOURCES = {drafter_pb2.DRAFT_SOURCE_CONTEXT: "context", drafter_pb2.DRAFT_SOURCE_GLOBAL: "global"}
+
+
+def _draft(message: drafter_pb2.SequenceDraft) -> ProposedDraft:
+    """A ``SequenceDraft`` with its per-token evidence (none when the arrays do not match the tokens)."""
+    tokens = list(message.tokens)
+    columns = (message.sources, message.match_lengths, message.counts, message.totals)
+    if any(len(column) != len(tokens) for column in columns):
+        return ProposedDraft(tokens)
+    return ProposedDraft(tokens, [
+        DraftEvidence(_SOURCES.get(source, ""), match, count, total) for source, match, count, total in zip(*columns)
+    ])

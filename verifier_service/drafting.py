@@ -13,8 +13,8 @@ full context, and the engine never knows.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 
 @dataclass
@@ -29,8 +29,25 @@ class DraftRequest:
     accepted: int = 0
 
 
+class DraftEvidence(NamedTuple):
+    """Why the drafter proposed one token (the drafter's ``Evidence``, as the engine reads it)."""
+
+    source: str  # "context" (the request's own tokens) or "global" (learned across requests)
+    match_length: int  # tokens of context suffix that matched
+    count: int  # times this continuation followed that suffix
+    total: int  # times any continuation followed it
+
+
+@dataclass(frozen=True)
+class ProposedDraft:
+    tokens: list[int]
+    # One record per token, or empty when the proposer has none; adaptive K
+    # uses it to judge each token's odds before the target sees it.
+    evidence: list[DraftEvidence] = field(default_factory=list)
+
+
 class DraftProposer(Protocol):
-    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+    def propose(self, requests: list[DraftRequest]) -> list[ProposedDraft]:
         """A draft (possibly empty) per request, in order; never raises for drafter trouble."""
 
     def close(self, finished: list[tuple[str, list[int]]]) -> None:
@@ -52,11 +69,12 @@ class SessionProposer:
         self.drafter = drafter
         self._sent: dict[str, int] = {}  # session -> tokens the drafter has seen
 
-    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+    def propose(self, requests: list[DraftRequest]) -> list[ProposedDraft]:
         drafts = []
         for request in requests:
             new = self._new_tokens(request.session_id, request.tokens)
-            drafts.append(list(self.drafter.propose(request.session_id, new, request.k).tokens))
+            draft = self.drafter.propose(request.session_id, new, request.k)
+            drafts.append(ProposedDraft(list(draft.tokens), [DraftEvidence(*e) for e in getattr(draft, "evidence", ())]))
         return drafts
 
     def close(self, finished: list[tuple[str, list[int]]]) -> None:

@@ -1,20 +1,32 @@
 """The decode loop: prefill, propose, verify, accept, for a batch of sequences.
 
-One loop serves every strategy. A request with ``num_speculative_tokens = 0``
-(or a proposer with nothing to say) takes the plain path: each step feeds one
-token and samples one. With drafts, each step feeds ``[last token] + drafts``
-through the target once and keeps what ``rejection`` accepts. The words
-accepted / rejected / recovered / bonus are defined in ``rejection``.
+One loop serves every strategy. Each ``step`` is one packed forward pass of
+the target (``kv_cache``) carrying, for every decoding sequence, its last
+token and the drafts chosen for verification, and chunks of the prompts
+waiting to be prefilled. A sequence with no drafts (``num_speculative_tokens
+= 0``, or a proposer with nothing to say) feeds one token and samples one:
+plain decoding. With drafts it feeds ``[last token] + drafts`` and keeps
+what ``rejection`` accepts. The words accepted / rejected / recovered /
+bonus are defined in ``rejection``.
 
-Sequences join with ``add`` (prefilled alone, then merged into the batch
-cache) and leave when they finish or are cancelled, so a scheduler can run
-continuous batching on top of ``step``; ``generate`` is the simple
-static-batch driver.
+Prefill is chunked and batched (Sarathi-Serve's stall-free batching): a
+step carries at most ``prefill_chunk_tokens`` prompt tokens, from as many
+waiting prompts as fit, oldest first, so a long prompt delays the running
+sequences by one chunk's compute per step instead of stopping them for its
+whole length. Only a prompt's last token gets logits (the LM head over the
+vocabulary is ~20% of a token's compute); the step that feeds it samples the
+sequence's first token.
 
-Each step asks the proposer for the whole batch's drafts in one call. A
-request with a fixed K verifies its whole draft; a request that leaves K to
-the engine (``num_speculative_tokens=None``) verifies as much of it as
-``adaptive.choose_width`` finds worth its cost at this batch size.
+Sequences ``add`` (into a free cache slot) and leave when they finish or are
+cancelled, so a scheduler can run continuous batching on top of ``step``,
+which reports what happened to each sequence as a ``StepOutcome``;
+``generate`` is the simple driver.
+
+Each step asks the proposer for every decoding sequence's draft in one
+call. A request with a fixed K verifies its whole draft; one that leaves K
+to the engine (``num_speculative_tokens=None``) verifies the draft tokens
+``adaptive.plan_verification`` finds worth their cost, from their evidence
+and the measured cost of the step's tokens.
 
 ``reference_greedy`` is the plain, obviously-correct path (full recompute, no
 cache, no batching) that the tests hold the fast path against.
@@ -23,36 +35,52 @@ cache, no batching) that the tests hold the fast path against.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
+import logging
 import secrets
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from transformers.cache_utils import DynamicCache
 
-from verifier_service.adaptive import AcceptanceEstimate, StepCostModel, choose_width
+from verifier_service.adaptive import (
+    EXPLORATION,
+    MAX_HAZARD,
+    AcceptanceModel,
+    SequenceCalibration,
+    StepCostModel,
+    evidence_bucket,
+    plan_verification,
+    survival,
+)
 from verifier_service.drafting import DraftProposer, DraftRequest
-from verifier_service.kv_cache import BatchKVCache
+from verifier_service.kv_cache import STEP_KWARG, SlotKVCache, plan_step, use_slot_attention
 from verifier_service.rejection import SamplingParams, accept_greedy, accept_sampled, warp_probs
+from verifier_service.text import StopStringMatcher
 
-# An adaptive sequence whose drafts keep missing (none found, or none
-# accepted) skips the drafter for 1, 2, 4, ... up to this many steps: on
-# open-ended text the drafter round trip (~2-3 ms) is otherwise paid every
-# step for nothing, ~5% of a CPU step. A hit resets the back-off.
-MAX_PROPOSE_BACKOFF_STEPS = 8
-
-# CPU GEMMs (MKL, AVX-512) for the [rows, hidden] x [hidden, vocab] LM head
-# run 2-3x slower at 2, 3, 6 or 7 rows than at 4 or 8 (measured: 22 and 33 ms
-# at 2 and 3 rows vs 16 ms at 4). Padding the step's rows (batch x width) to a
-# multiple of this makes a wider step cheaper than a narrower one.
-GEMM_ROW_MULTIPLE = 4
+log = logging.getLogger(__name__)
 
 FINISH_STOP = "stop"  # EOS token or a stop string
 FINISH_LENGTH = "length"  # max_new_tokens reached
 FINISH_CANCELLED = "cancelled"  # the caller gave up (cancel, deadline)
+
+# Token counts whose forward-pass cost is measured at start-up: every count
+# up to 16 (where CPU GEMM kernels change, so padding can pay), then a
+# sparser grid up to a prefill chunk plus a batch of drafts.
+CALIBRATION_TOKENS = (*range(1, 17), 20, 24, 32, 48, 64, 96, 128, 192, 256, 384)
+# Counts up to here are timed twice (best of two): they decide padding.
+CALIBRATION_REPEAT_BELOW = 64
+# RoPE variants whose frequencies depend on the longest position in the
+# batch: a row's result would depend on its batch-mates.
+BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+# One 4D tensor for every packed pass: a 4D mask makes transformers skip
+# building its own (slot_attention masks from the StepLayout instead).
+_NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
 
 
 @dataclass(frozen=True)
@@ -69,7 +97,7 @@ class GenerationRequest:
 
 @dataclass
 class GenerationStats:
-    target_forward_passes: int = 0  # prefill included: it yields the first token
+    target_forward_passes: int = 0  # prefill included, once however many chunks: it yields the first token
     draft_tokens: int = 0
     accepted_tokens: int = 0
     generated_tokens: int = 0
@@ -115,30 +143,78 @@ StageSpans = Callable[[str, dict], contextlib.AbstractContextManager]
 @dataclass(frozen=True)
 class EngineConfig:
     # Hard cap on K per step: the verify pass widens with K, and on CPU the
-    # cost of scoring more than ~9 tokens stops being nearly free.
+    # cost of scoring more than ~9 tokens a row stops being nearly free.
     max_speculative_tokens: int = 16
-    # Drafts asked for when K is adaptive; choose_width then verifies a prefix.
+    # Drafts asked for when K is adaptive; the planner then verifies a prefix.
     # n-gram chains past ~8 tokens are rarely all right (bench: K=8 ~ best K).
     adaptive_max_k: int = 8
+    # Cache slots: sequences decoding or prefilling at once. On a 2-core CPU a
+    # step of 16 rows costs ~2x a step of 1; more rows stop paying long before memory runs out.
+    max_batch_size: int = 16
+    # Cache positions per slot: the longest prompt + max_new_tokens a request
+    # may have. None: the model's context, capped at 4096 (16 slots x 4096
+    # tokens of the default model is 3 GB, touched only as far as used).
+    max_sequence_tokens: int | None = None
+    # Prompt tokens one step may prefill. Larger chunks use the GEMMs better
+    # (per-token cost falls ~2x from 64 to 256 tokens on CPU) but stall the
+    # running sequences longer; 256 costs them about a 2-3 decode steps' time.
+    prefill_chunk_tokens: int = 256
 
 
-@dataclass
+@dataclass(eq=False)
 class _Sequence:
     request: GenerationRequest
     session_id: str
     seed: int
+    slot: int
     tokens: list[int]  # prompt + generated, including the last (uncached) token
     generated: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    prefilled: int = 0  # prompt tokens in the cache; all of them once decoding
+    calibration: SequenceCalibration = field(default_factory=SequenceCalibration)
     # The previous step's verdict on this sequence's draft, fed back to the drafter.
     verified: int = 0
     accepted: int = 0
     proposed: bool = False  # the proposer has a session for it
-    misses: int = 0  # consecutive steps whose draft gave nothing accepted
-    skip_proposals: int = 0  # steps left before the proposer is asked again
+    stops: StopStringMatcher | None = None
     finish_reason: str | None = None
     stop_text: str | None = None  # output text cut before the stop string that ended it
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.generated)
+
+    @property
+    def cached(self) -> int:
+        """Tokens of this sequence in its cache slot."""
+        return len(self.tokens) - 1 if self.generated else self.prefilled
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step did for one sequence."""
+
+    sequence: _Sequence  # the handle ``add`` returned
+    tokens: list[int]  # appended to the output (accepted drafts + the step's own, cut at a stop)
+    verified: int = 0  # draft tokens the target scored
+    accepted: int = 0  # of those, accepted
+    first: bool = False  # the step finished its prefill: ``tokens`` is its first token
+    result: GenerationResult | None = None  # set when the sequence finished
+
+
+@dataclass
+class _Row:
+    """One decoding sequence's part in a step."""
+
+    sequence: _Sequence
+    draft: list[int]  # what the proposer offered (in-vocabulary prefix)
+    buckets: list[tuple]  # adaptive.evidence_bucket of each draft token
+    asked: bool  # the proposer was asked this step (feedback goes back next time)
+    verify: int = 0  # draft tokens this step verifies
+
+
+class EngineFull(Exception):
+    """No free cache slot: the caller queues the request until one frees."""
 
 
 class SpeculativeEngine:
@@ -155,35 +231,73 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.config = config or EngineConfig()
+        check_supported(model)
+        use_slot_attention(model)
         self.device = next(model.parameters()).device
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.cache = BatchKVCache()
-        self.active: list[_Sequence] = []
+        self.context_length = context_length(model)
+        capacity = self.config.max_sequence_tokens or min(self.context_length, 4096)
+        if capacity > self.context_length:
+            raise ValueError(f"max_sequence_tokens {capacity} exceeds the model's context of {self.context_length}")
+        self.cache = SlotKVCache(self.config.max_batch_size, capacity)
+        self._slots: list[_Sequence | None] = [None] * self.config.max_batch_size
+        self._decoding = 0  # slots [0, _decoding) hold the decoding sequences
+        self._prefilling: list[_Sequence] = []  # oldest first
         self._session_ids = (f"seq-{n}" for n in itertools.count())
-        # Measured on this 2-core CPU with the default model: ~48 ms a step plus
-        # ~8 ms a row. The service replaces it with a start-up calibration.
-        self.step_cost = step_cost or StepCostModel.linear(0.048, 0.008)
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.acceptance = AcceptanceModel()
         self.stage_spans = stage_spans
+        self._check_slot_attention()
+        self.step_cost = step_cost or calibrated_step_cost(self)
+
+    def _check_slot_attention(self) -> None:
+        """One token through the scratch slot: allocates every cache layer, and proves
+        that every attention layer reads the packed layout (refusing the model if not)."""
+        name = type(self.model).__name__
+        try:
+            self._forward([], [(self.cache.scratch, 0, [0])], keep=[])
+        except NotImplementedError as error:
+            raise ValueError(f"{name} cannot be served: {error}") from error
+        layers = getattr(self.model.config, "num_hidden_layers", None)
+        if not self.cache.keys or (layers is not None and len(self.cache.keys) != layers):
+            raise ValueError(
+                f"{name}'s attention layers do not all receive the packed step layout "
+                f"({len(self.cache.keys)} of {layers} did); it cannot be served"
+            )
 
     # -- public driver -------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Run requests as one batch to completion; results in request order."""
+        """Run requests to completion, as many at once as slots allow; results in request order."""
+        for request in requests:
+            self.validate(request)
+        waiting = list(enumerate(requests))[::-1]
+        index_of: dict[_Sequence, int] = {}
         results: dict[int, GenerationResult] = {}
-        pending = {}
-        for index, request in enumerate(requests):
-            sequence, finished = self.add(request)
-            if finished is not None:
-                results[index] = finished
-            else:
-                pending[id(sequence)] = index
-        while self.active:
-            for sequence, result in self.step():
-                results[pending[id(sequence)]] = result
+        while waiting or self.busy:
+            while waiting and self.free_slots:
+                index, request = waiting.pop()
+                index_of[self.add(request)] = index
+            for outcome in self.step():
+                if outcome.result is not None and outcome.sequence in index_of:
+                    results[index_of[outcome.sequence]] = outcome.result
         return [results[index] for index in range(len(requests))]
 
-    # -- stages --------------------------------------------------------------
+    # -- membership ----------------------------------------------------------
+
+    @property
+    def active(self) -> list[_Sequence]:
+        """The decoding sequences, in slot order."""
+        return self._slots[: self._decoding]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._decoding or self._prefilling)
+
+    @property
+    def free_slots(self) -> int:
+        return self._slots.count(None)
 
     def validate(self, request: GenerationRequest) -> None:
         if not request.prompt_ids:
@@ -193,6 +307,12 @@ class SpeculativeEngine:
             raise ValueError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if request.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        needed = len(request.prompt_ids) + request.max_new_tokens
+        if needed > self.cache.capacity:
+            raise ValueError(
+                f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) needs {needed} "
+                f"cache positions; this server holds at most {self.cache.capacity} per request"
+            )
         if request.num_speculative_tokens is not None and not 0 <= request.num_speculative_tokens <= self.config.max_speculative_tokens:
             raise ValueError(
                 f"num_speculative_tokens must be in [0, {self.config.max_speculative_tokens}], "
@@ -200,169 +320,258 @@ class SpeculativeEngine:
             )
         request.sampling.validate()
 
-    @torch.inference_mode()
-    def add(self, request: GenerationRequest) -> tuple[_Sequence, GenerationResult | None]:
-        """Prefill a request and emit its first token; join the batch unless already finished."""
+    def add(self, request: GenerationRequest) -> _Sequence:
+        """Take a free slot and queue the request for prefill; its first token comes from a later ``step``."""
         self.validate(request)
+        if not self.free_slots:
+            raise EngineFull(f"all {len(self._slots)} cache slots are in use")
+        slot = self._slots.index(None)
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
-        sequence = _Sequence(request, next(self._session_ids), seed, list(request.prompt_ids))
-        row_cache = DynamicCache()
-        input_ids = torch.tensor([request.prompt_ids], device=self.device)
-        logits = self.model(input_ids=input_ids, cache=row_cache, use_cache=True).logits[0, -1:]
-        sequence.stats.target_forward_passes += 1
-        first = self._sample(sequence, logits, draft=[])[1]
-        self._emit(sequence, [first])
-        if sequence.finish_reason is not None:
-            return sequence, self._result(sequence)
-        self.cache.add_row(row_cache, len(request.prompt_ids))
-        self.active.append(sequence)
-        return sequence, None
+        sequence = _Sequence(request, next(self._session_ids), seed, slot, list(request.prompt_ids))
+        if request.stop:
+            sequence.stops = StopStringMatcher(self.tokenizer, request.stop)
+        self._slots[slot] = sequence
+        self._prefilling.append(sequence)
+        return sequence
+
+    def cancel(self, sequence: _Sequence) -> None:
+        """End a sequence at the next step boundary (its slot frees then)."""
+        if sequence.finish_reason is None:
+            sequence.finish_reason = FINISH_CANCELLED
 
     def abort_all(self) -> list[_Sequence]:
-        """Drop every active sequence and the batch cache: recovery after a failed step."""
-        dropped, self.active, self.cache = self.active, [], BatchKVCache()
+        """Drop every sequence: recovery after a failed step. The cache memory stays allocated."""
+        dropped = [sequence for sequence in self._slots if sequence is not None]
+        self._slots = [None] * len(self._slots)
+        self._decoding, self._prefilling = 0, []
         ended = [(seq.session_id, seq.tokens) for seq in dropped if seq.proposed]
         if ended:
             self.proposer.close(ended)
         return dropped
 
-    def cancel(self, sequence: _Sequence) -> None:
-        """End a sequence at the next step boundary (its row leaves the batch then)."""
-        if sequence.finish_reason is None:
-            sequence.finish_reason = FINISH_CANCELLED
+    # -- stages --------------------------------------------------------------
 
-    def propose(self) -> tuple[list[list[int]], list[bool]]:
-        """Drafts for every active row, from one proposer call for the whole batch,
-        and which rows the proposer was asked for (the others are backed off or plain)."""
-        rows = [i for i, sequence in enumerate(self.active) if self._speculates(sequence) and self._due(sequence)]
-        drafts: list[list[int]] = [[] for _ in self.active]
-        asked = [False] * len(self.active)
-        if not rows:
-            return drafts, asked
+    def propose(self) -> list[_Row]:
+        """Drafts for every decoding sequence, from one proposer call for the whole batch."""
+        rows = [_Row(sequence, [], [], False) for sequence in self.active]
+        asking = [row for row in rows if self._speculates(row.sequence)]
+        if not asking:
+            return rows
         requests = []
-        for i in rows:
-            sequence = self.active[i]
-            sequence.proposed = True
+        for row in asking:
+            sequence = row.sequence
+            sequence.proposed = row.asked = True
             requests.append(DraftRequest(
                 sequence.session_id, sequence.tokens, self._draft_budget(sequence), sequence.verified, sequence.accepted
             ))
-        for i, request, draft in zip(rows, requests, self.proposer.propose(requests)):
-            drafts[i] = self._usable_prefix(draft[: request.k])
-            asked[i] = True
-        return drafts, asked
+        for row, request, draft in zip(asking, requests, self.proposer.propose(requests)):
+            tokens = self._usable_prefix(draft.tokens[: request.k])
+            row.draft = tokens
+            evidence = draft.evidence[: len(tokens)] if draft.evidence else [None] * len(tokens)
+            row.buckets = [evidence_bucket(item, position) for position, item in enumerate(evidence)]
+        return rows
 
-    @staticmethod
-    def _due(sequence: _Sequence) -> bool:
-        if sequence.skip_proposals:
-            sequence.skip_proposals -= 1
-            return False
-        return True
-
-    @staticmethod
-    def _back_off(sequence: _Sequence, accepted: int) -> None:
-        """After a proposal: reset on a hit, else skip the next 1, 2, 4, ... steps (adaptive K only)."""
-        if accepted or sequence.request.num_speculative_tokens is not None:
-            sequence.misses = 0
+    def plan(self, rows: list[_Row], prefill_tokens: int) -> None:
+        """Set how many drafts each row verifies: a fixed-K row its whole draft, adaptive rows as planned."""
+        adaptive, survivals = [], []
+        base_tokens, base_expected = len(rows), float(len(rows))
+        for row in rows:
+            factor = row.sequence.calibration.factor
+            hazards = [min(MAX_HAZARD, self.acceptance.hazard(bucket, EXPLORATION) * factor) for bucket in row.buckets]
+            if row.sequence.request.num_speculative_tokens is None:
+                adaptive.append(row)
+                survivals.append(survival(hazards))
+            else:
+                row.verify = len(row.draft)
+                base_tokens += row.verify
+                base_expected += sum(survival(hazards))
+        if not any(survivals):
             return
-        sequence.misses += 1
-        sequence.skip_proposals = min(MAX_PROPOSE_BACKOFF_STEPS, 1 << (sequence.misses - 1))
-
-    def fit_drafts(self, drafts: list[list[int]]) -> list[list[int]]:
-        """Cut adaptive rows' drafts to the width worth verifying at this batch size."""
-        adaptive = [seq.request.num_speculative_tokens is None for seq in self.active]
-        if not any(adaptive) or not any(drafts):
-            return drafts
-        fixed_width = 1 + max((len(d) for d, a in zip(drafts, adaptive) if not a), default=0)
-        alphas = [seq.acceptance.alpha for seq in self.active]
-        width = choose_width([len(d) for d in drafts], alphas, self.step_cost.cost, padded_width, fixed_width)
-        return [draft[: width - 1] if is_adaptive else draft for draft, is_adaptive in zip(drafts, adaptive)]
-
-    def _usable_prefix(self, tokens: Sequence[int]) -> list[int]:
-        """The draft up to its first id outside the vocabulary: a faulty or
-        foreign drafter may slow a step down but must never crash the model."""
-        usable = []
-        for token in tokens:
-            if not 0 <= token < self.vocab_size:
-                break
-            usable.append(token)
-        return usable
-
-    @torch.inference_mode()
-    def verify(self, drafts: list[list[int]]) -> torch.Tensor:
-        """One target forward pass over every row's ``[last token] + draft``.
-
-        Returns logits [batch, width, vocab], width = 1 + longest draft.
-        """
-        width = padded_width(len(drafts), 1 + max(len(draft) for draft in drafts))
-        rows = [[seq.tokens[-1], *draft] + [0] * (width - 1 - len(draft)) for seq, draft in zip(self.active, drafts)]
-        input_ids = torch.tensor(rows, device=self.device)  # [batch, width]
-        attention_mask, position_ids = self.cache.step_inputs([1 + len(d) for d in drafts], width, self.device)
-        output = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=self.cache.cache,
-            use_cache=True,
+        context = _cache_reads(rows, [])
+        plan = plan_verification(
+            survivals, base_tokens, base_expected, lambda tokens: self.step_cost.cheapest(tokens, context), prefill_tokens,
         )
-        return output.logits
+        for row, count in zip(adaptive, plan.counts):
+            row.verify = count
 
-    def accept(self, drafts: list[list[int]], logits: torch.Tensor) -> list[tuple[int, int]]:
-        """(num_accepted, next_token) per row; greedy rows in one vectorised call."""
-        decisions: list[tuple[int, int] | None] = [None] * len(drafts)
-        greedy_rows = [i for i, seq in enumerate(self.active) if seq.request.sampling.greedy]
-        if greedy_rows:
-            width = logits.shape[1]
-            padded = torch.tensor([drafts[i] + [-1] * (width - 1 - len(drafts[i])) for i in greedy_rows], device=logits.device)
-            lengths = torch.tensor([len(drafts[i]) for i in greedy_rows], device=logits.device)
-            counts, tokens = accept_greedy(logits[greedy_rows], padded.view(len(greedy_rows), width - 1), lengths)
-            for i, count, token in zip(greedy_rows, counts.tolist(), tokens.tolist()):
-                decisions[i] = (count, token)
-        for i, sequence in enumerate(self.active):
-            if decisions[i] is None:
-                decisions[i] = self._sample(sequence, logits[i, : len(drafts[i]) + 1], drafts[i])
+    def _plan_prefill(self) -> list[tuple[_Sequence, int, int]]:
+        """(sequence, first position, length) chunks for this step, oldest prompt first."""
+        budget, chunks = self.config.prefill_chunk_tokens, []
+        for sequence in self._prefilling:
+            if budget <= 0:
+                break
+            if sequence.finish_reason is not None:
+                continue
+            length = min(budget, len(sequence.request.prompt_ids) - sequence.prefilled)
+            chunks.append((sequence, sequence.prefilled, length))
+            budget -= length
+        return chunks
+
+    def verify(self, rows: list[_Row], chunks: list[tuple[_Sequence, int, int]]) -> torch.Tensor:
+        """One packed forward pass: every row's ``[last token] + verified drafts``, then the prefill chunks.
+
+        Returns logits [kept, vocab]: each row's 1 + verify positions in row
+        order, then one for each chunk that completes its prompt.
+        """
+        queries = [[row.sequence.tokens[-1], *row.draft[: row.verify]] for row in rows]
+        keep = list(range(sum(map(len, queries))))
+        segments, position = [], len(keep)
+        for sequence, first, length in chunks:
+            prompt = sequence.request.prompt_ids
+            segments.append((sequence.slot, first, prompt[first : first + length]))
+            position += length
+            if first + length == len(prompt):
+                keep.append(position - 1)
+        return self._forward([(row.sequence.cached, query) for row, query in zip(rows, queries)], segments, keep, pad=True)
+
+    def accept(self, rows: list[_Row], logits: torch.Tensor) -> list[tuple[int, int]]:
+        """(num_accepted, next_token) per row; greedy rows from one argmax over the whole pass."""
+        choices = logits.argmax(dim=-1).tolist() if any(row.sequence.request.sampling.greedy for row in rows) else None
+        decisions, start = [], 0
+        for row in rows:
+            width = row.verify + 1
+            draft = row.draft[: row.verify]
+            if row.sequence.request.sampling.greedy:
+                decisions.append(accept_greedy(choices[start : start + width], draft))
+            else:
+                decisions.append(self._sample(row.sequence, logits[start : start + width], draft))
+            start += width
         return decisions
 
     @torch.inference_mode()
-    def step(self) -> list[tuple[_Sequence, GenerationResult]]:
-        """One propose-verify-accept round for the whole batch; returns finished sequences."""
-        if not self.active:
-            return []
-        finished = self._retire_finished()  # cancelled since the last step
-        if not self.active:
-            return finished
-        with self.stage_spans("specdec.propose", {"specdec.batch_size": len(self.active)}) as span:
-            drafts, asked = self.propose()
-            drafts = self.fit_drafts(drafts)
-            span.set_attribute("specdec.sequences", sum(asked))
-            span.set_attribute("specdec.draft_tokens", sum(map(len, drafts)))
-        old_columns = self.cache.columns
+    def step(self) -> list[StepOutcome]:
+        """One propose-verify-accept round for the decoding sequences, with a prefill chunk riding along."""
+        outcomes = self._retire()  # cancelled since the last step
+        if not self.busy:
+            return outcomes
+        with self.stage_spans("specdec.propose", {"specdec.batch_size": self._decoding}) as span:
+            rows = self.propose()
+            chunks = self._plan_prefill()
+            self.plan(rows, sum(length for _, _, length in chunks))
+            span.set_attribute("specdec.sequences", sum(row.asked for row in rows))
+            span.set_attribute("specdec.draft_tokens", sum(row.verify for row in rows))
         started = time.perf_counter()
-        with self.stage_spans("specdec.score", {"specdec.batch_size": len(self.active)}) as span:
-            logits = self.verify(drafts)
-            span.set_attribute("specdec.width", logits.shape[1])
-            span.set_attribute("specdec.tokens_scored", logits.shape[0] * logits.shape[1])
-        with self.stage_spans("specdec.accept", {"specdec.draft_tokens": sum(map(len, drafts))}) as span:
-            decisions = self.accept(drafts, logits)
+        with self.stage_spans("specdec.score", {"specdec.batch_size": len(rows)}) as span:
+            logits = self.verify(rows, chunks)
+            tokens = len(rows) + sum(row.verify for row in rows) + sum(length for _, _, length in chunks)
+            span.set_attribute("specdec.width", 1 + max((row.verify for row in rows), default=0))
+            span.set_attribute("specdec.tokens_scored", tokens)
+        with self.stage_spans("specdec.accept", {"specdec.draft_tokens": sum(row.verify for row in rows)}) as span:
+            decoded = sum(row.verify + 1 for row in rows)
+            decisions = self.accept(rows, logits[:decoded])
             span.set_attribute("specdec.accepted", sum(count for count, _ in decisions))
-        self.step_cost.observe(logits.shape[0] * logits.shape[1], time.perf_counter() - started)
-        self.cache.commit(old_columns, [1 + count for count, _ in decisions])
-        for sequence, draft, (count, token), was_asked in zip(self.active, drafts, decisions, asked):
-            stats = sequence.stats
-            stats.target_forward_passes += 1
-            if was_asked:  # feedback on the drafter's draft, sent when it is next asked
-                sequence.verified, sequence.accepted = len(draft), count
-                self._back_off(sequence, count)
-            if draft:
-                stats.draft_tokens += len(draft)
-                stats.accepted_tokens += count
-                stats.verify_steps_with_drafts += 1
-            # Without a draft this only ages the evidence, so a sequence that stopped
-            # speculating (low alpha) drifts back to the prior and tries again.
-            sequence.acceptance.update(len(draft), count)
-            self._emit(sequence, draft[:count] + [token])
-        return finished + self._retire_finished()
+        self.step_cost.observe(tokens + self.step_cost.padding(tokens), _cache_reads(rows, chunks), time.perf_counter() - started)
+        for row, (count, token) in zip(rows, decisions):
+            outcomes.append(self._commit(row, count, token))
+        outcomes += self._finish_prefills(chunks, logits[decoded:])
+        self.acceptance.age()
+        return outcomes + self._retire()
 
     # -- helpers -------------------------------------------------------------
+
+    def _forward(self, decode_rows: list[tuple[int, list[int]]], segments: list[tuple[int, int, list[int]]],
+                 keep: list[int], pad: bool = False) -> torch.Tensor:
+        """Run the model over one packed step and return the logits of the ``keep`` positions [kept, vocab].
+
+        decode_rows: (cached length, query tokens) for slots 0, 1, ...;
+        segments: (slot, first position, tokens) for prefill chunks. With
+        ``pad``, a step whose token count is measurably slower than a slightly
+        larger one is padded to it, the extra tokens going to the scratch slot.
+        """
+        input_ids = [token for _, query in decode_rows for token in query]
+        for _, _, tokens in segments:
+            input_ids += tokens
+        placed = [(slot, first, len(tokens)) for slot, first, tokens in segments]
+        padding = self.step_cost.padding(len(input_ids)) if pad else 0
+        if padding:
+            placed.append((self.cache.scratch, 0, padding))
+            input_ids += [0] * padding
+        counts = [(cached, len(query)) for cached, query in decode_rows]
+        columns = max((cached + count for cached, count in counts), default=0)
+        for slot in range(len(counts)):
+            self.cache.ensure_finite(slot, columns)
+        layout = plan_step(self.cache, counts, placed, self.device)
+        extra = {"logits_to_keep": torch.tensor(keep, dtype=torch.long, device=self.device)} if self._keeps_logits else {}
+        output = self.model(
+            input_ids=torch.tensor([input_ids], device=self.device),
+            position_ids=layout.position_ids,
+            attention_mask=_NO_MASK,
+            use_cache=False,
+            **{STEP_KWARG: layout},
+            **extra,
+        )
+        for slot, (cached, count) in enumerate(counts):
+            self.cache.wrote(slot, cached + count)
+        for slot, first, length in placed:
+            self.cache.wrote(slot, first + length)
+        logits = output.logits[0]  # [kept (or every token), vocab]
+        return logits if self._keeps_logits else logits[keep]
+
+    def _commit(self, row: _Row, count: int, token: int) -> StepOutcome:
+        sequence, stats = row.sequence, row.sequence.stats
+        stats.target_forward_passes += 1
+        if row.asked:  # feedback on the drafter's draft, sent when it is next asked
+            sequence.verified, sequence.accepted = row.verify, count
+        sequence.calibration.age()
+        if row.verify:
+            stats.draft_tokens += row.verify
+            stats.accepted_tokens += count
+            stats.verify_steps_with_drafts += 1
+            verified = row.buckets[: row.verify]
+            sequence.calibration.learn([self.acceptance.hazard(bucket) for bucket in verified], count)
+            self.acceptance.learn(verified, count)
+        emitted = self._emit(sequence, row.draft[:count] + [token])
+        return StepOutcome(sequence, emitted, row.verify, count)
+
+    def _finish_prefills(self, chunks, logits: torch.Tensor) -> list[StepOutcome]:
+        """Advance prefill progress; a completed prompt samples its first token and starts decoding."""
+        for sequence, first, length in chunks:  # all first: starting to decode may move another's slot
+            sequence.prefilled = first + length
+        done = [sequence for sequence, _, _ in chunks if sequence.prefilled == len(sequence.request.prompt_ids)]
+        outcomes = []
+        for sequence, row_logits in zip(done, logits):
+            self._prefilling.remove(sequence)
+            sequence.stats.target_forward_passes += 1
+            _, token = self._sample(sequence, row_logits[None], draft=[])
+            self._start_decoding(sequence)
+            outcomes.append(StepOutcome(sequence, self._emit(sequence, [token]), first=True))
+        return outcomes
+
+    def _start_decoding(self, sequence: _Sequence) -> None:
+        """Move a fully prefilled sequence to slot ``_decoding``, the end of the decoding block."""
+        target = self._decoding
+        other = self._slots[target]
+        if sequence.slot != target:
+            if other is None:
+                self.cache.move(sequence.slot, target, sequence.prefilled)
+            else:  # a prompt still prefilling sits there: they trade places
+                self.cache.swap(sequence.slot, target, sequence.prefilled, other.cached)
+                other.slot = sequence.slot
+            self._slots[sequence.slot], self._slots[target] = other, sequence
+            sequence.slot = target
+        self._decoding += 1
+
+    def _retire(self) -> list[StepOutcome]:
+        """Free the slots of finished and cancelled sequences; their outcomes carry the results."""
+        finished = [seq for seq in self._slots if seq is not None and seq.finish_reason is not None]
+        if not finished:
+            return []
+        ended = [(seq.session_id, seq.tokens) for seq in finished if seq.proposed]
+        if ended:
+            self.proposer.close(ended)
+        for sequence in finished:
+            if sequence.decoding and sequence.slot < self._decoding:
+                last = self._slots[self._decoding - 1]
+                if last is not sequence:  # the last decoding row fills the gap
+                    self.cache.move(last.slot, sequence.slot, last.cached)
+                    self._slots[sequence.slot], last.slot = last, sequence.slot
+                self._slots[self._decoding - 1] = None
+                self._decoding -= 1
+            else:
+                self._slots[sequence.slot] = None
+                if sequence in self._prefilling:
+                    self._prefilling.remove(sequence)
+        return [StepOutcome(sequence, [], result=self._result(sequence)) for sequence in finished]
 
     def _speculates(self, sequence: _Sequence) -> bool:
         return self.proposer is not None and sequence.request.num_speculative_tokens != 0
@@ -374,50 +583,41 @@ class SpeculativeEngine:
         k = sequence.request.num_speculative_tokens
         return max(0, min(self.config.adaptive_max_k if k is None else k, remaining - 1))
 
+    def _usable_prefix(self, tokens: Sequence[int]) -> list[int]:
+        """The draft up to its first id outside the vocabulary: a faulty or
+        foreign drafter may slow a step down but must never crash the model."""
+        usable = []
+        for token in tokens:
+            if not 0 <= token < self.vocab_size:
+                break
+            usable.append(token)
+        return usable
+
     def _sample(self, sequence: _Sequence, logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
         """Acceptance for one row. logits: [len(draft) + 1, vocab]."""
         sampling = sequence.request.sampling
-        if sampling.greedy:  # the batch's own rule, on a batch of one
-            drafts = torch.tensor(draft, dtype=torch.long, device=logits.device).view(1, len(draft))
-            counts, tokens = accept_greedy(logits[None], drafts, torch.tensor([len(draft)], device=logits.device))
-            return int(counts[0]), int(tokens[0])
+        if sampling.greedy:
+            return accept_greedy(logits.argmax(dim=-1).tolist(), draft)
         probs = warp_probs(logits, sampling)
         return accept_sampled(probs, draft, sequence.seed, first_position=len(sequence.generated))
 
-    def _emit(self, sequence: _Sequence, tokens: list[int]) -> None:
-        """Append tokens, stopping exactly at EOS, a stop string or max_new_tokens."""
-        request = sequence.request
+    def _emit(self, sequence: _Sequence, tokens: list[int]) -> list[int]:
+        """Append tokens, stopping exactly at EOS, a stop string or max_new_tokens; returns those appended."""
+        request, emitted = sequence.request, []
         for token in tokens:
             sequence.generated.append(token)
             sequence.tokens.append(token)
+            emitted.append(token)
             if token in self.eos_token_ids:
                 sequence.finish_reason = FINISH_STOP
-            elif request.stop and self._hits_stop_string(sequence):
-                sequence.finish_reason = FINISH_STOP
+            elif sequence.stops is not None and (text := sequence.stops.push(token)) is not None:
+                sequence.finish_reason, sequence.stop_text = FINISH_STOP, text
             elif len(sequence.generated) >= request.max_new_tokens:
                 sequence.finish_reason = FINISH_LENGTH
             if sequence.finish_reason is not None:
                 break
         sequence.stats.generated_tokens = len(sequence.generated)
-
-    def _hits_stop_string(self, sequence: _Sequence) -> bool:
-        text = self.tokenizer.decode(sequence.generated, skip_special_tokens=True)
-        positions = [text.find(stop) for stop in sequence.request.stop if stop in text]
-        if not positions:
-            return False
-        sequence.stop_text = text[: min(positions)]  # the stop string itself is not returned
-        return True
-
-    def _retire_finished(self) -> list[tuple[_Sequence, GenerationResult]]:
-        finished = [(seq, self._result(seq)) for seq in self.active if seq.finish_reason is not None]
-        ended = [(seq.session_id, seq.tokens) for seq, _ in finished if seq.proposed]
-        if ended:
-            self.proposer.close(ended)
-        if finished:
-            keep = [i for i, seq in enumerate(self.active) if seq.finish_reason is None]
-            self.cache.keep_rows(keep)
-            self.active = [self.active[i] for i in keep]
-        return finished
+        return emitted
 
     def _result(self, sequence: _Sequence) -> GenerationResult:
         text = sequence.stop_text
@@ -426,17 +626,84 @@ class SpeculativeEngine:
         return GenerationResult(sequence.request.request_id, list(sequence.generated), text, sequence.finish_reason, sequence.stats)
 
 
-def padded_width(batch: int, width: int) -> int:
-    """Smallest width >= ``width`` whose ``batch * width`` rows suit the GEMM.
+def _cache_reads(rows: list[_Row], chunks: list[tuple[_Sequence, int, int]]) -> int:
+    """Cached tokens a step's attention reads: every decode row reads up to the longest
+    row's columns (one batched call), a prefill chunk its own slot's earlier tokens."""
+    longest = max((row.sequence.cached for row in rows), default=0)
+    return len(rows) * longest + sum(first for _, first, _ in chunks)
 
-    A single row (plain decoding of one sequence) stays a fast GEMV.
-    padded_width(1, 2) -> 4; padded_width(1, 6) -> 8; padded_width(2, 3) -> 4.
+
+def context_length(model: PreTrainedModel) -> int:
+    """Positions the model can attend over (learned position tables end there)."""
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1 << 20
+
+
+def check_supported(model: PreTrainedModel) -> None:
+    """Refuse models whose rows would not be computed independently of their batch-mates."""
+    parameters = getattr(model.config, "rope_parameters", None) or getattr(model.config, "rope_scaling", None) or {}
+    candidates = [parameters, *(value for value in parameters.values() if isinstance(value, dict))]
+    for candidate in candidates:
+        rope_type = candidate.get("rope_type") or candidate.get("type")
+        if rope_type in BATCH_DEPENDENT_ROPE:
+            raise ValueError(
+                f"{type(model).__name__} uses {rope_type!r} RoPE scaling, whose frequencies depend on the longest "
+                "position in the batch; batched verification would change a request's output, so it is not served"
+            )
+
+
+_calibrations: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def calibrated_step_cost(engine: SpeculativeEngine) -> StepCostModel:
+    """The step-cost model of ``engine``'s model on this machine, measured once per model object."""
+    cached = _calibrations.get(engine.model)
+    if cached is None:
+        cached = _calibrations[engine.model] = calibrate_step_cost(engine)
+    return cached
+
+
+def calibrate_step_cost(engine: SpeculativeEngine, tokens: Sequence[int] = CALIBRATION_TOKENS) -> StepCostModel:
+    """Seconds per packed forward pass at each token count, and per cached token read, on the real device.
+
+    Token counts prefill the scratch slot; the cache-read pass decodes one
+    token in each slot over columns of zeros. No sequence is touched.
     """
-    if batch * width == 1:
-        return 1
-    while (batch * width) % GEMM_ROW_MULTIPLE:
-        width += 1
-    return width
+    limit = min(engine.cache.capacity, engine.context_length)
+    points = {}
+    with torch.inference_mode():
+        for count in tokens:
+            if count > limit:
+                break
+            repeats = 2 if count < CALIBRATION_REPEAT_BELOW else 1
+            points[count] = _best_time(engine, repeats, [], [(engine.cache.scratch, 0, [0] * count)], list(range(count)))
+        # A decode step over full slots, less its tokens' own cost: what attention's cache reads cost.
+        rows, columns = min(len(engine._slots), max(points)), min(engine.cache.capacity - 1, 1024)
+        per_context_token = 0.0
+        if rows in points and columns >= 64:
+            seconds = _best_time(engine, 2, [(columns, [0])] * rows, [], list(range(rows)))
+            per_context_token = max(0.0, (seconds - points[rows]) / (rows * columns))
+    log.info("step cost (tokens -> ms): %s; %.2f us per cached token read",
+             {k: round(1000 * v, 1) for k, v in points.items()}, 1e6 * per_context_token)
+    return StepCostModel(points, per_context_token)
+
+
+def _best_time(engine: SpeculativeEngine, repeats: int, decode_rows, segments, keep) -> float:
+    cuda = engine.device.type == "cuda"
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        engine._forward(decode_rows, segments, keep)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return min(times)
 
 
 def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -1,129 +1,308 @@
-"""A batched KV cache whose rows have different lengths, with rollback.
+"""The slot KV cache, and the packed forward pass that reads and writes it.
 
-Layout (our choice among padding and slot-based designs): every layer holds
-keys and values as ``[batch, kv_heads, columns, head_dim]`` in a transformers
-``DynamicCache``. Row ``b`` keeps its ``lengths[b]`` cached tokens *left-packed*
-in columns ``[0, lengths[b])``; columns from there to ``columns`` are padding,
-masked out of attention. A verification step appends ``q`` new columns for
-every row (the model's own ``torch.cat``), with per-row positions
-``lengths[b] + i`` so rotary embeddings see the true token positions.
+Cache layout (as gpt-fast's static cache, with a slot per sequence): every
+layer holds keys and values as ``[slots + 1, kv_heads, capacity, head_dim]``,
+allocated once. A sequence owns one slot; its cached token at position p sits
+in column p. Writing a step's new keys is an in-place ``index_put`` at each
+row's own positions, rolling back rejected drafts is bookkeeping (the
+sequence's length simply does not cover them; the next step overwrites
+them), and nothing is ever concatenated or reallocated. The last slot is
+scratch: padding tokens write there.
 
-After the step, ``commit`` keeps the first ``kept[b]`` of row b's new columns
-(the last token and its accepted drafts), moves them down to
-``[lengths[b], lengths[b] + kept[b])`` and crops the cache to the longest row.
-Rejected drafts are thereby rolled back: nothing is recomputed, and the cache
-never grows beyond the longest sequence.
+A forward pass is *packed* (as vLLM's): every token of the step, from every
+sequence, is one row of a single ``[1, tokens]`` input, so the model's linear
+layers see exactly the tokens that need computing, however many each
+sequence brings (one for plain decoding, 1 + drafts for verification, a
+chunk of prompt for prefill). Only attention needs to know which token
+belongs to whom, and ``slot_attention`` (registered with transformers'
+``AttentionInterface``) does that from the ``StepLayout`` passed down as a
+keyword argument. Two kinds of segment:
 
-Padding columns hold finite stale values (zeros or old rejected entries);
-they are multiplied by exactly zero attention weight, so they never leak into
-a row's result.
+* **decode rows**, the sequences in slots ``[0, rows)``: one batched SDPA
+  call for all of them, each row's queries padded to the widest row and
+  masked to ``column <= its own position``. Grouped-query heads are folded
+  into the query axis (``[rows, kv_heads, groups * width, dim]``), so the
+  cached keys are read in place: no ``repeat_kv`` copy of the cache.
+* **prefill chunks**: one SDPA call per chunk, causal over its own slot's
+  columns ``[0, first_position + length)``.
 
-Row with lengths 3, columns 5, step with q = 3, kept = 2:
+Row b of a decode group with 3 cached tokens verifying [x, d1, d2]: the new
+keys go to columns 3, 4, 5; query x sees columns 0..3, d1 sees 0..4, d2 0..5.
+If only d1 is accepted, the sequence's length becomes 5 (x and d1 cached),
+and column 5 is overwritten by the next step.
 
-    before:   [a b c . .]            . = padding
-    forward:  [a b c . . x y z]      x = last token, y z = drafts
-    commit:   [a b c x y]            z rejected; columns cropped to 5
+Columns a row does not own but an SDPA call reads (a decode group reads
+``[0, widest)`` for every row) are masked out; they must still hold finite
+numbers, since a masked weight of exactly 0 times NaN is NaN. Each slot
+tracks how many leading columns hold finite values (``extent``) and zeroes
+ahead of it in blocks before they are read.
+
+Sliding-window layers (Mistral, and the sliding layers of mixed models) get
+the window in their masks from the ``sliding_window`` argument transformers
+passes to attention; soft-capping and attention sinks are refused.
+
+Called without a ``StepLayout`` (transformers' own ``generate``, the
+reference path), ``slot_attention`` is exactly transformers' SDPA attention,
+so a model switched to it behaves as before for every other caller.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+ATTENTION_NAME = "specdec_slots"
+STEP_KWARG = "specdec_step"  # the keyword that carries a StepLayout down to attention
+# Columns zeroed ahead of a slot's extent at a time: zeroing is one fill per
+# layer, so doing it in blocks keeps it off almost every step.
+ZERO_BLOCK_COLUMNS = 256
 
 
-class BatchKVCache:
-    def __init__(self) -> None:
-        self.cache: DynamicCache | None = None
-        self.lengths: list[int] = []  # cached tokens per row
+class SlotKVCache:
+    """Per-layer key and value tensors ``[slots + 1, kv_heads, capacity, head_dim]``.
+
+    Layers are allocated at their first write, from the shapes the model
+    gives them (so any head count and head dim works), as ``torch.empty``:
+    memory a slot never reaches is never touched on the CPU.
+    """
+
+    def __init__(self, slots: int, capacity: int) -> None:
+        if slots < 1 or capacity < 1:
+            raise ValueError(f"need slots >= 1 and capacity >= 1, got {slots} x {capacity}")
+        self.slots, self.capacity = slots, capacity
+        self.scratch = slots  # the extra slot padding tokens write to
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.extent = [0] * (slots + 1)  # leading columns of each slot holding finite values
+
+    def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's (keys, values), allocated on first use like ``like`` ([1, kv_heads, tokens, dim])."""
+        keys = self.keys.get(index)
+        if keys is None:
+            shape = (self.slots + 1, like.shape[1], self.capacity, like.shape[3])
+            keys = self.keys[index] = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self.values[index] = torch.empty(shape, dtype=like.dtype, device=like.device)
+            # A new layer has no finite columns anywhere, whatever other layers hold.
+            if len(self.keys) == 1:
+                self.extent = [0] * (self.slots + 1)
+        return keys, self.values[index]
 
     @property
-    def batch_size(self) -> int:
-        return len(self.lengths)
+    def layers(self) -> list[int]:
+        return sorted(self.keys)
 
-    @property
-    def columns(self) -> int:
-        return self.cache.get_seq_length() if self.cache is not None else 0
-
-    def _layers(self) -> list[DynamicLayer]:
-        layers = self.cache.layers
-        for layer in layers:
-            if type(layer) is not DynamicLayer:
-                raise TypeError(
-                    f"batched speculative decoding needs full-attention cache layers; "
-                    f"this model uses {type(layer).__name__} (sliding-window attention is not supported)"
-                )
-        return layers
-
-    def add_row(self, row_cache: DynamicCache, length: int) -> None:
-        """Append a prefilled single-row cache (``[1, heads, length, dim]``) as the last row."""
-        assert row_cache.get_seq_length() == length, "a prefilled row must hold exactly its tokens"
-        if self.cache is None or self.batch_size == 0:
-            self.cache, self.lengths = row_cache, [length]
-            self._layers()
+    def ensure_finite(self, slot: int, columns: int) -> None:
+        """Make columns ``[0, columns)`` of ``slot`` finite in every layer (zeros where never written)."""
+        start = self.extent[slot]
+        if start >= columns:
             return
-        width = max(self.columns, length)
-        for layer, new in zip(self._layers(), row_cache.layers):
-            layer.keys = torch.cat([_pad_columns(layer.keys, width), _pad_columns(new.keys, width)], dim=0)
-            layer.values = torch.cat([_pad_columns(layer.values, width), _pad_columns(new.values, width)], dim=0)
-        self.lengths.append(length)
+        stop = min(self.capacity, max(columns, start + ZERO_BLOCK_COLUMNS))
+        for index in self.keys:
+            self.keys[index][slot, :, start:stop].zero_()
+            self.values[index][slot, :, start:stop].zero_()
+        self.extent[slot] = stop
 
-    def keep_rows(self, rows: list[int]) -> None:
-        """Drop every row not listed, in the listed order; crop to the longest kept row."""
-        if not rows:
-            self.cache, self.lengths = None, []
+    def wrote(self, slot: int, columns: int) -> None:
+        """Record that a forward pass wrote ``slot`` up to column ``columns``."""
+        self.extent[slot] = max(self.extent[slot], columns)
+
+    def move(self, source: int, target: int, columns: int) -> None:
+        """Copy the first ``columns`` columns of ``source`` into ``target`` (every layer)."""
+        if source == target or columns == 0:
             return
-        index = torch.tensor(rows, dtype=torch.long, device=self._layers()[0].keys.device)
-        self.lengths = [self.lengths[row] for row in rows]
-        width = max(self.lengths)
-        for layer in self._layers():
-            layer.keys = layer.keys.index_select(0, index)[:, :, :width]
-            layer.values = layer.values.index_select(0, index)[:, :, :width]
+        for index in self.keys:
+            self.keys[index][target, :, :columns] = self.keys[index][source, :, :columns]
+            self.values[index][target, :, :columns] = self.values[index][source, :, :columns]
+        self.extent[target] = max(self.extent[target], columns)
 
-    def step_inputs(self, query_lengths: list[int], width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention mask [batch, columns + width] and position ids [batch, width] for a step.
-
-        Row b has ``query_lengths[b]`` real query tokens; the rest of its
-        ``width`` are padding, masked like the padding columns of the cache.
-        """
-        assert len(query_lengths) == self.batch_size
-        columns = self.columns
-        lengths = torch.tensor(self.lengths, device=device)[:, None]
-        cached = torch.arange(columns, device=device)[None, :] < lengths  # [batch, columns]
-        offsets = torch.arange(width, device=device)[None, :]
-        queried = offsets < torch.tensor(query_lengths, device=device)[:, None]  # [batch, width]
-        attention_mask = torch.cat([cached, queried], dim=1).long()
-        position_ids = lengths + offsets  # [batch, width]
-        return attention_mask, position_ids
-
-    def commit(self, old_columns: int, kept: list[int]) -> None:
-        """Keep the first ``kept[b]`` new columns of each row, drop the rest (rollback)."""
-        assert len(kept) == self.batch_size
-        device = self._layers()[0].keys.device
-        rows, sources, targets = [], [], []
-        for row, (length, count) in enumerate(zip(self.lengths, kept)):
-            if length != old_columns:  # rows already at the right edge need no move
-                rows += [row] * count
-                sources += range(old_columns, old_columns + count)
-                targets += range(length, length + count)
-        self.lengths = [length + count for length, count in zip(self.lengths, kept)]
-        width = max(self.lengths)
-        if rows:
-            rows_t = torch.tensor(rows, device=device)
-            sources_t = torch.tensor(sources, device=device)
-            targets_t = torch.tensor(targets, device=device)
-        for layer in self._layers():
-            if rows:
-                # Sources lie right of every target, so gather-then-scatter is safe.
-                layer.keys[rows_t, :, targets_t] = layer.keys[rows_t, :, sources_t]
-                layer.values[rows_t, :, targets_t] = layer.values[rows_t, :, sources_t]
-            if layer.keys.shape[2] > width:
-                layer.keys = layer.keys[:, :, :width]
-                layer.values = layer.values[:, :, :width]
+    def swap(self, first: int, second: int, first_columns: int, second_columns: int) -> None:
+        """Exchange two slots' contents, through the scratch slot."""
+        self.move(first, self.scratch, first_columns)
+        self.move(second, first, second_columns)
+        self.move(self.scratch, second, first_columns)
 
 
-def _pad_columns(states: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - states.shape[2]
-    if missing == 0:
-        return states
-    padding = states.new_zeros(states.shape[0], states.shape[1], missing, states.shape[3])
-    return torch.cat([states, padding], dim=2)
+@dataclass(frozen=True)
+class Segment:
+    """Tokens ``[start, start + length)`` of the packed input: one sequence's prefill chunk
+    (or padding), at positions ``first_position ...`` of slot ``slot``."""
+
+    slot: int
+    start: int
+    length: int
+    first_position: int
+
+
+@dataclass
+class StepLayout:
+    """Where each packed token of one forward pass belongs. Built by ``plan_step``."""
+
+    cache: SlotKVCache
+    tokens: int
+    write_slots: torch.Tensor  # [tokens]
+    write_positions: torch.Tensor  # [tokens]
+    position_ids: torch.Tensor  # [1, tokens]
+    # Decode rows: slots [0, rows), each with queries padded to ``width``.
+    rows: int
+    width: int
+    columns: int  # keys read per decode row: the furthest column any row writes, + 1
+    gather: torch.Tensor | None  # [rows, width] packed token of each (row, query); padding repeats the last
+    scatter_rows: torch.Tensor | None  # [decode tokens] row of each real decode token
+    scatter_queries: torch.Tensor | None  # [decode tokens] its query index in the row
+    decode_tokens: int
+    query_positions: torch.Tensor | None  # [rows, width] position of each (row, query)
+    segments: list[Segment]
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, groups: int, window: int | None) -> torch.Tensor:
+        """[rows, 1, groups * width, columns] bool, True = attend; one per (groups, window)."""
+        key = ("decode", groups, window)
+        mask = self._masks.get(key)
+        if mask is None:
+            mask = _visible(self.query_positions[:, :, None], torch.arange(self.columns, device=self.position_ids.device), window)
+            mask = self._masks[key] = mask[:, None].repeat(1, 1, groups, 1)
+        return mask
+
+    def segment_mask(self, segment: Segment, window: int | None) -> torch.Tensor | None:
+        """[length, first_position + length] bool, or None when plain causal attention is exact."""
+        if segment.first_position == 0 and window is None:
+            return None
+        key = (segment.start, window)
+        mask = self._masks.get(key)
+        if mask is None:
+            device = self.position_ids.device
+            positions = segment.first_position + torch.arange(segment.length, device=device)
+            columns = torch.arange(segment.first_position + segment.length, device=device)
+            mask = self._masks[key] = _visible(positions[:, None], columns, window)
+        return mask
+
+
+def _visible(positions: torch.Tensor, columns: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal visibility of cache columns from queries at ``positions`` (transformers'
+    sliding window keeps the last ``window`` positions, the query's own included)."""
+    visible = columns <= positions
+    if window is not None:
+        visible &= columns > positions - window
+    return visible
+
+
+def plan_step(
+    cache: SlotKVCache,
+    decode_rows: list[tuple[int, int]],
+    segments: list[tuple[int, int, int]],
+    device: torch.device,
+) -> StepLayout:
+    """Lay out one packed forward pass.
+
+    decode_rows: (cached length, query tokens) for slots 0, 1, ... in order;
+    segments: (slot, first position, length) for prefill chunks and padding,
+    packed after the decode rows.
+
+    decode_rows [(3, 2), (5, 1)], no segments: 3 tokens; row 0 writes
+    columns 3, 4 of slot 0 and row 1 column 5 of slot 1; width 2, and row
+    1's padding query repeats its only token (packed index 2).
+    """
+    slots, positions = [], []
+    for row, (length, count) in enumerate(decode_rows):
+        slots += [row] * count
+        positions += range(length, length + count)
+    decode_tokens = len(slots)
+    packed = []
+    for slot, first, length in segments:
+        packed.append(Segment(slot, len(slots), length, first))
+        slots += [slot] * length
+        positions += range(first, first + length)
+    rows = len(decode_rows)
+    gather = scatter_rows = scatter_queries = query_positions = None
+    width = max((count for _, count in decode_rows), default=0)
+    columns = max((length + count for length, count in decode_rows), default=0)
+    if rows:
+        gather_list, query_list, rows_list, queries_list = [], [], [], []
+        start = 0
+        for row, (length, count) in enumerate(decode_rows):
+            gather_list.append([start + min(i, count - 1) for i in range(width)])
+            query_list.append([length + min(i, count - 1) for i in range(width)])
+            rows_list += [row] * count
+            queries_list += range(count)
+            start += count
+        gather = torch.tensor(gather_list, device=device)
+        query_positions = torch.tensor(query_list, device=device)
+        scatter_rows = torch.tensor(rows_list, device=device)
+        scatter_queries = torch.tensor(queries_list, device=device)
+    positions_t = torch.tensor(positions, device=device)
+    return StepLayout(
+        cache=cache,
+        tokens=len(slots),
+        write_slots=torch.tensor(slots, device=device),
+        write_positions=positions_t,
+        position_ids=positions_t[None],
+        rows=rows,
+        width=width,
+        columns=columns,
+        gather=gather,
+        scatter_rows=scatter_rows,
+        scatter_queries=scatter_queries,
+        decode_tokens=decode_tokens,
+        query_positions=query_positions,
+        segments=packed,
+    )
+
+
+def slot_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers attention over the slot cache. query [1, heads, tokens, dim],
+    key/value [1, kv_heads, tokens, dim] -> ([1, tokens, heads, dim], None)."""
+    step: StepLayout | None = kwargs.pop(STEP_KWARG, None)
+    if step is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention soft-capping and attention sinks are not supported by the slot cache")
+    window = kwargs.get("sliding_window")
+    scale = kwargs.get("scaling")
+    assert query.shape[0] == 1 and query.shape[2] == step.tokens, f"packed query expected, got {tuple(query.shape)}"
+    heads, dim = query.shape[1], query.shape[3]
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    cache = step.cache
+    keys, values = cache.layer(module.layer_idx, key)
+    keys[step.write_slots, :, step.write_positions] = key[0].transpose(0, 1)
+    values[step.write_slots, :, step.write_positions] = value[0].transpose(0, 1)
+    output = query.new_empty(step.tokens, heads, dim)
+    if step.rows:
+        rows, width = step.rows, step.width
+        queries = query[0][:, step.gather]  # [heads, rows, width, dim]
+        queries = queries.permute(1, 0, 2, 3).reshape(rows, kv_heads, groups * width, dim)
+        attended = F.scaled_dot_product_attention(
+            queries, keys[:rows, :, : step.columns], values[:rows, :, : step.columns],
+            attn_mask=step.decode_mask(groups, window), scale=scale,
+        )  # [rows, kv_heads, groups * width, dim]
+        attended = attended.view(rows, heads, width, dim)
+        output[: step.decode_tokens] = attended[step.scatter_rows, :, step.scatter_queries]
+    for segment in step.segments:
+        end = segment.first_position + segment.length
+        mask = step.segment_mask(segment, window)
+        attended = F.scaled_dot_product_attention(
+            query[:, :, segment.start : segment.start + segment.length],
+            keys[segment.slot : segment.slot + 1, :, :end], values[segment.slot : segment.slot + 1, :, :end],
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=groups > 1,
+        )  # [1, heads, length, dim]
+        output[segment.start : segment.start + segment.length] = attended[0].transpose(0, 1)
+    return output[None], None
+
+
+def use_slot_attention(model: PreTrainedModel) -> None:
+    """Switch ``model`` to ``slot_attention`` (SDPA for any call without a StepLayout)."""
+    AttentionInterface.register(ATTENTION_NAME, slot_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+    if model.config._attn_implementation == ATTENTION_NAME:
+        return
+    if not model._can_set_attn_implementation():
+        raise ValueError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+            "which batched verification needs; it cannot be served"
+        )
+    model.set_attn_implementation(ATTENTION_NAME)

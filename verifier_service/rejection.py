@@ -95,27 +95,21 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scores.softmax(dim=-1)
 
 
-def accept_greedy(
-    target_logits: torch.Tensor, drafts: torch.Tensor, draft_lengths: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Longest draft prefix equal to the target's argmax, for a whole batch.
+def accept_greedy(target_choices: list[int], draft: list[int]) -> tuple[int, int]:
+    """Longest draft prefix equal to the target's argmax.
 
-    target_logits: [batch, k+1, vocab]; drafts: [batch, k] (padding beyond
-    each row's length is ignored); draft_lengths: [batch].
-    Returns (num_accepted [batch], next_token [batch]): the recovered or bonus
-    token is the argmax right after the accepted prefix.
+    target_choices: the target's argmax at each of the len(draft) + 1
+    positions (one batched argmax over the whole step gives them all).
+    Returns (num_accepted, next_token): the recovered or bonus token is the
+    argmax right after the accepted prefix.
 
-    Row with argmax [7, 8, 9, 5] and draft [7, 8, 4]: 7 and 8 accepted, 4
-    rejected -> (2, 9).
+    argmax [7, 8, 9, 5] and draft [7, 8, 4]: 7 and 8 accepted, 4 rejected -> (2, 9).
     """
-    batch, width, _ = target_logits.shape
-    assert drafts.shape == (batch, width - 1), f"drafts {tuple(drafts.shape)} vs logits {tuple(target_logits.shape)}"
-    choice = target_logits.argmax(dim=-1)  # [batch, k+1]
-    in_draft = torch.arange(width - 1, device=drafts.device)[None, :] < draft_lengths[:, None]
-    matches = (choice[:, :-1] == drafts) & in_draft  # [batch, k]
-    num_accepted = matches.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
-    next_token = choice.gather(1, num_accepted[:, None]).squeeze(1)
-    return num_accepted, next_token
+    assert len(target_choices) == len(draft) + 1, f"{len(target_choices)} choices for a draft of {len(draft)}"
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == target_choices[accepted]:
+        accepted += 1
+    return accepted, target_choices[accepted]
 
 
 def position_generator(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Generator:

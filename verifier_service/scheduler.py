@@ -2,9 +2,10 @@
 
 Callers ``submit`` a request and get a ``RequestHandle`` whose event queue
 yields the tokens as they are accepted, then the result. The loop, per
-iteration: retire cancelled sequences, admit waiting requests while the batch
-has room (each is prefilled alone, then joins the batch cache), run one step
-for the whole batch, and hand each sequence its new tokens.
+iteration: mark cancelled sequences, admit waiting requests while the engine
+has free cache slots (their prompts are prefilled in chunks by the following
+steps, alongside the running sequences), run one step, and hand each
+sequence what the step produced for it.
 
 Bounds: at most ``max_batch_size`` sequences run at once and at most
 ``max_queued`` wait; beyond that ``submit`` raises ``QueueFull`` at once
@@ -54,7 +55,8 @@ class SchedulerObserver(Protocol):
     def step(self, handles: list[RequestHandle]) -> contextlib.AbstractContextManager:
         """Wraps one engine step over ``handles`` (the batch, in row order)."""
 
-    def stepped(self, handles: list[RequestHandle], seconds: float, rows: list[RowStep]) -> None: ...
+    def stepped(self, handles: list[RequestHandle], seconds: float, rows: list[RowStep]) -> None:
+        """After a step: ``rows[i]`` is what it did for decoding sequence ``handles[i]``."""
 
     def prefilled(self, handle: RequestHandle, emitted: int) -> None: ...
 
@@ -89,8 +91,7 @@ class RequestHandle:
     first_token_at: float | None = None
     cancelled: bool = False
     trace_context: object = None  # the request's tracing context, for the observer
-    _sequence: object = None
-    _delivered: int = 0
+    _sequence: object = None  # the engine's handle, once the request has a cache slot
 
 
 class Scheduler:
@@ -182,7 +183,8 @@ class Scheduler:
                 self._running = []
 
     def _admit(self) -> None:
-        while len(self._running) < self.config.max_batch_size:
+        """Give waiting requests free cache slots; their prefill runs inside the next steps."""
+        while len(self._running) < self.config.max_batch_size and self.engine.free_slots:
             with self._wake:
                 if not self._waiting:
                     return
@@ -191,53 +193,41 @@ class Scheduler:
                 handle.events.put(("done", None))
                 continue
             try:
-                sequence, finished = self.engine.add(handle.request)
-            except Exception as error:  # out of memory on a long prompt, or a bug: this request only
-                if not isinstance(error, ValueError):  # ValueError: validated by the service already
-                    log.exception("prefill failed")
+                handle._sequence = self.engine.add(handle.request)
+            except Exception as error:  # a bad request (ValueError, validated by the service already) or a bug: this request only
+                if not isinstance(error, ValueError):
+                    log.exception("admitting a request failed")
                 handle.events.put(("error", error))
                 continue
-            handle._sequence = sequence
-            self.observer.prefilled(handle, len(sequence.generated))
-            self._deliver(handle, sequence)
-            if finished is not None:
-                handle.events.put(("done", finished))
-            else:
-                self._running.append(handle)
+            self._running.append(handle)
 
     def _step(self) -> None:
-        handles = self._running
-        before = [_progress(handle._sequence) for handle in handles]
+        by_sequence = {id(handle._sequence): handle for handle in self._running}
         started = time.perf_counter()
-        with self.observer.step(handles):
-            finished = {id(sequence): result for sequence, result in self.engine.step()}
+        with self.observer.step(self._running):
+            outcomes = self.engine.step()
         seconds = time.perf_counter() - started
         self.steps += 1
-        rows = [RowStep(*(now - then for now, then in zip(_progress(h._sequence), old))) for h, old in zip(handles, before)]
-        self.observer.stepped(handles, seconds, rows)
-        still_running = []
-        for handle in self._running:
-            self._deliver(handle, handle._sequence)
-            result = finished.get(id(handle._sequence))
-            if result is None:
-                still_running.append(handle)
-            else:
-                handle.events.put(("done", result))
-        self._running = still_running
+        stepped, rows = [], []
+        for outcome in outcomes:
+            handle = by_sequence[id(outcome.sequence)]
+            if outcome.first:
+                self.observer.prefilled(handle, len(outcome.tokens))
+            elif outcome.tokens:
+                stepped.append(handle)
+                rows.append(RowStep(outcome.verified, outcome.accepted, len(outcome.tokens)))
+            self._deliver(handle, outcome.tokens)
+            if outcome.result is not None:
+                handle.events.put(("done", outcome.result))
+                self._running.remove(handle)
+        self.observer.stepped(stepped, seconds, rows)
 
     @staticmethod
-    def _deliver(handle: RequestHandle, sequence) -> None:
-        new = sequence.generated[handle._delivered :]
-        if new:
+    def _deliver(handle: RequestHandle, tokens: list[int]) -> None:
+        if tokens:
             if handle.first_token_at is None:
                 handle.first_token_at = time.perf_counter()
-            handle._delivered += len(new)
-            handle.events.put(("tokens", list(new)))
-
-
-def _progress(sequence) -> tuple[int, int, int]:
-    stats = sequence.stats
-    return stats.draft_tokens, stats.accepted_tokens, len(sequence.generated)
+            handle.events.put(("tokens", list(tokens)))
 
 
 def result_of(handle: RequestHandle) -> GenerationResult | None:

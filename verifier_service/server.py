@@ -50,6 +50,7 @@ from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_
 from verifier_service.observability import ServiceObserver
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerConfig, ShuttingDown
+from verifier_service.text import IncrementalDecoder
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +60,6 @@ FINISH_REASONS = {
     FINISH_LENGTH: verifier_pb2.FINISH_REASON_LENGTH,
     FINISH_CANCELLED: verifier_pb2.FINISH_REASON_CANCELLED,
 }
-# Rows at which the step cost is measured at start-up: single-sequence
-# decoding up to a 16-sequence batch verifying 8 drafts each.
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 144)
 DEFAULT_METRICS_PORT = 9102  # the drafter's is 9101
 
 
@@ -79,9 +77,13 @@ class VerifierConfig:
     # Longest generation one request may ask for; bounds a request's hold on a batch slot.
     max_new_tokens_limit: int = 4096
     max_speculative_tokens: int = EngineConfig.max_speculative_tokens
+    # Cache positions per request (prompt + max_new_tokens); None: the model's
+    # context, at most 4096. Memory: max_batch_size x this x the model's bytes per token.
+    max_sequence_tokens: int | None = EngineConfig.max_sequence_tokens
+    prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens  # see EngineConfig
     stop_strings_limit: int = 16  # each stop string costs a decode per emitted token
     grace_s: float = 10.0  # SIGTERM: time in-flight requests get to finish
-    calibrate: bool = True  # measure step cost at start-up (False: the engine's CPU default)
+    calibrate: bool = True  # measure step cost at start-up (False: a flat cost, refined by real steps)
     tls_cert: str | None = None
     tls_key: str | None = None
     drafter_tls_ca: str | None = None
@@ -104,7 +106,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def attach(self, engine: SpeculativeEngine, scheduler: Scheduler) -> None:
         self.engine, self.scheduler = engine, scheduler
-        self.context_length = getattr(engine.model.config, "max_position_embeddings", None) or 1 << 30
         self.ready.set()
 
     # -- RPCs ---------------------------------------------------------------------
@@ -246,11 +247,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             prompt_ids = chat_prompt_ids(tokenizer, request.prompt)
         else:
             prompt_ids = tokenizer(request.prompt).input_ids
-        if len(prompt_ids) + request.max_new_tokens > self.context_length:
-            raise BadRequest(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the "
-                f"model's context of {self.context_length} tokens"
-            )
         sampling = SamplingParams(
             temperature=float(request.temperature),
             top_k=request.top_k,
@@ -267,22 +263,18 @@ class IncrementalText:
     Holds back a trailing partial UTF-8 character (decoded as U+FFFD) and any
     tail that could be the start of a stop string, since the final text ends
     before the stop string. ``finish`` sends the rest of the final text.
-
-    Decoding is incremental (as vLLM's detokenizer does): each push decodes a
-    short window of tokens ending at the new ones and keeps the difference to
-    the window without them, so a long stream costs linear, not quadratic, time.
+    Decoding is incremental (``text.IncrementalDecoder``), so a long stream
+    costs linear, not quadratic, time.
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
-        self.tokens: list[int] = []
+        self.stop = stop
+        self.decoder = IncrementalDecoder(tokenizer)
         self.text = ""  # decoded so far
         self.sent = ""  # the prefix of text already streamed
-        self._prefix_offset = self._read_offset = 0  # the window: tokens[prefix:read] is decoded context
 
     def push(self, tokens: list[int]) -> str:
-        self.tokens.extend(tokens)
-        self.text += self._decode_new()
+        self.text += self.decoder.push(tokens)
         text, safe = self.text, len(self.text)
         # The final text ends before the first stop string: never send one, nor a
         # tail that may yet become one. None can start inside what was sent.
@@ -295,15 +287,6 @@ class IncrementalText:
             return ""
         delta, self.sent = text[len(self.sent) : safe], text[:safe]
         return delta
-
-    def _decode_new(self) -> str:
-        decode = self.tokenizer.decode
-        before = decode(self.tokens[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        after = decode(self.tokens[self._prefix_offset :], skip_special_tokens=True)
-        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
-            return ""  # nothing yet, half a character, or a decode that rewrote its past: wait
-        self._prefix_offset, self._read_offset = self._read_offset, len(self.tokens)
-        return after[len(before) :]
 
     def finish(self, final_text: str) -> str:
         if not final_text.startswith(self.sent):  # cannot happen for prefix-stable tokenizers
@@ -336,7 +319,8 @@ class VerifierServer:
         started = time.perf_counter()
         loaded = load_model(config.model, device=config.device)
         torch.set_grad_enabled(False)
-        step_cost = calibrate_step_cost(loaded.model) if config.calibrate else None
+        # Uncalibrated: every step costs the same (as on an idle GPU), refined by real step times.
+        step_cost = None if config.calibrate else StepCostModel({1: 1.0, 1024: 1.0})
         if config.drafter:
             self.drafter = RemoteDrafter(DrafterClientConfig(
                 target=config.drafter, vocabulary=tokenizer_fingerprint(loaded.tokenizer),
@@ -347,10 +331,11 @@ class VerifierServer:
             self.servicer.metrics.watch("dropped_observations", "Finished sequences never observed (the drafter was away too long)",
                                         lambda: self.drafter.dropped_observations)
         observer = ServiceObserver(self.servicer.tracing, self.servicer.metrics)
-        engine = SpeculativeEngine(
-            loaded.model, loaded.tokenizer, self.drafter, EngineConfig(max_speculative_tokens=config.max_speculative_tokens),
-            step_cost, stage_spans=observer.stage_spans,
+        engine_config = EngineConfig(
+            max_speculative_tokens=config.max_speculative_tokens, max_batch_size=config.max_batch_size,
+            max_sequence_tokens=config.max_sequence_tokens, prefill_chunk_tokens=config.prefill_chunk_tokens,
         )
+        engine = SpeculativeEngine(loaded.model, loaded.tokenizer, self.drafter, engine_config, step_cost, observer.stage_spans)
         engine.generate([GenerationRequest([0, 1, 2, 3], 4, num_speculative_tokens=0)])  # warm-up
         scheduler = Scheduler(engine, SchedulerConfig(config.max_batch_size, config.max_queued), observer)
         self.servicer.metrics.queue_depth.set_function(lambda: scheduler.queue_depth)
@@ -375,26 +360,6 @@ class VerifierServer:
             self._metrics_server.shutdown()
         self.servicer.tracing.shutdown()
         return drained
-
-
-def calibrate_step_cost(model, rows: tuple[int, ...] = CALIBRATION_ROWS) -> StepCostModel:
-    """Seconds per forward pass at each row count (best of 3), on the real device."""
-    device = next(model.parameters()).device
-    points = {}
-    for count in rows:
-        input_ids = torch.zeros((1, count), dtype=torch.long, device=device)
-        times = []
-        for _ in range(3):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            model(input_ids=input_ids, use_cache=False)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - started)
-        points[count] = min(times)
-    log.info("step cost (rows -> ms): %s", {k: round(1000 * v, 1) for k, v in points.items()})
-    return StepCostModel(points)
 
 
 def create_server(config: VerifierConfig) -> VerifierServer:

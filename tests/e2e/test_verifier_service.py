@@ -147,7 +147,7 @@ def single_slot_server(long_tiny_model_dir):
     """One batch slot and one queue place: a leaked slot blocks every later request."""
     verifier = start_verifier(
         "--model", str(long_tiny_model_dir), "--no-calibrate", "--max-batch-size", "1", "--max-queued", "1",
-        "--max-new-tokens-limit", str(LONG_RUNNING_TOKENS),
+        "--max-new-tokens-limit", str(LONG_RUNNING_TOKENS), "--max-sequence-tokens", str(LONG_CONTEXT),
     )
     try:
         yield verifier
@@ -552,7 +552,7 @@ BAD_INPUTS = [
     ("largest uint32 token id", {"prompt_token_ids": [5, 2**32 - 1], "max_new_tokens": 4},
      INVALID, "token ids outside the vocabulary [0, 64): [4294967295]"),
     ("prompt past the context", {"prompt_token_ids": [5] * 500, "max_new_tokens": 20},
-     INVALID, "prompt (500 tokens) + max_new_tokens (20) exceeds the model's context of 512 tokens"),
+     INVALID, "prompt (500 tokens) + max_new_tokens (20) needs 520 cache positions; this server holds at most 512 per request"),
     ("num_speculative_tokens 99", {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "num_speculative_tokens": 99},
      INVALID, "num_speculative_tokens must be in [0, 16] (unset = adaptive), got 99"),
     ("chat with token ids", {"prompt_token_ids": [5, 6], "chat": True, "max_new_tokens": 4},

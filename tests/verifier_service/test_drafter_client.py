@@ -14,7 +14,7 @@ from drafter_service.server import DrafterConfig, create_server
 from specdec.v1 import drafter_pb2 as pb
 from specdec.v1 import drafter_pb2_grpc as rpc
 from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
-from verifier_service.drafting import DraftRequest
+from verifier_service.drafting import DraftEvidence, DraftRequest
 
 VOCABULARY = "00112233445566aa"
 # Upper bound on waiting for background work (observations, reconnects); never a pass/fail threshold.
@@ -120,10 +120,14 @@ CONTEXT = [1, 2, 3, 4, 2, 3]  # "2 3" was followed by 4, "3 4" by 2, "4 2" by 3
 LONGER = CONTEXT + [4, 2]
 
 
+def tokens(drafts) -> list[list[int]]:
+    return [draft.tokens for draft in drafts]
+
+
 def test_first_propose_opens_the_session_with_the_whole_context(drafters, clients):
     server = drafters.start()
     client = clients(server.port)
-    assert client.propose([DraftRequest("seq-0", CONTEXT, 3)]) == [[4, 2, 3]]
+    assert tokens(client.propose([DraftRequest("seq-0", CONTEXT, 3)])) == [[4, 2, 3]]
     [request] = client.stub.proposes
     [update] = request.sequences
     assert request.vocabulary == VOCABULARY
@@ -136,6 +140,20 @@ def test_first_propose_opens_the_session_with_the_whole_context(drafters, client
     assert client.fallbacks == 0
 
 
+def test_each_draft_token_carries_the_drafters_evidence(drafters, clients):
+    server = drafters.start()
+    client = clients(server.port)
+    [draft] = client.propose([DraftRequest("seq-0", CONTEXT, 3)])
+    # Suffix "2 3" -> 4 (no longer suffix was seen before), then the chain's own
+    # extension matches longer: "2 3 4" -> 2, "2 3 4 2" -> 3. Each continuation
+    # followed its suffix once, with no rival.
+    assert draft.evidence == [
+        DraftEvidence("context", 2, 1, 1),
+        DraftEvidence("context", 3, 1, 1),
+        DraftEvidence("context", 4, 1, 1),
+    ]
+
+
 def test_later_proposes_send_only_the_new_tokens_and_the_feedback(drafters, clients):
     server = drafters.start()
     client = clients(server.port)
@@ -143,7 +161,7 @@ def test_later_proposes_send_only_the_new_tokens_and_the_feedback(drafters, clie
     # Of the 3 drafts [4, 2, 3], the target verified 3 and accepted 2 (then "3" was wrong).
     drafts = client.propose([DraftRequest("seq-0", LONGER, 3, verified=3, accepted=2)])
     # [2, 3, 4, 2] was seen at positions 1-4 followed by 3; then [3, 4, 2, 3] -> 4, [4, 2, 3, 4] -> 2.
-    assert drafts == [[3, 4, 2]]
+    assert tokens(drafts) == [[3, 4, 2]]
     update = client.stub.proposes[1].sequences[0]
     assert update.open is False
     assert list(update.new_tokens) == [4, 2]
@@ -160,7 +178,7 @@ def test_one_call_carries_every_sequence_of_the_batch(drafters, clients):
     client = clients(server.port)
     drafts = client.propose([DraftRequest("a", CONTEXT, 3), DraftRequest("b", [7, 8, 9, 7, 8], 2), DraftRequest("c", [5], 4)])
     # "7 8" was followed by 9, then "8 9" by 7; [5] has no 2-token suffix to match.
-    assert drafts == [[4, 2, 3], [9, 7], []]
+    assert tokens(drafts) == [[4, 2, 3], [9, 7], []]
     assert len(client.stub.proposes) == 1
     assert drafters.stats(server).open_sessions == 3
 
@@ -171,12 +189,12 @@ def test_drafter_down_gives_empty_drafts_and_no_calls_during_the_back_off(drafte
     client.propose([DraftRequest("seq-0", CONTEXT, 3)])
     server.stop(0)
     with caplog.at_level(logging.WARNING, logger="verifier_service.drafter_client"):
-        assert client.propose([DraftRequest("seq-0", LONGER, 3), DraftRequest("seq-1", [5, 6], 2)]) == [[], []]
+        assert tokens(client.propose([DraftRequest("seq-0", LONGER, 3), DraftRequest("seq-1", [5, 6], 2)])) == [[], []]
     assert client.fallbacks == 1
     assert len(client.stub.proposes) == 2  # the failed call was attempted
     assert "drafter unavailable (UNAVAILABLE: " in caplog.text
     assert "decoding without drafts for 60.0s" in caplog.text
-    assert client.propose([DraftRequest("seq-0", LONGER + [3], 3)]) == [[]]
+    assert tokens(client.propose([DraftRequest("seq-0", LONGER + [3], 3)])) == [[]]
     assert client.fallbacks == 2
     assert len(client.stub.proposes) == 2  # backing off: no call at all
 
@@ -185,11 +203,11 @@ def test_restarted_drafter_gets_the_sessions_reopened_with_their_whole_context(d
     port = free_port()
     first = drafters.start(port)
     client = clients(port, backoff_s=0.2)
-    assert client.propose([DraftRequest("seq-0", CONTEXT, 3)]) == [[4, 2, 3]]
+    assert tokens(client.propose([DraftRequest("seq-0", CONTEXT, 3)])) == [[4, 2, 3]]
     first.stop(0)
-    assert client.propose([DraftRequest("seq-0", CONTEXT + [4], 3)]) == [[]]
+    assert tokens(client.propose([DraftRequest("seq-0", CONTEXT + [4], 3)])) == [[]]
     second = drafters.start(port)  # a fresh process: it knows no sessions
-    drafts = wait_until(lambda: client.propose([DraftRequest("seq-0", LONGER, 3)])[0], "drafts come back")
+    drafts = wait_until(lambda: client.propose([DraftRequest("seq-0", LONGER, 3)])[0].tokens, "drafts come back")
     assert drafts == [3, 4, 2]
     update = client.stub.proposes[-1].sequences[0]
     assert update.open is True
@@ -208,10 +226,10 @@ def test_a_session_the_drafter_forgot_is_reopened_on_the_next_step_without_back_
     closed = drafters.stub(server).CloseSessions(pb.CloseSessionsRequest(vocabulary=VOCABULARY, session_ids=[session_id]), timeout=5)
     assert closed.closed == 1
     with caplog.at_level(logging.WARNING, logger="verifier_service.drafter_client"):
-        assert client.propose([DraftRequest("seq-0", LONGER, 3)]) == [[]]  # NOT_FOUND: this step runs plain
+        assert tokens(client.propose([DraftRequest("seq-0", LONGER, 3)])) == [[]]  # NOT_FOUND: this step runs plain
     assert client.fallbacks == 1
     assert "drafter unavailable" not in caplog.text  # the drafter is up: no back-off
-    assert client.propose([DraftRequest("seq-0", LONGER, 3)]) == [[3, 4, 2]]
+    assert tokens(client.propose([DraftRequest("seq-0", LONGER, 3)])) == [[3, 4, 2]]
     update = client.stub.proposes[-1].sequences[0]
     assert update.open is True and list(update.new_tokens) == LONGER
     assert update.session_id.endswith("-seq-0-1")
@@ -227,7 +245,7 @@ def test_close_observes_the_finished_tokens_into_the_global_table(drafters, clie
     wait_until(lambda: client.pending_observations == 0, "the client's queue is empty")
     assert drafters.stats(server).open_sessions == 0  # its session was closed too
     # Another request starting the same way is drafted from the global table (a 4-token match is trusted).
-    assert client.propose([DraftRequest("seq-1", [10, 11, 12, 13], 3)]) == [[14, 15, 16]]
+    assert tokens(client.propose([DraftRequest("seq-1", [10, 11, 12, 13], 3)])) == [[14, 15, 16]]
     assert drafters.stats(server).global_hits == 3
 
 

@@ -15,6 +15,8 @@ from verifier_service.drafting import SessionProposer
 from verifier_service.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
+    EngineConfig,
+    EngineFull,
     GenerationRequest,
     SpeculativeEngine,
     reference_greedy,
@@ -225,18 +227,70 @@ def test_proposer_receives_only_new_tokens(tiny_model, tiny_tokenizer):
 
 def test_sequences_join_and_leave_between_steps(tiny_model, tiny_tokenizer):
     engine = engine_without_eos(tiny_model, tiny_tokenizer, NGramDrafter())
-    first, _ = engine.add(GenerationRequest(PROMPTS[3], 10, num_speculative_tokens=3))
-    finished = []
+    engine.add(GenerationRequest(PROMPTS[3], 10, num_speculative_tokens=3))
+    outcomes = []
     for _ in range(2):
-        finished += engine.step()
+        outcomes += engine.step()
     engine.add(GenerationRequest(PROMPTS[1], 30, num_speculative_tokens=3))
     engine.add(GenerationRequest(PROMPTS[2], 5, num_speculative_tokens=0))
-    while engine.active:
-        finished += engine.step()
-    outputs = {tuple(seq.request.prompt_ids): result.token_ids for seq, result in finished}
+    while engine.busy:
+        outcomes += engine.step()
+    outputs = {tuple(o.sequence.request.prompt_ids): o.result.token_ids for o in outcomes if o.result is not None}
     for prompt, length in ((PROMPTS[3], 10), (PROMPTS[1], 30), (PROMPTS[2], 5)):
         assert outputs[tuple(prompt)] == greedy_truth(tiny_model, prompt, length)
-    assert engine.cache.batch_size == 0
+    assert engine.free_slots == engine.config.max_batch_size
+
+
+def test_outcomes_stream_each_sequences_tokens_in_order(tiny_model, tiny_tokenizer):
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, ScriptedProposer(oracle(tiny_model)))
+    sequences = [engine.add(GenerationRequest(p, 12, num_speculative_tokens=k)) for p, k in zip(PROMPTS, (0, 3, 5, 8))]
+    streamed = {id(sequence): [] for sequence in sequences}
+    firsts, results = [], {}
+    while engine.busy:
+        for outcome in engine.step():
+            streamed[id(outcome.sequence)] += outcome.tokens
+            if outcome.first:
+                firsts.append(outcome.sequence)
+                assert len(outcome.tokens) == 1 and outcome.verified == 0
+            if outcome.result is not None:
+                results[id(outcome.sequence)] = outcome.result
+    assert sorted(map(id, firsts)) == sorted(map(id, sequences))  # one first-token outcome each
+    for sequence, prompt in zip(sequences, PROMPTS):
+        assert streamed[id(sequence)] == results[id(sequence)].token_ids == greedy_truth(tiny_model, prompt, 12)
+
+
+def test_a_prompt_finishing_prefill_trades_slots_with_a_younger_one_mid_prefill(tiny_model, tiny_tokenizer):
+    """Decoding sequences sit in slots [0, n): a prompt that completes in a higher slot
+    trades places with the prompt in slot n. Here that prompt got its first chunk in the
+    same step, and its chunk must travel with it."""
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, None, EngineConfig(max_batch_size=3, prefill_chunk_tokens=8))
+    engine.eos_token_ids = NO_EOS
+    a = engine.add(GenerationRequest([5, 6, 7], 20))  # slot 0
+    engine.add(GenerationRequest([9, 3], 1))  # slot 1: done at its prefill, freeing the slot
+    b = engine.add(GenerationRequest(list(range(20, 30)), 20))  # slot 2, 10 tokens: 3 this step
+    outcomes = engine.step()
+    assert (a.slot, b.prefilled, engine.free_slots) == (0, 3, 1)
+    c = engine.add(GenerationRequest(list(range(40, 52)), 20))  # younger, but in the lower slot 1
+    assert c.slot == 1
+    outcomes += engine.step()  # b gets 7 tokens and completes; c gets 1
+    assert (b.slot, c.slot, c.prefilled) == (1, 2, 1)
+    while engine.busy:
+        outcomes += engine.step()
+    results = {id(o.sequence): o.result.token_ids for o in outcomes if o.result is not None}
+    for sequence in (a, b, c):
+        assert results[id(sequence)] == greedy_truth(tiny_model, sequence.request.prompt_ids, 20)
+
+
+def test_more_requests_than_slots_wait_for_one_to_free(tiny_model, tiny_tokenizer):
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, SessionProposer(NGramDrafter()), EngineConfig(max_batch_size=2))
+    engine.eos_token_ids = NO_EOS
+    engine.add(GenerationRequest(PROMPTS[0], 3))
+    engine.add(GenerationRequest(PROMPTS[1], 3))
+    with pytest.raises(EngineFull, match="^all 2 cache slots are in use$"):
+        engine.add(GenerationRequest(PROMPTS[2], 3))
+    # generate() feeds them through as slots free, and each equals its reference.
+    results = engine.generate([GenerationRequest(p, 9, num_speculative_tokens=2) for p in PROMPTS])
+    assert [r.token_ids for r in results] == [greedy_truth(tiny_model, p, 9) for p in PROMPTS]
 
 
 @pytest.mark.parametrize(
@@ -250,13 +304,14 @@ def test_sequences_join_and_leave_between_steps(tiny_model, tiny_tokenizer):
         (GenerationRequest([1], 5, num_speculative_tokens=17), "num_speculative_tokens"),
         (GenerationRequest([1], 5, SamplingParams(temperature=float("nan"))), "temperature"),
         (GenerationRequest([1], 5, SamplingParams(temperature=1.0, top_p=0.0)), "top_p"),
+        (GenerationRequest([1] * 60, 5), r"needs 65 cache positions; this server holds at most 64 per request"),
     ],
 )
 def test_bad_requests_are_refused_before_any_model_work(tiny_model, tiny_tokenizer, request_, message):
-    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, SessionProposer(NGramDrafter()))
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, SessionProposer(NGramDrafter()), EngineConfig(max_sequence_tokens=64))
     with pytest.raises(ValueError, match=message):
         engine.add(request_)
-    assert engine.active == [] and engine.cache.batch_size == 0
+    assert not engine.busy and engine.free_slots == engine.config.max_batch_size
 
 
 SAMPLING = SamplingParams(temperature=0.9, top_k=20, top_p=0.95)

@@ -10,7 +10,7 @@ import torch
 
 from drafter_service.ngram import NGramDrafter
 from verifier_service.drafting import SessionProposer
-from verifier_service.engine import GenerationRequest, SpeculativeEngine
+from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.model_loading import chat_prompt_ids
 
 MAX_NEW_TOKENS = 40
@@ -19,6 +19,10 @@ PROMPTS = [
     "Repeat exactly: the cat sat on the mat, the cat sat on the mat.",
     "Rewrite this function with `text` renamed to `source`:\n" + textwrap.dedent(inspect.getsource(textwrap.indent)),
     "Write a haiku about autumn.",
+    "List the first ten prime numbers, separated by commas.",
+    "Add a docstring to this function:\n" + textwrap.dedent(inspect.getsource(textwrap.dedent)),
+    "Explain in two sentences why leaves are green.",
+    "Translate to French: good morning, my friend.",
 ]
 
 
@@ -36,18 +40,24 @@ def prompts_and_references(real_model):
     return cases
 
 
-@pytest.mark.parametrize("k", [1, 3, 5, 8])
-@pytest.mark.parametrize("batch_size", [1, 4])
-def test_greedy_output_equals_transformers_generate(real_model, prompts_and_references, k, batch_size):
-    engine = SpeculativeEngine(real_model.model, real_model.tokenizer, SessionProposer(NGramDrafter()))
-    requests = [GenerationRequest(ids, MAX_NEW_TOKENS, num_speculative_tokens=k) for ids, _ in prompts_and_references]
-    if batch_size == 1:
-        results = [engine.generate([request])[0] for request in requests]
-    else:
-        results = engine.generate(requests)
+@pytest.mark.parametrize("k", [0, 1, 3, 5, 8, None])
+def test_batch_of_8_joining_mid_run_equals_transformers_generate(real_model, prompts_and_references, k):
+    """8 requests through 5 cache slots: three join as others finish, and their prompts
+    prefill in 64-token chunks inside steps that decode the others."""
+    config = EngineConfig(max_batch_size=5, prefill_chunk_tokens=64)
+    engine = SpeculativeEngine(real_model.model, real_model.tokenizer, SessionProposer(NGramDrafter()), config)
+    results = engine.generate([GenerationRequest(ids, MAX_NEW_TOKENS, num_speculative_tokens=k) for ids, _ in prompts_and_references])
     for (_, expected), result in zip(prompts_and_references, results):
         assert result.token_ids == expected
-    # The copy-heavy prompts must really have exercised acceptance.
+    if k != 0:  # the copy-heavy prompts must really have exercised acceptance
+        assert sum(r.stats.accepted_tokens for r in results) > 0
+
+
+@pytest.mark.parametrize("k", [3, None])
+def test_single_requests_equal_transformers_generate(real_model, prompts_and_references, k):
+    engine = SpeculativeEngine(real_model.model, real_model.tokenizer, SessionProposer(NGramDrafter()))
+    results = [engine.generate([GenerationRequest(ids, MAX_NEW_TOKENS, num_speculative_tokens=k)])[0] for ids, _ in prompts_and_references[:4]]
+    assert [r.token_ids for r in results] == [expected for _, expected in prompts_and_references[:4]]
     assert sum(r.stats.accepted_tokens for r in results) > 0
 
 

@@ -1,85 +1,194 @@
-"""BatchKVCache on literal tensors: one head, one dim, so each cached entry is a single number."""
+"""The slot cache, the packed step layout and slot attention, on literal tensors.
+
+One kv head of dimension one: each cached entry is a single number, so the
+expected cache contents can be written out.
+"""
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
+import pytest
 import torch
-from transformers.cache_utils import DynamicCache
 
-from verifier_service.kv_cache import BatchKVCache
+from verifier_service.kv_cache import STEP_KWARG, SlotKVCache, _visible, plan_step, slot_attention
 
-
-def row(values: list[float], layers: int = 2) -> DynamicCache:
-    """A single-row cache whose entries are ``values`` (keys) and their negatives (values)."""
-    keys = torch.tensor(values).view(1, 1, len(values), 1)
-    return DynamicCache(ddp_cache_data=[(keys.clone(), -keys.clone()) for _ in range(layers)])
+CPU = torch.device("cpu")
 
 
-def entries(cache: BatchKVCache, layer: int = 0) -> list[list[float]]:
-    return cache.cache.layers[layer].keys[:, 0, :, 0].tolist()
+def cache_with(rows: list[list[float]], capacity: int = 6) -> SlotKVCache:
+    """A one-layer cache whose slot i holds ``rows[i]`` as keys (and their negatives as values)."""
+    cache = SlotKVCache(slots=len(rows), capacity=capacity)
+    keys, values = cache.layer(0, torch.zeros(1, 1, 1, 1))
+    keys.zero_(), values.zero_()
+    for slot, row in enumerate(rows):
+        keys[slot, 0, : len(row), 0] = torch.tensor(row)
+        values[slot, 0, : len(row), 0] = -torch.tensor(row)
+        cache.wrote(slot, capacity)
+    return cache
 
 
-def append_step(cache: BatchKVCache, new: list[list[float]]) -> int:
-    """What the model's forward does: concatenate every row's new columns. Returns the old width."""
-    old = cache.columns
-    for layer in cache.cache.layers:
-        block = torch.tensor(new).view(len(new), 1, len(new[0]), 1)
-        layer.keys = torch.cat([layer.keys, block], dim=2)
-        layer.values = torch.cat([layer.values, -block], dim=2)
-    return old
+def keys_of(cache: SlotKVCache, slot: int, columns: int) -> list[float]:
+    return cache.keys[0][slot, 0, :columns, 0].tolist()
 
 
-def test_rows_of_different_lengths_are_left_packed_and_zero_padded():
-    cache = BatchKVCache()
-    cache.add_row(row([1, 2, 3]), 3)
-    cache.add_row(row([4]), 1)
-    cache.add_row(row([5, 6, 7, 8]), 4)
-    # Every row is padded with zeros to the longest row (4 columns).
-    assert entries(cache) == [[1, 2, 3, 0], [4, 0, 0, 0], [5, 6, 7, 8]]
-    assert cache.lengths == [3, 1, 4]
-    assert entries(cache, layer=1) == entries(cache)
+# -- plan_step ------------------------------------------------------------------------
 
 
-def test_step_inputs_mask_padding_and_give_true_positions():
-    cache = BatchKVCache()
-    cache.add_row(row([1, 2, 3]), 3)
-    cache.add_row(row([4]), 1)
-    mask, positions = cache.step_inputs([2, 1], width=2, device=torch.device("cpu"))
-    # Columns: 3 cached + 2 new. Row 1 has 1 cached token and 1 real query.
-    assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 0, 0, 1, 0]]
-    # New tokens sit right after each row's own cached tokens.
-    assert positions.tolist() == [[3, 4], [1, 2]]
+def test_plan_step_docstring_example():
+    layout = plan_step(SlotKVCache(2, 8), [(3, 2), (5, 1)], [], CPU)
+    assert layout.tokens == 3
+    # Row 0 writes columns 3 and 4 of slot 0, row 1 column 5 of slot 1.
+    assert layout.write_slots.tolist() == [0, 0, 1]
+    assert layout.write_positions.tolist() == [3, 4, 5]
+    assert layout.position_ids.tolist() == [[3, 4, 5]]
+    # Width 2: row 1's padding query repeats its only token (packed index 2), at its position.
+    assert layout.gather.tolist() == [[0, 1], [2, 2]]
+    assert layout.query_positions.tolist() == [[3, 4], [5, 5]]
+    assert (layout.rows, layout.width, layout.columns, layout.decode_tokens) == (2, 2, 6, 3)
+    assert layout.scatter_rows.tolist() == [0, 0, 1]
+    assert layout.scatter_queries.tolist() == [0, 1, 0]
 
 
-def test_commit_moves_kept_columns_down_and_drops_rejected_ones():
-    cache = BatchKVCache()
-    cache.add_row(row([1, 2, 3]), 3)
-    cache.add_row(row([4]), 1)
-    old = append_step(cache, [[10, 11, 12], [20, 21, 22]])
-    cache.commit(old, kept=[1, 3])
-    # Row 0 keeps 10 (11, 12 rejected); row 1 keeps 20, 21, 22, moved from
-    # columns 3..5 down to 1..3. The cache is cropped to the longest row (4).
-    assert cache.lengths == [4, 4]
-    assert entries(cache) == [[1, 2, 3, 10], [4, 20, 21, 22]]
-    assert (cache.cache.layers[1].values == -cache.cache.layers[1].keys).all()
+def test_plan_step_packs_prefill_segments_after_the_decode_rows():
+    layout = plan_step(SlotKVCache(3, 16), [(4, 1)], [(2, 0, 3), (1, 6, 2)], CPU)
+    # Decode token, then slot 2's positions 0-2, then slot 1's positions 6-7.
+    assert layout.write_slots.tolist() == [0, 2, 2, 2, 1, 1]
+    assert layout.write_positions.tolist() == [4, 0, 1, 2, 6, 7]
+    assert [(s.slot, s.start, s.length, s.first_position) for s in layout.segments] == [(2, 1, 3, 0), (1, 4, 2, 6)]
 
 
-def test_keep_rows_reorders_and_crops_to_the_longest_survivor():
-    cache = BatchKVCache()
-    cache.add_row(row([1, 2, 3, 4]), 4)
-    cache.add_row(row([5]), 1)
-    cache.add_row(row([6, 7]), 2)
-    cache.keep_rows([2, 1])
-    assert cache.lengths == [2, 1]
-    assert entries(cache) == [[6, 7], [5, 0]]  # the 4-long row left, so 2 columns remain
-    cache.keep_rows([])
-    assert cache.batch_size == 0 and cache.columns == 0
+def test_decode_mask_lets_each_query_see_its_own_columns_only():
+    layout = plan_step(SlotKVCache(2, 8), [(2, 2), (0, 1)], [], CPU)
+    mask = layout.decode_mask(groups=1, window=None)[:, 0].int().tolist()
+    # Row 0: 2 cached tokens, queries at positions 2 and 3. Row 1: one query at position 0;
+    # its padding query copies it. Columns run to 4 (the furthest write, + 1).
+    assert mask == [
+        [[1, 1, 1, 0], [1, 1, 1, 1]],
+        [[1, 0, 0, 0], [1, 0, 0, 0]],
+    ]
 
 
-def test_a_row_added_after_steps_joins_with_padding_on_either_side():
-    cache = BatchKVCache()
-    cache.add_row(row([1]), 1)
-    old = append_step(cache, [[2, 3]])
-    cache.commit(old, kept=[2])
-    cache.add_row(row([7, 8, 9, 6]), 4)
-    # The existing row (3 long) is padded to the newcomer's 4 columns.
-    assert entries(cache) == [[1, 2, 3, 0], [7, 8, 9, 6]]
+def test_decode_mask_repeats_once_per_query_head_of_a_kv_head():
+    layout = plan_step(SlotKVCache(1, 8), [(1, 2)], [], CPU)
+    mask = layout.decode_mask(groups=3, window=None)
+    assert mask.shape == (1, 1, 6, 3)  # [rows, 1, groups * width, columns]
+    assert mask[0, 0].int().tolist() == [[1, 1, 0], [1, 1, 1]] * 3
+
+
+def test_sliding_window_keeps_the_last_window_positions():
+    # transformers' rule: a query at position p sees columns p - window + 1 .. p.
+    visible = _visible(torch.tensor([[3], [5]]), torch.arange(6), window=3)
+    assert visible.int().tolist() == [[0, 1, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1]]
+
+
+def test_a_first_prefill_chunk_without_a_window_needs_no_mask():
+    layout = plan_step(SlotKVCache(2, 8), [], [(0, 0, 3), (1, 2, 2)], CPU)
+    first, second = layout.segments
+    assert layout.segment_mask(first, None) is None  # plain causal attention is exact
+    # A later chunk sees the slot's earlier columns and its own causally.
+    assert layout.segment_mask(second, None).int().tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert layout.segment_mask(first, 2).int().tolist() == [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+
+
+# -- the cache ------------------------------------------------------------------------
+
+
+def test_move_copies_a_slots_columns_and_swap_exchanges_two():
+    cache = cache_with([[1, 2, 3], [4, 5], [6]])
+    cache.move(0, 2, columns=3)
+    assert keys_of(cache, 2, 3) == [1, 2, 3]
+    assert cache.values[0][2, 0, :3, 0].tolist() == [-1, -2, -3]
+    cache.swap(0, 1, first_columns=3, second_columns=2)
+    assert keys_of(cache, 0, 2) == [4, 5]
+    assert keys_of(cache, 1, 3) == [1, 2, 3]
+
+
+def test_ensure_finite_zeroes_ahead_of_what_was_written_and_no_further_back():
+    cache = SlotKVCache(slots=1, capacity=600)
+    keys, values = cache.layer(0, torch.zeros(1, 1, 1, 1))
+    keys.fill_(math.nan), values.fill_(math.nan)  # what torch.empty may hold
+    keys[0, 0, :3, 0] = torch.tensor([1.0, 2.0, 3.0])
+    cache.wrote(0, 3)
+    cache.ensure_finite(0, 5)
+    # The written columns stay; zeroing runs a whole block (256) ahead of them.
+    assert keys[0, 0, :5, 0].tolist() == [1, 2, 3, 0, 0]
+    assert torch.isfinite(keys[0, 0, : 3 + 256]).all() and torch.isfinite(values[0, 0, 3 : 3 + 256]).all()
+    assert torch.isnan(keys[0, 0, 3 + 256 :]).all()
+    assert cache.extent[0] == 259
+
+
+def test_cache_rejects_an_empty_shape():
+    with pytest.raises(ValueError, match=r"need slots >= 1 and capacity >= 1, got 0 x 8"):
+        SlotKVCache(0, 8)
+
+
+# -- slot attention -------------------------------------------------------------------
+
+
+def attention_module(layer: int = 0):
+    return SimpleNamespace(layer_idx=layer, num_key_value_groups=1, is_causal=True)
+
+
+def reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the last len(query) positions over ``keys``: [q, heads, dim] -> [q, heads, dim]."""
+    q_len, total = query.shape[0], keys.shape[0]
+    mask = torch.ones(q_len, total, dtype=torch.bool).tril(total - q_len)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask
+    )
+    return out.transpose(0, 1)
+
+
+def test_slot_attention_writes_in_place_and_each_row_attends_to_its_own_tokens_only():
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 8
+    cache = SlotKVCache(slots=2, capacity=8)
+    history = [torch.randn(3, kv_heads, dim), torch.randn(5, kv_heads, dim)]  # cached keys of slots 0 and 1
+    keys, values = cache.layer(0, torch.zeros(1, kv_heads, 1, dim))
+    keys.zero_(), values.zero_()
+    for slot, past in enumerate(history):
+        keys[slot, :, : len(past)] = past.transpose(0, 1)
+        values[slot, :, : len(past)] = 2 * past.transpose(0, 1)
+        cache.wrote(slot, len(past))
+    # A step: slot 0 verifies 2 tokens, slot 1 decodes 1; slot 1 also has a stale entry at column 5.
+    keys[1, :, 5] = 1e4
+    layout = plan_step(cache, [(3, 2), (5, 1)], [], CPU)
+    new_keys = torch.randn(1, kv_heads, 3, dim)
+    query = torch.randn(1, heads, 3, dim)
+    output, _ = slot_attention(attention_module(), query, new_keys, 2 * new_keys, None, **{STEP_KWARG: layout})
+    assert output.shape == (1, 3, heads, dim)
+    # The new keys went to columns 3, 4 of slot 0 and column 5 of slot 1 (overwriting the stale entry).
+    assert torch.equal(keys[0, :, 3:5], new_keys[0, :, :2])
+    assert torch.equal(keys[1, :, 5], new_keys[0, :, 2])
+    # Each row equals attention over its own history and new tokens alone (query head h uses kv head h // 2).
+    for row, (past, tokens) in enumerate(zip(history, [slice(0, 2), slice(2, 3)])):
+        row_keys = torch.cat([past, new_keys[0, :, tokens].transpose(0, 1)]).repeat_interleave(2, dim=1)
+        expected = reference_attention(query[0, :, tokens].transpose(0, 1), row_keys, 2 * row_keys)
+        torch.testing.assert_close(output[0, tokens], expected)
+
+
+def test_slot_attention_prefill_segment_sees_its_slot_only():
+    torch.manual_seed(1)
+    cache = SlotKVCache(slots=2, capacity=8)
+    keys, values = cache.layer(0, torch.zeros(1, 1, 1, 4))
+    keys.fill_(1e4), values.fill_(1e4)  # anything read outside the segment's columns would show
+    first = torch.randn(1, 1, 2, 4)
+    layout = plan_step(cache, [], [(1, 0, 2)], CPU)
+    query = torch.randn(1, 1, 2, 4)
+    out_first, _ = slot_attention(attention_module(), query, first, first, None, **{STEP_KWARG: layout})
+    torch.testing.assert_close(out_first[0], reference_attention(query[0].transpose(0, 1), first[0].transpose(0, 1), first[0].transpose(0, 1)))
+    # A second chunk at position 2 attends over the first chunk's columns too.
+    second, query2 = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
+    layout = plan_step(cache, [], [(1, 2, 3)], CPU)
+    out_second, _ = slot_attention(attention_module(), query2, second, second, None, **{STEP_KWARG: layout})
+    both = torch.cat([first, second], dim=2)[0].transpose(0, 1)
+    torch.testing.assert_close(out_second[0], reference_attention(query2[0].transpose(0, 1), both, both))
+
+
+def test_slot_attention_refuses_soft_capping():
+    layout = plan_step(SlotKVCache(1, 4), [], [(0, 0, 1)], CPU)
+    x = torch.zeros(1, 1, 1, 2)
+    with pytest.raises(NotImplementedError, match="soft-capping and attention sinks are not supported"):
+        slot_attention(attention_module(), x, x, x, None, softcap=30.0, **{STEP_KWARG: layout})

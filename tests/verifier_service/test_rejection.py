@@ -88,11 +88,6 @@ def overlap(p: list[float], q: list[float]) -> float:
     return float(np.minimum(np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)).sum())
 
 
-def logits_with_argmax(argmax_rows: list[list[int]], vocab: int) -> torch.Tensor:
-    """[batch, k+1, vocab] logits whose argmax at each position is the given token."""
-    return torch.nn.functional.one_hot(torch.tensor(argmax_rows), vocab).float()
-
-
 def run_rejection_chains(
     target_rows: list[list[float]], draft_rows: list[list[float]], num_chains: int, seed: int
 ) -> np.ndarray:
@@ -121,47 +116,26 @@ def run_rejection_chains(
 
 
 def test_accept_greedy_docstring_example():
-    logits = logits_with_argmax([[7, 8, 9, 5]], vocab=10)
-    num_accepted, next_token = accept_greedy(logits, torch.tensor([[7, 8, 4]]), torch.tensor([3]))
     # 7 and 8 equal the argmax, 4 != 9 is rejected; the recovered token is 9.
-    assert (num_accepted.tolist(), next_token.tolist()) == ([2], [9])
+    assert accept_greedy([7, 8, 9, 5], [7, 8, 4]) == (2, 9)
 
 
-def test_accept_greedy_batch_with_empty_full_and_padded_rows():
-    logits = logits_with_argmax(
-        [
-            [7, 8, 9, 5],  # docstring row
-            [3, 1, 1, 1],  # empty draft whose padding would match
-            [1, 2, 3, 4],  # every draft matches
-            [5, 6, 7, 8],  # 2-token draft whose padding would match
-            [2, 2, 2, 2],  # first draft rejected, later ones would match
-        ],
-        vocab=10,
-    )
-    drafts = torch.tensor([[7, 8, 4], [3, 1, 1], [1, 2, 3], [5, 6, 7], [0, 2, 2]])
-    draft_lengths = torch.tensor([3, 0, 3, 2, 3])
-    num_accepted, next_token = accept_greedy(logits, drafts, draft_lengths)
-    # Row 0: (2, 9) as in the docstring.
-    # Row 1: nothing to accept; the argmax at position 0 (3) is emitted. The
-    #        padding [3, 1, 1] equals the argmax but is not a draft.
-    # Row 2: all 3 accepted; the bonus is the argmax one past them (4).
-    # Row 3: both real drafts accepted; the bonus is the argmax at position 2 (7),
-    #        though the padding 7 there would have matched.
-    # Row 4: 0 != 2 is rejected, so the matching 2, 2 after it count for nothing.
-    assert num_accepted.tolist() == [2, 0, 3, 2, 0]
-    assert next_token.tolist() == [9, 3, 4, 7, 2]
+@pytest.mark.parametrize(
+    "choices, draft, expected",
+    [
+        ([3], [], (0, 3)),  # no draft: the argmax at position 0 is emitted
+        ([1, 2, 3, 4], [1, 2, 3], (3, 4)),  # every draft matches: the bonus is the argmax one past them
+        ([2, 2, 2, 2], [0, 2, 2], (0, 2)),  # the first draft is rejected, so the matching ones after it count for nothing
+        ([5, 6, 7], [5, 9], (1, 6)),  # recovered token: the argmax where the draft was rejected
+    ],
+)
+def test_accept_greedy_keeps_the_longest_matching_prefix(choices, draft, expected):
+    assert accept_greedy(choices, draft) == expected
 
 
-def test_accept_greedy_with_k_zero_emits_the_argmax():
-    logits = logits_with_argmax([[6], [2]], vocab=10)
-    num_accepted, next_token = accept_greedy(logits, torch.zeros((2, 0), dtype=torch.long), torch.tensor([0, 0]))
-    assert (num_accepted.tolist(), next_token.tolist()) == ([0, 0], [6, 2])
-
-
-def test_accept_greedy_rejects_drafts_of_the_wrong_width():
-    logits = logits_with_argmax([[7, 8, 9, 5]], vocab=10)
-    with pytest.raises(AssertionError, match=r"drafts \(1, 4\) vs logits \(1, 4, 10\)"):
-        accept_greedy(logits, torch.tensor([[7, 8, 9, 5]]), torch.tensor([4]))
+def test_accept_greedy_needs_one_choice_past_the_draft():
+    with pytest.raises(AssertionError, match="^3 choices for a draft of 3$"):
+        accept_greedy([7, 8, 9], [7, 8, 9])
 
 
 # --- warp_probs ----------------------------------------------------------------

@@ -191,19 +191,19 @@ def test_cancel_while_running_finishes_it_as_cancelled(scheduler_factory, tiny_m
     other_request = GenerationRequest(PROMPTS[0], 20, num_speculative_tokens=3, request_id="other")
     victim = scheduler.submit(long_request)
     other = scheduler.submit(other_request)
-    assert gate.parked.wait(EVENT_TIMEOUT_S)  # both admitted, one step done
+    assert gate.parked.wait(EVENT_TIMEOUT_S)  # both admitted, one step (their prefill) done
     scheduler.cancel(victim)
     gate.release.set()
     events = drain(victim)
     result = events[-1][1]
     assert result.finish_reason == FINISH_CANCELLED
-    # Prefill's token and one step's: the cancel lands at the next step boundary.
-    assert len(result.token_ids) == 2
-    assert result.token_ids == alone(tiny_model, tiny_tokenizer, long_request)[:2]
+    # Prefill's token only: the cancel lands at the next step boundary.
+    assert len(result.token_ids) == 1
+    assert result.token_ids == alone(tiny_model, tiny_tokenizer, long_request)[:1]
     assert [t for _, tokens in events[:-1] for t in tokens] == result.token_ids
     # The other request is unaffected.
     assert result_of(other).token_ids == alone(tiny_model, tiny_tokenizer, other_request)
-    assert scheduler.engine.active == []
+    assert not scheduler.engine.busy
 
 
 def test_a_failing_step_fails_the_running_requests_and_the_scheduler_goes_on(scheduler_factory, tiny_model, tiny_tokenizer, monkeypatch):
@@ -223,21 +223,20 @@ def test_a_failing_step_fails_the_running_requests_and_the_scheduler_goes_on(sch
     with pytest.raises(RuntimeError, match="^simulated out of memory$"):
         result_of(first)
     events = drain(second)
-    assert [kind for kind, _ in events[:-1]] == ["tokens"]  # prefill's token, then the failure
+    assert [kind for kind, _ in events[:-1]] == []  # the failing step was its prefill: no tokens
     kind, error = events[-1]
     assert kind == "error"
     assert isinstance(error, RuntimeError) and str(error) == "simulated out of memory"
     # The batch was reset (proposer sessions closed) and a new request is served exactly.
-    assert engine.active == [] and engine.cache.batch_size == 0
+    assert not engine.busy and engine.free_slots == engine.config.max_batch_size
     assert engine.proposer._sent == {}
     after = scheduler.submit(REQUESTS[1])
     assert result_of(after).token_ids == alone(tiny_model, tiny_tokenizer, REQUESTS[1])
 
 
-def test_a_failing_prefill_reports_an_error_to_its_request(scheduler_factory, tiny_model, tiny_tokenizer, monkeypatch):
-    """scheduler._admit catches only ValueError from engine.add; any other prefill failure
-    (e.g. out of memory on a long prompt) goes to the loop's handler, which fails the
-    running handles only: the handle being admitted, already off the queue, gets no event."""
+def test_a_failing_admission_reports_an_error_to_its_request(scheduler_factory, tiny_model, tiny_tokenizer, monkeypatch):
+    """A failure while admitting one request (engine.add) ends that request only; the
+    handle, already off the queue and not yet running, must still get its event."""
     scheduler = scheduler_factory(start=False)
     engine = scheduler.engine
     real_add = engine.add
@@ -246,7 +245,7 @@ def test_a_failing_prefill_reports_an_error_to_its_request(scheduler_factory, ti
     def failing_once(request):
         if not failures:
             failures.append(1)
-            raise RuntimeError("simulated out of memory in prefill")
+            raise RuntimeError("simulated failure in add")
         return real_add(request)
 
     monkeypatch.setattr(engine, "add", failing_once)
@@ -257,7 +256,7 @@ def test_a_failing_prefill_reports_an_error_to_its_request(scheduler_factory, ti
     except queue.Empty:
         pytest.fail("the request whose prefill failed never got an event: result_of() blocks forever")
     assert kind == "error"
-    assert str(payload) == "simulated out of memory in prefill"
+    assert str(payload) == "simulated failure in add"
     after = scheduler.submit(REQUESTS[2])
     assert result_of(after).token_ids == alone(tiny_model, tiny_tokenizer, REQUESTS[2])
 
@@ -307,5 +306,6 @@ def test_stop_past_its_timeout_cancels_what_is_left(scheduler_factory, tiny_mode
     assert outcome == [False]  # not drained in time
     result = result_of(running)
     assert result.finish_reason == FINISH_CANCELLED
-    assert result.token_ids == alone(tiny_model, tiny_tokenizer, GenerationRequest(PROMPTS[1], 2, num_speculative_tokens=0))
+    # The step held at the gate was its prefill: its first token, then the cancel.
+    assert result.token_ids == alone(tiny_model, tiny_tokenizer, GenerationRequest(PROMPTS[1], 1, num_speculative_tokens=0))
     assert result_of(queued) is None  # never admitted

@@ -1,0 +1,56 @@
+"""Text from a growing list of tokens, in time linear in its length.
+
+``IncrementalDecoder`` turns tokens into text as they arrive (as vLLM's
+detokenizer does): each push decodes a short window of tokens ending at the
+new ones and keeps the difference to the window without them. Decoding the
+whole output after every token would cost quadratic time.
+
+``StopStringMatcher`` finds the first stop string in that text, searching
+only the tail where a new match can be: a stop string of length n that
+ends in the new text starts at most n - 1 characters before it.
+"""
+
+from __future__ import annotations
+
+
+class IncrementalDecoder:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self._prefix_offset = self._read_offset = 0  # tokens[prefix:read] is the decoded context window
+
+    def push(self, tokens: list[int]) -> str:
+        """The text the new tokens add ("" while they end on half a character)."""
+        self.tokens.extend(tokens)
+        decode = self.tokenizer.decode
+        before = decode(self.tokens[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        after = decode(self.tokens[self._prefix_offset :], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
+            return ""  # nothing yet, half a character, or a decode that rewrote its past: wait
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.tokens)
+        return after[len(before) :]
+
+
+class StopStringMatcher:
+    """The output text up to the first stop string, checked token by token.
+
+    stops ("</s>",): pushing tokens that decode to "ab", "</", "s>c" returns
+    None, None, then "ab" (the text before the stop string).
+    """
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]) -> None:
+        assert stops and all(stops), "stop strings must be non-empty"
+        self.stops = stops
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.text = ""
+        self._reach = max(map(len, stops)) - 1  # how far back a new match can start
+
+    def push(self, token: int) -> str | None:
+        """The text before the first stop string once one has appeared, else None."""
+        new = self.decoder.push([token])
+        if not new:
+            return None
+        start = max(0, len(self.text) - self._reach)
+        self.text += new
+        found = [position for position in (self.text.find(stop, start) for stop in self.stops) if position >= 0]
+        return self.text[: min(found)] if found else None

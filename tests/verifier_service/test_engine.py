@@ -11,6 +11,7 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 
 from drafter_service.ngram import NGramDrafter
+from verifier_service.adaptive import StepCostModel
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import (
     FINISH_LENGTH,
@@ -407,3 +408,127 @@ def test_distribution_harness_detects_a_wrong_sampler(tiny_model, tiny_tokenizer
     results = sample_tokens(engine, dataclasses.replace(SAMPLING, temperature=1.2), range(SAMPLES), k=3)
     exact = exact_marginal(tiny_model, PROMPTS[0], 2, SAMPLING)
     assert goodness_of_fit_pvalue([r.token_ids[2] for r in results], exact) < 0.001
+
+
+# -- what each forward pass computes ------------------------------------------------------
+
+
+class LMHeadRows:
+    """Records how many positions the LM head computes in each forward pass."""
+
+    def __init__(self, model):
+        self.rows: list[int] = []
+        self.handle = model.get_output_embeddings().register_forward_hook(
+            lambda module, inputs, output: self.rows.append(inputs[0].shape[-2])
+        )
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+class TokensFed:
+    """Records the token count of every forward pass (what the linear layers compute)."""
+
+    def __init__(self, model):
+        self.counts: list[int] = []
+        self.handle = model.get_input_embeddings().register_forward_hook(
+            lambda module, inputs, output: self.counts.append(inputs[0].numel())
+        )
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def test_prefill_computes_logits_for_the_last_prompt_token_only(tiny_model, tiny_tokenizer):
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, NGramDrafter())
+    engine.add(GenerationRequest(PROMPTS[3], 4, num_speculative_tokens=0))  # 12 tokens
+    with LMHeadRows(tiny_model) as head:
+        [outcome] = engine.step()
+    assert outcome.first and outcome.tokens == greedy_truth(tiny_model, PROMPTS[3], 1)
+    assert head.rows == [1]  # not 12
+
+
+def test_batched_prefill_gives_the_tokens_of_single_prefills_in_one_pass(tiny_model, tiny_tokenizer):
+    engine = engine_without_eos(tiny_model, tiny_tokenizer, None)
+    for prompt in PROMPTS:
+        engine.add(GenerationRequest(prompt, 1))
+    with TokensFed(tiny_model) as fed, LMHeadRows(tiny_model) as head:
+        outcomes = engine.step()
+    assert fed.counts == [sum(map(len, PROMPTS))]  # every prompt in one packed pass...
+    assert head.rows == [len(PROMPTS)]  # ...with one logit row each
+    assert [o.tokens for o in outcomes if o.first] == [greedy_truth(tiny_model, p, 1) for p in PROMPTS]
+
+
+def test_plain_decoding_of_three_sequences_feeds_three_tokens(tiny_model, tiny_tokenizer):
+    # A cost that grows with tokens: nothing is cheaper than 3, so nothing is padded.
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, None, step_cost=StepCostModel.linear(1.0, 0.1))
+    engine.eos_token_ids = NO_EOS
+    for prompt in PROMPTS[:3]:
+        engine.add(GenerationRequest(prompt, 6, num_speculative_tokens=0))
+    engine.step()  # prefill
+    with TokensFed(tiny_model) as fed:
+        while engine.busy:
+            engine.step()
+    assert fed.counts == [3] * 5
+
+
+def test_steps_are_padded_to_a_count_measured_as_cheaper(tiny_model, tiny_tokenizer):
+    # Measured: 3 tokens cost more than 4 (as MKL's GEMMs do on some CPUs). The pass
+    # runs at 4, the fourth token in the scratch slot; the logits are still 3 rows.
+    cost = StepCostModel({1: 1.0, 2: 1.6, 3: 1.7, 4: 1.3, 64: 10.0})
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, None, step_cost=cost)
+    engine.eos_token_ids = NO_EOS
+    for prompt in PROMPTS[:3]:
+        engine.add(GenerationRequest(prompt, 6, num_speculative_tokens=0))
+    engine.step()
+    outcomes = []
+    with TokensFed(tiny_model) as fed, LMHeadRows(tiny_model) as head:
+        while engine.busy:
+            outcomes += engine.step()
+    assert fed.counts == [4] * 5 and head.rows == [3] * 5
+    results = [o.result.token_ids for o in outcomes if o.result is not None]
+    assert sorted(results) == sorted(greedy_truth(tiny_model, p, 6) for p in PROMPTS[:3])
+
+
+def test_each_slot_holds_exactly_its_sequences_keys_through_joins_leaves_and_rollbacks(tiny_model, tiny_tokenizer):
+    """After sequences join (chunked prefill, slot trades), leave (the last row moves into
+    the gap) and have drafts rejected (rolled back by overwriting), every decoding slot's
+    cached keys equal those of its tokens prefilled from scratch."""
+    truths = {tuple(p): greedy_truth(tiny_model, p, 40) for p in PROMPTS}
+
+    def half_right(context, k):  # right, right, then wrong: every step rejects a draft
+        prompt = next(p for p in PROMPTS if context[: len(p)] == p)
+        done = len(context) - len(prompt)
+        true = truths[tuple(prompt)][done : done + k]
+        return true[:2] + [(t + 1) % 64 for t in true[2:]]
+
+    config = EngineConfig(max_batch_size=3, prefill_chunk_tokens=5)
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, SessionProposer(ScriptedProposer(half_right)), config)
+    engine.eos_token_ids = NO_EOS
+    waiting = [GenerationRequest(p, n, num_speculative_tokens=4) for p, n in zip(PROMPTS, (9, 40, 14, 40))]
+    for _ in range(3):
+        engine.add(waiting.pop(0))
+    for _ in range(12):
+        engine.step()
+        if waiting and engine.free_slots:
+            engine.add(waiting.pop(0))  # slot reuse
+    assert not waiting and len(engine.active) >= 2
+    reference = SpeculativeEngine(tiny_model, tiny_tokenizer, None, EngineConfig(max_batch_size=1))
+    for sequence in engine.active:
+        cached = sequence.cached
+        assert sequence.stats.draft_tokens > sequence.stats.accepted_tokens  # rollbacks happened
+        reference.add(GenerationRequest(sequence.tokens[:cached], 1))
+        reference.step()  # prefill the same tokens into the reference's slot 0
+        for layer in engine.cache.layers:
+            torch.testing.assert_close(
+                engine.cache.keys[layer][sequence.slot, :, :cached], reference.cache.keys[layer][0, :, :cached]
+            )
+            torch.testing.assert_close(
+                engine.cache.values[layer][sequence.slot, :, :cached], reference.cache.values[layer][0, :, :cached]
+            )

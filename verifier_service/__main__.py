@@ -28,6 +28,8 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
     parser.add_argument("--port", type=int, default=int(env("port", defaults.port)), help="0 picks a free port")
     parser.add_argument("--model", default=env("model", defaults.model), help="the embedded default or a Hugging Face model path/name")
     parser.add_argument("--device", default=env("device", defaults.device), help="cpu, cuda, cuda:1 (default: CUDA when present)")
+    parser.add_argument("--dtype", default=env("dtype", defaults.dtype), choices=["float32", "bfloat16", "auto"],
+                        help="weights and activations (auto: bfloat16 where the hardware has native bf16)")
     parser.add_argument("--drafter", default=env("drafter", defaults.drafter), help="host:port of the drafter (omit: no speculation)")
     parser.add_argument("--drafter-timeout", type=float, default=float(env("drafter_timeout", defaults.drafter_timeout_s)))
     parser.add_argument("--max-batch-size", type=int, default=int(env("max_batch_size", defaults.max_batch_size)))
@@ -48,7 +50,7 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     serving = serving_options(parser, args)
     return VerifierConfig(
-        port=args.port, host=args.host, model=args.model, device=args.device, drafter=args.drafter,
+        port=args.port, host=args.host, model=args.model, device=args.device, dtype=args.dtype, drafter=args.drafter,
         drafter_timeout_s=args.drafter_timeout, max_batch_size=args.max_batch_size, max_queued=args.max_queued,
         max_new_tokens_limit=args.max_new_tokens_limit, max_sequence_tokens=args.max_sequence_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens, grace_s=args.grace, calibrate=not args.no_calibrate,

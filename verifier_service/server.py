@@ -69,6 +69,10 @@ class VerifierConfig:
     host: str = "127.0.0.1"
     model: str = DEFAULT_MODEL  # the embedded default, or any Hugging Face causal LM path/name
     device: str | None = None  # None: CUDA when present, else CPU
+    # float32, bfloat16, or auto (bfloat16 where the hardware has native bf16:
+    # GPUs, AMX or AVX512-BF16 CPUs). float32 keeps greedy output identical to
+    # transformers' own; see model_loading.DTYPES.
+    dtype: str = "float32"
     # host:port of the drafter service; None runs without speculation.
     drafter: str | None = None
     drafter_timeout_s: float = 0.1  # see DrafterClientConfig.propose_timeout_s
@@ -317,7 +321,7 @@ class VerifierServer:
         """Load the model, calibrate and warm up, start the scheduler, then report SERVING."""
         config = self.servicer.config
         started = time.perf_counter()
-        loaded = load_model(config.model, device=config.device)
+        loaded = load_model(config.model, device=config.device, dtype=config.dtype)
         torch.set_grad_enabled(False)
         # Uncalibrated: every step costs the same (as on an idle GPU), refined by real step times.
         step_cost = None if config.calibrate else StepCostModel({1: 1.0, 1024: 1.0})
@@ -344,7 +348,8 @@ class VerifierServer:
         self.servicer.attach(engine, scheduler)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("model %s ready on %s in %.1fs", config.model, engine.device, time.perf_counter() - started)
+        log.info("model %s (%s) ready on %s in %.1fs", config.model, next(loaded.model.parameters()).dtype, engine.device,
+                 time.perf_counter() - started)
 
     def stop(self, grace: float | None = None) -> bool:
         """NOT_SERVING, drain in-flight requests for up to ``grace`` seconds, then stop."""

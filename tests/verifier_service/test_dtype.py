@@ -1,0 +1,60 @@
+"""--dtype: what "auto" picks on which hardware, and greedy exactness within one dtype."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from drafter_service.ngram import NGramDrafter
+from verifier_service import model_loading
+from verifier_service.drafting import SessionProposer
+from verifier_service.engine import GenerationRequest, SpeculativeEngine
+from verifier_service.model_loading import resolve_dtype
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ({"avx2", "fma"}, torch.float32),  # emulated bf16 is slower than float32: keep float32
+        ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16),
+        ({"avx512f", "amx_tile", "amx_bf16"}, torch.bfloat16),
+        (set(), torch.float32),  # unknown CPU
+    ],
+)
+def test_auto_picks_bfloat16_only_on_cpus_with_native_bf16(monkeypatch, flags, expected):
+    monkeypatch.setattr(model_loading, "cpu_flags", lambda: frozenset(flags))
+    assert resolve_dtype("auto", CPU) == expected
+
+
+def test_named_dtypes_are_taken_as_given_whatever_the_hardware(monkeypatch):
+    monkeypatch.setattr(model_loading, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    assert resolve_dtype("float32", CPU) == torch.float32
+    assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
+
+
+def test_an_unknown_dtype_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"dtype must be auto or one of \['bfloat16', 'float32'\], got 'float8'"):
+        resolve_dtype("float8", CPU)
+
+
+def test_cpu_flags_reads_this_machines_cpu():
+    flags = model_loading.cpu_flags()
+    assert isinstance(flags, frozenset)
+    assert not flags or any(flag.startswith(("sse", "avx", "neon", "fp", "asimd")) for flag in flags)
+
+
+def test_bfloat16_speculation_equals_bfloat16_plain_decoding(tiny_model, tiny_tokenizer):
+    """Exactness within a dtype: speculative greedy output equals plain greedy output in bf16."""
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    engine = SpeculativeEngine(model, tiny_tokenizer, SessionProposer(NGramDrafter()))
+    engine.eos_token_ids = frozenset()
+    prompts = [[5, 6, 7], [9, 3, 3, 9, 3, 3, 9, 3], [12], [40, 41, 42, 43, 44, 45, 46, 47]]
+    plain = engine.generate([GenerationRequest(p, 24, num_speculative_tokens=0) for p in prompts])
+    for k in (3, None):
+        spec = engine.generate([GenerationRequest(p, 24, num_speculative_tokens=k) for p in prompts])
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert engine.cache.keys[0].dtype == torch.bfloat16

@@ -74,6 +74,8 @@ FINISH_CANCELLED = "cancelled"  # the caller gave up (cancel, deadline)
 CALIBRATION_TOKENS = (*range(1, 17), 20, 24, 32, 48, 64, 96, 128, 192, 256, 384)
 # Counts up to here are timed twice (best of two): they decide padding.
 CALIBRATION_REPEAT_BELOW = 64
+# Cached tokens per slot when timing attention's reads of the cache.
+CALIBRATION_COLUMNS = 1024
 # RoPE variants whose frequencies depend on the longest position in the
 # batch: a row's result would depend on its batch-mates.
 BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -670,26 +672,36 @@ def calibrated_step_cost(engine: SpeculativeEngine) -> StepCostModel:
 def calibrate_step_cost(engine: SpeculativeEngine, tokens: Sequence[int] = CALIBRATION_TOKENS) -> StepCostModel:
     """Seconds per packed forward pass at each token count, and per cached token read, on the real device.
 
-    Token counts prefill the scratch slot; the cache-read pass decodes one
-    token in each slot over columns of zeros. No sequence is touched.
+    Each pass is decode-shaped, as the steps it prices: the tokens spread
+    over as many slots as there are (up to one each), over one cached
+    column, then over ``CALIBRATION_COLUMNS`` for the cache-read term. The
+    slots hold zeros; no sequence is touched.
     """
-    limit = min(engine.cache.capacity, engine.context_length)
+    limit = min(engine.cache.capacity, engine.context_length) - 1
+    slots = len(engine._slots)
     points = {}
     with torch.inference_mode():
         for count in tokens:
-            if count > limit:
+            if count > limit * slots:
                 break
             repeats = 2 if count < CALIBRATION_REPEAT_BELOW else 1
-            points[count] = _best_time(engine, repeats, [], [(engine.cache.scratch, 0, [0] * count)], list(range(count)))
-        # A decode step over full slots, less its tokens' own cost: what attention's cache reads cost.
-        rows, columns = min(len(engine._slots), max(points)), min(engine.cache.capacity - 1, 1024)
+            points[count] = _best_time(engine, repeats, _spread(count, slots, cached=1), [], list(range(count)))
+        # The same steps over full slots, less their tokens' own cost: what attention's cache reads cost.
+        count, columns = min(2 * slots, max(points)), min(limit - 2, CALIBRATION_COLUMNS)
         per_context_token = 0.0
-        if rows in points and columns >= 64:
-            seconds = _best_time(engine, 2, [(columns, [0])] * rows, [], list(range(rows)))
-            per_context_token = max(0.0, (seconds - points[rows]) / (rows * columns))
+        if count in points and columns >= 64:
+            rows = _spread(count, slots, cached=columns)
+            seconds = _best_time(engine, 2, rows, [], list(range(count)))
+            per_context_token = max(0.0, (seconds - points[count]) / (len(rows) * columns))
     log.info("step cost (tokens -> ms): %s; %.2f us per cached token read",
              {k: round(1000 * v, 1) for k, v in points.items()}, 1e6 * per_context_token)
     return StepCostModel(points, per_context_token)
+
+
+def _spread(tokens: int, slots: int, cached: int) -> list[tuple[int, list[int]]]:
+    """Decode rows carrying ``tokens`` between them, as evenly as ``slots`` allow: (10, 4) -> widths 3, 3, 2, 2."""
+    rows = min(tokens, slots)
+    return [(cached, [0] * (tokens // rows + (row < tokens % rows))) for row in range(rows)]
 
 
 def _best_time(engine: SpeculativeEngine, repeats: int, decode_rows, segments, keep) -> float:

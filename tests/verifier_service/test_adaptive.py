@@ -38,24 +38,52 @@ def test_evidence_bucket(evidence, position, bucket):
 A, B, C = ("context", 4, 2, 0), ("context", 4, 2, 1), ("context", 4, 2, 2)
 
 
+def shrink(accepted: float, reached: float, prior: float) -> float:
+    """A level's estimate: its counts with the level above worth two observations."""
+    return (accepted + 2 * prior) / (reached + 2)
+
+
 def test_an_unseen_bucket_has_the_prior_hazard():
     assert AcceptanceModel().hazard(A) == 0.5
 
 
-def test_learn_counts_accepted_tokens_and_the_first_rejection_only():
+def test_learn_counts_accepted_tokens_and_the_first_rejection_only_at_every_level():
     model = AcceptanceModel()
     # Draft of 3 verified, first accepted, second rejected: the third was never reached.
     model.learn([A, B, C], accepted=1)
-    assert model.hazard(A) == pytest.approx((1 + 1) / (1 + 2))  # (accepted + prior 0.5 x 2) / (reached + 2)
-    assert model.hazard(B) == pytest.approx((0 + 1) / (1 + 2))
-    assert model.hazard(C) == 0.5  # says nothing
+    root = shrink(0.995, 1.995, 0.5)  # all tokens: one accepted of two reached (the first faded once)
+    assert model.hazard(A) == pytest.approx(shrink(1, 1, shrink(1, 1, root)))  # ("context", 0), then A itself
+    assert model.hazard(B) == pytest.approx(shrink(0, 1, shrink(0, 1, root)))
+    assert model.hazard(C) == pytest.approx(root)  # says nothing of its own: the estimate of all tokens
 
 
-def test_a_fully_accepted_draft_teaches_nothing_about_later_positions():
+def test_an_unseen_bucket_starts_where_its_source_at_its_position_stands():
+    model = AcceptanceModel()
+    for _ in range(30):
+        model.learn([("global", 2, 0, 0)], accepted=0)  # global drafts fail...
+        model.learn([A], accepted=1)  # ...context drafts hold
+    root = model.hazard(("", 0, 0, 3))  # nothing of its source or position seen: all tokens, ~even
+    assert 0.4 < root < 0.6
+    assert model.hazard(("global", 4, 2, 0)) < 0.1  # a new kind of global draft: as bad as global ones
+    assert model.hazard(("context", 2, 0, 0)) > 0.9  # a new kind of context draft: as good as context ones
+
+
+def test_a_fully_accepted_draft_teaches_nothing_of_its_own_about_later_positions():
     model = AcceptanceModel()
     model.learn([A, B], accepted=2)
-    assert model.hazard(A) == model.hazard(B) == pytest.approx(2 / 3)
-    assert model.hazard(C) == 0.5  # position 2 was never verified: censored, not accepted
+    root = shrink(1.995, 1.995, 0.5)
+    assert model.hazard(A) == model.hazard(B) == pytest.approx(shrink(1, 1, shrink(1, 1, root)))
+    assert model.hazard(C) == pytest.approx(root)  # position 2 was never verified: censored, not accepted
+
+
+def test_optimism_applies_while_the_top_level_has_little_evidence():
+    model = AcceptanceModel()
+    assert model.hazard(A, optimism=1.0) == pytest.approx(0.5 + math.sqrt(0.25 / 2))  # the docstring example
+    for _ in range(4):
+        model.learn([A], accepted=0)  # 3.97 faded observations: still below 4
+    assert model.hazard(A, optimism=1.0) > model.hazard(A)
+    model.learn([A], accepted=0)  # 4.95: the estimates alone decide
+    assert model.hazard(A, optimism=1.0) == model.hazard(A)
 
 
 def test_old_evidence_fades_so_a_bucket_judged_hopeless_recovers():
@@ -68,18 +96,7 @@ def test_old_evidence_fades_so_a_bucket_judged_hopeless_recovers():
     assert low < 0.05 and model.hazard(A) > 0.5
 
 
-def test_optimism_adds_standard_errors_that_shrink_with_evidence():
-    model = AcceptanceModel()
-    assert model.hazard(A, optimism=1.0) == pytest.approx(0.5 + math.sqrt(0.25 / 2))  # the docstring example
-    for _ in range(8):
-        model.learn([A], accepted=1)
-    mean = model.hazard(A)
-    reached = sum(0.995**i for i in range(8))  # faded counts: accepted == reached
-    assert mean == pytest.approx((reached + 1) / (reached + 2))
-    assert model.hazard(A, optimism=1.0) == pytest.approx(mean + math.sqrt(mean * (1 - mean) / (reached + 2)))
-
-
-def test_age_fades_every_buckets_evidence_towards_the_prior():
+def test_age_fades_every_levels_evidence_towards_the_prior():
     model = AcceptanceModel()
     for _ in range(20):
         model.learn([A], accepted=0)
@@ -87,8 +104,11 @@ def test_age_fades_every_buckets_evidence_towards_the_prior():
     for _ in range(2000):
         model.age()
     reached = sum(0.995**i for i in range(20)) * 0.999**2000  # ~19.1 observations fade to ~2.6
-    assert model.hazard(A) == pytest.approx(1 / (reached + 2))  # 0.22, up from 0.05
-    assert before < 0.05
+    level = 0.5
+    for _ in range(3):  # all tokens, ("context", 0), A: the same counts at each level
+        level = shrink(0, reached, level)
+    assert model.hazard(A) == pytest.approx(level)
+    assert before < 0.001 < model.hazard(A)
 
 
 # -- SequenceCalibration --------------------------------------------------------------

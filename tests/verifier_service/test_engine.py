@@ -455,7 +455,8 @@ def test_prefill_computes_logits_for_the_last_prompt_token_only(tiny_model, tiny
 
 
 def test_batched_prefill_gives_the_tokens_of_single_prefills_in_one_pass(tiny_model, tiny_tokenizer):
-    engine = engine_without_eos(tiny_model, tiny_tokenizer, None)
+    # A cost that grows with tokens, so the pass is never padded (the calibration might pad it).
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, None, step_cost=StepCostModel.linear(1.0, 0.1))
     for prompt in PROMPTS:
         engine.add(GenerationRequest(prompt, 1))
     with TokensFed(tiny_model) as fed, LMHeadRows(tiny_model) as head:

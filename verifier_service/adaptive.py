@@ -70,9 +70,17 @@ STEP_RETENTION = 0.999
 # that were as bad as their estimates said.
 EXPLORATION = 1.0
 EXPLORE_BELOW = 4.0
-# Per step, a sequence's own evidence keeps this weight: it follows the text
-# as it changes (a quote ends, free text starts) within ~10 steps.
+# Each verified draft of a sequence keeps this weight for the sequence's
+# earlier ones: it follows the text as it changes (a quote ends, free text
+# starts) within ~10 verified drafts...
 SEQUENCE_RETENTION = 0.9
+# ...and every step its evidence keeps this weight, so a sequence whose
+# drafts were judged hopeless (and so are no longer verified) is tried again
+# after tens of steps, and the longer its record of failures, the later: a
+# bounded back-off. Fading per step alone (at 0.9) retried a failing
+# sequence every 5-10 steps, and on open-ended text at one client those
+# rejected verifications cost more than the drafts ever saved.
+SEQUENCE_STEP_RETENTION = 0.99
 # Pseudo-observations pulling a sequence's factor towards 1 (trust the buckets).
 CALIBRATION_WEIGHT = 2.0
 # No draft token is ever certain: an estimate of 1 would verify any length.
@@ -174,13 +182,14 @@ class SequenceCalibration:
         return (self.accepted + CALIBRATION_WEIGHT) / (self.expected + CALIBRATION_WEIGHT)
 
     def age(self) -> None:
-        self.accepted *= SEQUENCE_RETENTION
-        self.expected *= SEQUENCE_RETENTION
+        """One step passed."""
+        self.accepted *= SEQUENCE_STEP_RETENTION
+        self.expected *= SEQUENCE_STEP_RETENTION
 
     def learn(self, hazards: Sequence[float], accepted: int) -> None:
         """``hazards`` of the verified tokens (as predicted), ``accepted`` of them kept."""
-        self.accepted += accepted
-        self.expected += sum(hazards[: accepted + 1])
+        self.accepted = self.accepted * SEQUENCE_RETENTION + accepted
+        self.expected = self.expected * SEQUENCE_RETENTION + sum(hazards[: accepted + 1])
 
 
 def survival(hazards: Sequence[float]) -> list[float]:

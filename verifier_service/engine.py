@@ -76,6 +76,10 @@ CALIBRATION_TOKENS = (*range(1, 17), 20, 24, 32, 48, 64, 96, 128, 192, 256, 384)
 CALIBRATION_REPEAT_BELOW = 64
 # Cached tokens per slot when timing attention's reads of the cache.
 CALIBRATION_COLUMNS = 1024
+# Cache positions per slot when neither the flag nor a shorter model context
+# says otherwise: 16 slots x 4096 tokens of the default model is 3 GB of
+# float32 cache, touched on the CPU only as far as requests reach.
+DEFAULT_MAX_SEQUENCE_TOKENS = 4096
 # RoPE variants whose frequencies depend on the longest position in the
 # batch: a row's result would depend on its batch-mates.
 BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -154,8 +158,7 @@ class EngineConfig:
     # step of 16 rows costs ~2x a step of 1; more rows stop paying long before memory runs out.
     max_batch_size: int = 16
     # Cache positions per slot: the longest prompt + max_new_tokens a request
-    # may have. None: the model's context, capped at 4096 (16 slots x 4096
-    # tokens of the default model is 3 GB, touched only as far as used).
+    # may have. None: the model's context, at most DEFAULT_MAX_SEQUENCE_TOKENS.
     max_sequence_tokens: int | None = None
     # Prompt tokens one step may prefill. Larger chunks use the GEMMs better
     # (per-token cost falls ~2x from 64 to 256 tokens on CPU) but stall the
@@ -239,7 +242,7 @@ class SpeculativeEngine:
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.context_length = context_length(model)
-        capacity = self.config.max_sequence_tokens or min(self.context_length, 4096)
+        capacity = self.config.max_sequence_tokens or min(self.context_length, DEFAULT_MAX_SEQUENCE_TOKENS)
         if capacity > self.context_length:
             raise ValueError(f"max_sequence_tokens {capacity} exceeds the model's context of {self.context_length}")
         self.cache = SlotKVCache(self.config.max_batch_size, capacity)

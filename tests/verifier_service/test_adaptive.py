@@ -120,8 +120,27 @@ def test_calibration_factor_is_accepted_over_expected_with_two_pseudo_observatio
     # Predicted 0.9 and 0.8 for two verified tokens; the first was rejected: expected 0.9, accepted 0.
     calibration.learn([0.9, 0.8], accepted=0)
     assert calibration.factor == pytest.approx(2 / 2.9)
-    calibration.age()  # both faded by 0.9: (0 + 2) / (0.81 + 2)
-    assert calibration.factor == pytest.approx(2 / 2.81)
+    calibration.age()  # a step: both faded by 0.99, (0 + 2) / (0.891 + 2)
+    assert calibration.factor == pytest.approx(2 / 2.891)
+    # A second verified draft fades the first by 0.9: predicted 0.5, accepted.
+    calibration.learn([0.5, 0.5], accepted=1)  # (1 + 2) / (0.8019 + 0.5 + 0.5 + 2)
+    assert calibration.factor == pytest.approx(3 / 3.8019)
+
+
+def test_a_sequence_with_a_record_of_failures_is_retried_later_the_longer_the_record():
+    def steps_until_retried(failures: int, threshold: float = 0.5, hazard: float = 0.8) -> int:
+        calibration = SequenceCalibration()
+        for _ in range(failures):
+            calibration.learn([hazard], accepted=0)
+        steps = 0
+        while hazard * calibration.factor < threshold:
+            calibration.age()
+            steps += 1
+        return steps
+
+    assert steps_until_retried(1) == 0
+    retried = [steps_until_retried(n) for n in (3, 6, 12)]
+    assert 0 < retried[0] < retried[1] < retried[2] < 200
 
 
 def test_survival_docstring_example():

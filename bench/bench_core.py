@@ -1,19 +1,33 @@
-"""Single-stream greedy benchmark of the speculative core against honest baselines.
+"""Greedy benchmark of the speculative core against honest baselines: single stream, and a decoding batch.
 
-    python -m bench.bench_core [--max-new-tokens 128] [--out bench/results]
+    python -m bench.bench_core [--max-new-tokens 128] [--batch 16] [--out bench/results]
 
-In one run, on the default model, for every workload in ``bench.workloads``:
+Single stream, in one run, on the default model, for every workload in ``bench.workloads``:
 
 * ``plain``: our engine with K=0 (same code path, no drafts) -- the baseline;
-* ``spec-K`` for K in {1, 2, 3, 5, 8}: our engine with the n-gram drafter;
+* ``adaptive``: our engine with the n-gram drafter, K left to the engine --
+  what the service does by default, and the headline number;
+* ``spec-K`` for K in {1, 2, 3, 5, 8}: fixed K, for reference;
 * ``hf-greedy``: transformers ``generate(do_sample=False)``;
 * ``hf-pld-K``: transformers prompt lookup (``prompt_lookup_num_tokens``).
 
 Methods run interleaved per prompt (so machine noise hits them alike) after
-one untimed warm-up. Every method's tokens are checked against hf-greedy:
-greedy speculative decoding must not change the output. Writes
-``core.json`` and ``core_speedup.png`` under ``--out`` and prints a Markdown
-table for the README.
+one untimed warm-up. Each of our methods keeps one engine for the whole run,
+as the service does (what adaptive K learns about draft odds carries over),
+with a fresh drafter per request, so no request is drafted from an earlier
+answer. Every method's tokens are checked against hf-greedy: greedy
+speculative decoding must not change the output.
+
+Batch mode (``--batch N``, 0 to skip): N distinct prompts of a kind
+(``bench.workloads.service_prompts``) are prefilled together, then only the
+decoding is timed, for plain, adaptive and fixed K: what batched
+verification and adaptive K control, apart from prefill, which speculation
+cannot speed up. ``--repeats`` rounds of every method; speedups are medians
+over rounds of same-round ratios.
+
+Writes ``core.json``, ``core_batch.json``, ``core_speedup.png`` and
+``step_cost.json`` (the start-up calibration the engine decides padding and
+adaptive K from) under ``--out``, and prints Markdown tables for the README.
 """
 
 from __future__ import annotations
@@ -21,13 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from bench.workloads import Workload, workloads
+from bench.workloads import Workload, service_prompts, workloads
 from drafter_service.ngram import NGramDrafter
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import GenerationRequest, SpeculativeEngine
@@ -35,14 +50,20 @@ from verifier_service.model_loading import chat_prompt_ids
 from verifier_service.model_loading import DEFAULT_MODEL, load_model
 
 SPEC_KS = (1, 2, 3, 5, 8)
+ADAPTIVE = None  # num_speculative_tokens unset: the engine chooses per step
 # transformers' docs use 10 for prompt lookup; 3 is closer to our best K.
 # Both are measured and the faster one is the baseline we compare against.
 PLD_KS = (3, 10)
+BATCH_KS = (0, ADAPTIVE, 3, 5, 8)
 
 
-def run_engine(model, tokenizer, prompt_ids, max_new_tokens, k, drafter):
-    """(tokens, stats, seconds) for one request through our engine."""
-    engine = SpeculativeEngine(model, tokenizer, SessionProposer(drafter))
+def method_name(k: int | None) -> str:
+    return "plain" if k == 0 else "adaptive" if k is ADAPTIVE else f"spec-{k}"
+
+
+def run_engine(engine: SpeculativeEngine, prompt_ids, max_new_tokens, k, drafter):
+    """(tokens, stats, seconds) for one request through our engine, drafting with ``drafter``."""
+    engine.proposer = SessionProposer(drafter)
     started = time.perf_counter()
     [result] = engine.generate([GenerationRequest(prompt_ids, max_new_tokens, num_speculative_tokens=k)])
     return result.token_ids, result.stats, time.perf_counter() - started
@@ -64,20 +85,19 @@ def run_hf(model, prompt_ids, max_new_tokens, pld_k=None):
     return output[0, len(prompt_ids) :].tolist(), None, time.perf_counter() - started
 
 
-def methods(model, tokenizer, max_new_tokens, workload: Workload) -> dict[str, Callable]:
+def methods(model, engines: dict, max_new_tokens, workload: Workload) -> dict[str, Callable]:
     def engine_method(k):
         def run(prompt_ids):
             # A fresh drafter per timed request: its global table must not
             # remember the timed output from a warm-up or an earlier method.
             drafter = NGramDrafter()
             if workload.repeated:  # ...unless the same request really came before
-                run_engine(model, tokenizer, prompt_ids, max_new_tokens, k, drafter)
-            return run_engine(model, tokenizer, prompt_ids, max_new_tokens, k, drafter)
+                run_engine(engines[k], prompt_ids, max_new_tokens, k, drafter)
+            return run_engine(engines[k], prompt_ids, max_new_tokens, k, drafter)
 
         return run
 
-    table = {"plain": engine_method(0)}
-    table.update({f"spec-{k}": engine_method(k) for k in SPEC_KS})
+    table = {method_name(k): engine_method(k) for k in (0, ADAPTIVE, *SPEC_KS)}
     table["hf-greedy"] = lambda ids: run_hf(model, ids, max_new_tokens)
     table.update({f"hf-pld-{k}": (lambda ids, k=k: run_hf(model, ids, max_new_tokens, k)) for k in PLD_KS})
     return table
@@ -85,9 +105,10 @@ def methods(model, tokenizer, max_new_tokens, workload: Workload) -> dict[str, C
 
 def measure(model, tokenizer, max_new_tokens: int) -> dict:
     report = {}
+    engines = {k: SpeculativeEngine(model, tokenizer) for k in (0, ADAPTIVE, *SPEC_KS)}  # one per method, for the whole run
     for workload in workloads():
         prompt_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in workload.prompts]
-        table = methods(model, tokenizer, max_new_tokens, workload)
+        table = methods(model, engines, max_new_tokens, workload)
         totals = {name: {"tokens": 0, "seconds": 0.0, "forward": 0, "drafted": 0, "accepted": 0, "steps": 0} for name in table}
         mismatches = []
         for ids in prompt_ids:
@@ -145,19 +166,103 @@ def _print_workload(name, summary):
 
 def markdown_table(report) -> str:
     lines = [
-        "| workload | plain tok/s | best spec (K) | ×plain | ×hf greedy | ×best hf PLD | acceptance | mean accepted | tokens/pass |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | plain tok/s | adaptive tok/s | adaptive ×plain | best fixed K ×plain | adaptive / best fixed | ×hf greedy | ×best hf PLD | acceptance | tokens/pass |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, summary in report.items():
         rows = summary["methods"]
         best = max((m for m in rows if m.startswith("spec-")), key=lambda m: rows[m]["tokens_per_s"])
         pld = max(rows[m]["tokens_per_s"] for m in rows if m.startswith("hf-pld-"))
-        row = rows[best]
+        row = rows["adaptive"]
         lines.append(
-            f"| {name} | {rows['plain']['tokens_per_s']:.1f} | {row['tokens_per_s']:.1f} ({best[5:]}) | "
-            f"{row['speedup_vs_plain']:.2f} | {row['speedup_vs_hf_greedy']:.2f} | {row['tokens_per_s'] / pld:.2f} | "
-            f"{row['acceptance_rate']:.2f} | {row['mean_accepted_length']:.2f} | {row['tokens_per_forward_pass']:.2f} |"
+            f"| {name} | {rows['plain']['tokens_per_s']:.1f} | {row['tokens_per_s']:.1f} | {row['speedup_vs_plain']:.2f} | "
+            f"{rows[best]['speedup_vs_plain']:.2f} ({best[5:]}) | {row['tokens_per_s'] / rows[best]['tokens_per_s']:.2f} | "
+            f"{row['speedup_vs_hf_greedy']:.2f} | {row['tokens_per_s'] / pld:.2f} | "
+            f"{row['acceptance_rate']:.2f} | {row['tokens_per_forward_pass']:.2f} |"
         )
+    return "\n".join(lines)
+
+
+def k_table(report) -> str:
+    """Speedup over plain for every method, one row per workload."""
+    names = ["adaptive", *(f"spec-{k}" for k in SPEC_KS), *(f"hf-pld-{k}" for k in PLD_KS)]
+    lines = ["| workload | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for name, summary in report.items():
+        rows = summary["methods"]
+        lines.append(f"| {name} | " + " | ".join(f"{rows[m]['speedup_vs_plain']:.2f}" for m in names) + " |")
+    return "\n".join(lines)
+
+
+def measure_batch(model, tokenizer, batch: int, max_new_tokens: int, repeats: int) -> dict:
+    """Decode-only tokens/s of ``batch`` prefilled sequences, per prompt kind and method.
+
+    Every method runs once per round, ``repeats`` rounds; a method's speedup
+    is the median over rounds of its tokens/s over plain's in the same round
+    (this machine is shared: rounds differ by 10-20% in absolute speed).
+    """
+    report = {}
+    for kind in ("grounded", "open_ended"):
+        prompts = [chat_prompt_ids(tokenizer, p) for p in service_prompts(kind)[:batch]]
+        rounds, reference = [], None
+        for round_ in range(repeats):
+            cells = {}
+            for k in BATCH_KS:
+                engine = SpeculativeEngine(model, tokenizer, SessionProposer(NGramDrafter()))
+                tokens, seconds, stats = decode_batch(engine, prompts, max_new_tokens, k)
+                reference = tokens if reference is None else reference
+                decoded = sum(map(len, tokens)) - len(tokens)  # the first token of each comes from prefill
+                cells[method_name(k)] = {
+                    "decode_tokens": decoded,
+                    "seconds": round(seconds, 3),
+                    "tokens_per_s": round(decoded / seconds, 2),
+                    "forward_passes": stats["passes"],
+                    "tokens_per_pass_per_sequence": round(stats["tokens"] / stats["row_passes"], 3),
+                    "identical_to_plain": tokens == reference,
+                }
+                print(f"batch {batch} {kind} round {round_} {method_name(k)}: {cells[method_name(k)]}", flush=True)
+            for cell in cells.values():
+                cell["speedup_vs_plain"] = round(cell["tokens_per_s"] / cells["plain"]["tokens_per_s"], 3)
+            rounds.append(cells)
+        report[kind] = {
+            name: {
+                "speedup_vs_plain": statistics.median(r[name]["speedup_vs_plain"] for r in rounds),
+                "tokens_per_s": statistics.median(r[name]["tokens_per_s"] for r in rounds),
+                "tokens_per_pass_per_sequence": rounds[0][name]["tokens_per_pass_per_sequence"],
+                "identical_to_plain": all(r[name]["identical_to_plain"] for r in rounds),
+                "rounds": [r[name] for r in rounds],
+            }
+            for name in rounds[0]
+        }
+    return report
+
+
+def decode_batch(engine: SpeculativeEngine, prompts, max_new_tokens: int, k) -> tuple[list[list[int]], float, dict]:
+    """Prefill every prompt (untimed), then decode all to the end: (tokens per prompt, decode seconds, counts)."""
+    sequences = [engine.add(GenerationRequest(ids, max_new_tokens, num_speculative_tokens=k)) for ids in prompts]
+    tokens = {id(s): [] for s in sequences}
+    while any(not tokens[id(s)] for s in sequences):
+        for outcome in engine.step():
+            tokens[id(outcome.sequence)] += outcome.tokens
+    started, passes, row_passes, decoded = time.perf_counter(), 0, 0, 0
+    while engine.busy:
+        outcomes = engine.step()
+        passes += 1
+        for outcome in outcomes:
+            tokens[id(outcome.sequence)] += outcome.tokens
+            if outcome.tokens:
+                row_passes += 1
+                decoded += len(outcome.tokens)
+    seconds = time.perf_counter() - started
+    return [tokens[id(s)] for s in sequences], seconds, {"passes": passes, "row_passes": row_passes, "tokens": decoded}
+
+
+def batch_table(report, batch: int) -> str:
+    names = [method_name(k) for k in BATCH_KS]
+    lines = [f"| {batch} sequences, decode only | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for kind, cells in report.items():
+        lines.append(f"| {kind} tok/s (median) | " + " | ".join(f"{cells[m]['tokens_per_s']:.1f}" for m in names) + " |")
+        lines.append(f"| {kind} ×plain (median of rounds) | " + " | ".join(f"{cells[m]['speedup_vs_plain']:.2f}" for m in names) + " |")
+        lines.append(f"| {kind} tokens/pass/seq | " + " | ".join(f"{cells[m]['tokens_per_pass_per_sequence']:.2f}" for m in names) + " |")
     return "\n".join(lines)
 
 
@@ -170,9 +275,11 @@ def plot(report, path: Path) -> None:
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for name, summary in report.items():
         rows = summary["methods"]
-        axes.plot([0, *SPEC_KS], [1.0] + [rows[f"spec-{k}"]["speedup_vs_plain"] for k in SPEC_KS], marker="o", label=name)
+        [line] = axes.plot([0, *SPEC_KS], [1.0] + [rows[f"spec-{k}"]["speedup_vs_plain"] for k in SPEC_KS], marker="o", label=name)
+        # Adaptive K (the default) picks per step, so it has no K: a dashed level in the same colour.
+        axes.axhline(rows["adaptive"]["speedup_vs_plain"], color=line.get_color(), linestyle="--", linewidth=1)
     axes.axhline(1.0, color="grey", linewidth=0.8)
-    axes.set_xlabel("K (draft tokens per step)")
+    axes.set_xlabel("K (draft tokens per step); dashed: adaptive K")
     axes.set_ylabel("speedup vs our plain decoding (K=0)")
     axes.set_title("Greedy speculative decoding, SmolLM2-135M-Instruct, CPU")
     axes.legend()
@@ -184,15 +291,26 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16, help="sequences in the decode-only batch run (0: skip it)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the batch run (the median speedup is reported)")
+    parser.add_argument("--single", action=argparse.BooleanOptionalAction, default=True, help="run the single-stream part")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
     warm_ids = chat_prompt_ids(tokenizer, "Say hello.")
-    run_engine(model, tokenizer, warm_ids, 8, 3, NGramDrafter())
+    warm_engine = SpeculativeEngine(model, tokenizer)  # measures the step cost (once per model)
+    run_engine(warm_engine, warm_ids, 8, 3, NGramDrafter())
     run_hf(model, warm_ids, 8)
-    report = measure(model, tokenizer, args.max_new_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
+    # What padding and adaptive K decide from on this machine: kept as a record, never read back.
+    cost = warm_engine.step_cost
+    (args.out / "step_cost.json").write_text(json.dumps({
+        "machine": platform.platform(), "torch_threads": torch.get_num_threads(),
+        "ms_by_tokens": {tokens: round(1000 * seconds, 2) for tokens, seconds in cost.points().items()},
+        "us_per_cached_token_read": round(1e6 * cost.per_context_token, 3),
+        "padding_by_tokens": {tokens: cost.padding(tokens) for tokens in range(1, 33) if cost.padding(tokens)},
+    }, indent=2) + "\n")
     meta = {
         "model": args.model,
         "max_new_tokens": args.max_new_tokens,
@@ -200,9 +318,15 @@ def main(argv=None) -> None:
         "machine": platform.platform(),
         "cpu_count": __import__("os").cpu_count(),
     }
-    (args.out / "core.json").write_text(json.dumps({"meta": meta, "workloads": report}, indent=2) + "\n")
-    plot(report, args.out / "core_speedup.png")
-    print("\n" + markdown_table(report))
+    if args.single:
+        report = measure(model, tokenizer, args.max_new_tokens)
+        (args.out / "core.json").write_text(json.dumps({"meta": meta, "workloads": report}, indent=2) + "\n")
+        plot(report, args.out / "core_speedup.png")
+        print("\n" + markdown_table(report) + "\n\n" + k_table(report))
+    if args.batch:
+        batch = measure_batch(model, tokenizer, args.batch, args.max_new_tokens, args.repeats)
+        (args.out / "core_batch.json").write_text(json.dumps({"meta": {**meta, "batch": args.batch}, "kinds": batch}, indent=2) + "\n")
+        print("\n" + batch_table(batch, args.batch))
 
 
 if __name__ == "__main__":

@@ -15,10 +15,12 @@ each client count N and each mode:
 N client threads each send ``--requests-per-client`` greedy ``GenerateStream``
 requests (chat template applied) one after another, and we record per request
 the latency, the time to the first chunk that carries tokens (client side,
-queueing included) and the generated tokens. Per cell we report aggregate
-tokens/s (all tokens over the cell's wall time), p50/p99 latency, p50 TTFT,
-and per (workload, N) the speedup spec/plain in tokens/s. Plain runs just
-before spec for each (workload, N) so machine noise hits both alike.
+queueing included), the time per output token after it (TPOT) and the
+generated tokens. Per cell we report aggregate tokens/s (all tokens over the
+cell's wall time), p50/p99 latency, p50 TTFT, p50/p99 TPOT, the verifier's
+peak resident memory so far, and per (workload, N) the speedup spec/plain in
+tokens/s. Plain runs just before spec for each (workload, N) so machine noise
+hits both alike.
 
 Every request in a cell has its own prompt, and the drafter restarts on an
 empty table before each (workload, N) pair: the drafter's global table learns
@@ -65,6 +67,13 @@ class RequestResult:
     acceptance_rate: float
     tokens_per_forward_pass: float
 
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (None with fewer than two tokens)."""
+        if self.ttft_s is None or self.generated_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.generated_tokens - 1)
+
 
 def prompt_sets() -> dict[str, tuple[str, ...]]:
     return {kind: service_prompts(kind) for kind in ("grounded", "open_ended")}
@@ -93,6 +102,7 @@ def percentile(samples: list[float], q: float) -> float:
 def summarise_cell(results: list[RequestResult], wall_s: float) -> dict:
     latencies_ms = [1000 * r.latency_s for r in results]
     ttfts_ms = [1000 * r.ttft_s for r in results if r.ttft_s is not None]
+    tpots_ms = [1000 * r.tpot_s for r in results if r.tpot_s is not None]
     tokens = sum(r.generated_tokens for r in results)
     return {
         "requests": len(results),
@@ -102,6 +112,8 @@ def summarise_cell(results: list[RequestResult], wall_s: float) -> dict:
         "p50_ms": round(percentile(latencies_ms, 0.5), 1),
         "p99_ms": round(percentile(latencies_ms, 0.99), 1),
         "ttft_p50_ms": round(percentile(ttfts_ms, 0.5), 1) if ttfts_ms else None,
+        "tpot_p50_ms": round(percentile(tpots_ms, 0.5), 1) if tpots_ms else None,
+        "tpot_p99_ms": round(percentile(tpots_ms, 0.99), 1) if tpots_ms else None,
         "mean_acceptance_rate": round(sum(r.acceptance_rate for r in results) / len(results), 3),
         "mean_tokens_per_forward_pass": round(sum(r.tokens_per_forward_pass for r in results) / len(results), 3),
     }
@@ -118,17 +130,32 @@ def add_speedups(cells: list[dict]) -> None:
 
 def markdown_table(cells: list[dict]) -> str:
     lines = [
-        "| workload | clients | mode | tok/s | p50 ms | p99 ms | TTFT p50 ms | speedup |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| workload | clients | mode | tok/s | p50 ms | p99 ms | TTFT p50 ms | TPOT p50 / p99 ms | peak RSS MB | speedup |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def number(value) -> str:
+        return "" if value is None else f"{value:.0f}"
+
     for c in cells:
-        ttft = "" if c["ttft_p50_ms"] is None else f"{c['ttft_p50_ms']:.0f}"
         speedup = f"{c['speedup']:.2f}x" if "speedup" in c else ""
         lines.append(
             f"| {c['workload']} | {c['clients']} | {c['mode']} | {c['tokens_per_s']:.1f} | "
-            f"{c['p50_ms']:.0f} | {c['p99_ms']:.0f} | {ttft} | {speedup} |"
+            f"{c['p50_ms']:.0f} | {c['p99_ms']:.0f} | {number(c['ttft_p50_ms'])} | "
+            f"{number(c.get('tpot_p50_ms'))} / {number(c.get('tpot_p99_ms'))} | {number(c.get('verifier_peak_rss_mb'))} | {speedup} |"
         )
     return "\n".join(lines)
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """A process's peak resident memory so far (Linux VmHWM), in MB; None where /proc has no such line."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
 
 
 def build_request(prompt: str, max_new_tokens: int, mode: str) -> pb.GenerateRequest:
@@ -197,7 +224,7 @@ class Drafter:
             self.process = None
 
 
-def run_benchmark(verifier_target: str, drafter: Drafter, args: argparse.Namespace) -> list[dict]:
+def run_benchmark(verifier_target: str, verifier_pid: int, drafter: Drafter, args: argparse.Namespace) -> list[dict]:
     cells = []
     with grpc.insecure_channel(verifier_target) as channel:
         stub = rpc.VerifierStub(channel)
@@ -209,6 +236,7 @@ def run_benchmark(verifier_target: str, drafter: Drafter, args: argparse.Namespa
                 drafter.restart_empty()  # nothing learned from earlier cells (plain never drafts)
                 for mode in MODES:
                     cell = run_cell(stub, prompts, clients, args.requests_per_client, args.max_new_tokens, mode)
+                    cell["verifier_peak_rss_mb"] = peak_rss_mb(verifier_pid)
                     cells.append({"workload": workload, "clients": clients, "mode": mode, **cell})
                     print(f"{workload} N={clients} {mode}: {cell['tokens_per_s']} tok/s", file=sys.stderr, flush=True)
     add_speedups(cells)
@@ -235,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
                 "verifier", ["verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", f"127.0.0.1:{drafter.port}"],
                 VERIFIER_PORT_LINE)
             wait_for_serving(f"127.0.0.1:{verifier_port}")
-            cells = run_benchmark(f"127.0.0.1:{verifier_port}", drafter, args)
+            cells = run_benchmark(f"127.0.0.1:{verifier_port}", verifier.pid, drafter, args)
         finally:
             if verifier is not None:  # the verifier first: it holds drafter sessions
                 stop_process(verifier)

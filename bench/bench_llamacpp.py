@@ -1,0 +1,106 @@
+"""llama.cpp on the same GGUF file, as a baseline: single-stream greedy tokens/s beside ours.
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \\
+        .venv/bin/pip install llama-cpp-python==0.3.36        # built from the sdist; not needed by make test
+    python -m bench.bench_llamacpp [--max-new-tokens 128] [--out bench/results]
+
+A CPU user today would run this GGUF (SmolLM2-135M-Instruct, Q4_1) with
+llama.cpp. In one run, interleaved per prompt of ``bench.workloads``:
+
+* ``llama.cpp``: plain greedy decoding of the quantized file (its own kernels);
+* ``llama.cpp-pld``: the same with llama-cpp-python's prompt lookup drafts (10 tokens);
+* ``plain`` and ``adaptive``: our engine, float32 weights dequantized from that
+  file, K=0 and adaptive K (as ``bench_core``: one engine for the run, a
+  fresh drafter per request).
+
+Every method is timed over the whole request (prompt included) with the same
+chat-template token ids. The two engines do not compute the same numbers
+(Q4_1 kernels against float32), so their outputs may differ; each reports its
+own. The native build crashed on one of these machines, hence the explicit
+instruction-set flags. Writes ``llamacpp.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from bench.bench_core import ADAPTIVE, run_engine
+from bench.workloads import workloads
+from drafter_service.ngram import NGramDrafter
+from verifier_service.engine import SpeculativeEngine
+from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, find_default_gguf, load_model
+
+PLD_TOKENS = 10  # llama-cpp-python's default for prompt lookup
+
+
+def llama_cpp(draft: bool):
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    return Llama(
+        model_path=str(find_default_gguf()), n_ctx=4096, n_threads=os.cpu_count(), verbose=False,
+        draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PLD_TOKENS) if draft else None,
+    )
+
+
+def run_llama(llm, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+    llm.reset()
+    started = time.perf_counter()
+    tokens = []
+    for token in llm.generate(prompt_ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        if llm.token_eos() == token:
+            tokens.append(token)
+            break
+        tokens.append(token)
+        if len(tokens) >= max_new_tokens:
+            break
+    return tokens, time.perf_counter() - started
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    loaded = load_model(DEFAULT_MODEL)
+    engines = {k: SpeculativeEngine(loaded.model, loaded.tokenizer) for k in (0, ADAPTIVE)}
+    llamas = {"llama.cpp": llama_cpp(draft=False), "llama.cpp-pld": llama_cpp(draft=True)}
+    warm = chat_prompt_ids(loaded.tokenizer, "Say hello.")
+    for llm in llamas.values():
+        run_llama(llm, warm, 8)
+    report = {}
+    for workload in workloads():
+        totals = {name: [0, 0.0] for name in ("plain", "adaptive", *llamas)}
+        for prompt in workload.prompts:
+            ids = chat_prompt_ids(loaded.tokenizer, prompt)
+            for k, name in ((0, "plain"), (ADAPTIVE, "adaptive")):
+                drafter = NGramDrafter()
+                if workload.repeated:  # the drafter saw this request before, as in bench_core
+                    run_engine(engines[k], ids, args.max_new_tokens, k, drafter)
+                tokens, _, seconds = run_engine(engines[k], ids, args.max_new_tokens, k, drafter)
+                totals[name][0] += len(tokens)
+                totals[name][1] += seconds
+            for name, llm in llamas.items():
+                tokens, seconds = run_llama(llm, ids, args.max_new_tokens)
+                totals[name][0] += len(tokens)
+                totals[name][1] += seconds
+        rates = {name: tokens / seconds for name, (tokens, seconds) in totals.items()}
+        report[workload.name] = {name: round(rate, 2) for name, rate in rates.items()}
+        print(workload.name, report[workload.name], flush=True)
+    meta = {"max_new_tokens": args.max_new_tokens, "machine": platform.platform(), "cpus": os.cpu_count(), "pld_tokens": PLD_TOKENS}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "llamacpp.json").write_text(json.dumps({"meta": meta, "tokens_per_s": report}, indent=2) + "\n")
+    names = ["plain", "adaptive", *llamas]
+    print("\n| workload | " + " | ".join(f"{n} tok/s" for n in names) + " | adaptive / llama.cpp |")
+    print("|---|" + "---:|" * (len(names) + 1))
+    for workload, rates in report.items():
+        print(f"| {workload} | " + " | ".join(f"{rates[n]:.1f}" for n in names) + f" | {rates['adaptive'] / rates['llama.cpp']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

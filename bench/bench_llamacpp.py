@@ -29,9 +29,8 @@ import platform
 import time
 from pathlib import Path
 
-from bench.bench_core import ADAPTIVE, run_engine
+from bench.bench_core import ADAPTIVE, run_fresh
 from bench.workloads import workloads
-from drafter_service.ngram import NGramDrafter
 from verifier_service.engine import SpeculativeEngine
 from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, find_default_gguf, load_model
 
@@ -53,11 +52,8 @@ def run_llama(llm, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int
     started = time.perf_counter()
     tokens = []
     for token in llm.generate(prompt_ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-        if llm.token_eos() == token:
-            tokens.append(token)
-            break
         tokens.append(token)
-        if len(tokens) >= max_new_tokens:
+        if token == llm.token_eos() or len(tokens) >= max_new_tokens:
             break
     return tokens, time.perf_counter() - started
 
@@ -79,10 +75,7 @@ def main(argv=None) -> None:
         for prompt in workload.prompts:
             ids = chat_prompt_ids(loaded.tokenizer, prompt)
             for k, name in ((0, "plain"), (ADAPTIVE, "adaptive")):
-                drafter = NGramDrafter()
-                if workload.repeated:  # the drafter saw this request before, as in bench_core
-                    run_engine(engines[k], ids, args.max_new_tokens, k, drafter)
-                tokens, _, seconds = run_engine(engines[k], ids, args.max_new_tokens, k, drafter)
+                tokens, _, seconds = run_fresh(engines[k], ids, args.max_new_tokens, k, workload.repeated)
                 totals[name][0] += len(tokens)
                 totals[name][1] += seconds
             for name, llm in llamas.items():

@@ -83,6 +83,16 @@ SEQUENCE_RETENTION = 0.9
 SEQUENCE_STEP_RETENTION = 0.99
 # Pseudo-observations pulling a sequence's factor towards 1 (trust the buckets).
 CALIBRATION_WEIGHT = 2.0
+# A sequence that had drafts but verified none for this many steps verifies
+# one anyway (a probe). Estimates learned only from what they chose to verify
+# can get stuck: after a run of free text every bucket says drafts never pay,
+# and when a quote starts, nothing would verify one and learn otherwise (seen
+# in the service: a grounded request after open-ended ones verified no draft in
+# 176 steps). A failed probe doubles the wait, up to PROBE_MAX_AFTER; an
+# accepted token resets it, so a hopeless sequence pays for ~log2(steps / 8)
+# probes, and a good one is found within 8 steps.
+PROBE_AFTER = 8
+PROBE_MAX_AFTER = 256
 # No draft token is ever certain: an estimate of 1 would verify any length.
 MAX_HAZARD = 0.99
 # Positions past this share a bucket: acceptance barely changes beyond it.
@@ -176,20 +186,36 @@ class SequenceCalibration:
 
     accepted: float = 0.0
     expected: float = 0.0
+    idle: int = 0  # steps since the sequence last verified a draft it had
+    probe_after: int = PROBE_AFTER  # idle steps before it probes
 
     @property
     def factor(self) -> float:
         return (self.accepted + CALIBRATION_WEIGHT) / (self.expected + CALIBRATION_WEIGHT)
+
+    @property
+    def probe_due(self) -> bool:
+        return self.idle >= self.probe_after
 
     def age(self) -> None:
         """One step passed."""
         self.accepted *= SEQUENCE_STEP_RETENTION
         self.expected *= SEQUENCE_STEP_RETENTION
 
-    def learn(self, hazards: Sequence[float], accepted: int) -> None:
-        """``hazards`` of the verified tokens (as predicted), ``accepted`` of them kept."""
+    def skipped(self) -> None:
+        """A step where the sequence had a draft and verified none of it."""
+        self.idle += 1
+
+    def learn(self, hazards: Sequence[float], accepted: int, probe: bool = False) -> None:
+        """``hazards`` of the verified tokens (as predicted), ``accepted`` of them kept;
+        ``probe``: verified because the sequence was due a probe, not because it paid."""
         self.accepted = self.accepted * SEQUENCE_RETENTION + accepted
         self.expected = self.expected * SEQUENCE_RETENTION + sum(hazards[: accepted + 1])
+        self.idle = 0
+        if accepted:
+            self.probe_after = PROBE_AFTER
+        elif probe:
+            self.probe_after = min(2 * self.probe_after, PROBE_MAX_AFTER)
 
 
 def survival(hazards: Sequence[float]) -> list[float]:

@@ -216,6 +216,7 @@ class _Row:
     buckets: list[tuple]  # adaptive.evidence_bucket of each draft token
     asked: bool  # the proposer was asked this step (feedback goes back next time)
     verify: int = 0  # draft tokens this step verifies
+    probe: bool = False  # verified as a probe (adaptive.PROBE_AFTER), not because the plan said it pays
 
 
 class EngineFull(Exception):
@@ -391,6 +392,7 @@ class SpeculativeEngine:
                 base_tokens += row.verify
                 base_expected += sum(survival(hazards))
         if not any(survivals):
+            self._probe(adaptive, base_tokens + prefill_tokens)
             return
         context = _cache_reads(rows, [])
         plan = plan_verification(
@@ -398,6 +400,16 @@ class SpeculativeEngine:
         )
         for row, count in zip(adaptive, plan.counts):
             row.verify = count
+        self._probe(adaptive, plan.tokens + prefill_tokens)
+
+    def _probe(self, rows: list[_Row], tokens: int) -> None:
+        """Rows due a probe verify the draft tokens that one more token's padding makes
+        free (at least one), in a step of ``tokens`` without them."""
+        for row in rows:
+            if row.draft and not row.verify and row.sequence.calibration.probe_due:
+                row.verify = min(len(row.draft), 1 + self.step_cost.padding(tokens + 1))
+                row.probe = True
+                tokens += row.verify
 
     def _plan_prefill(self) -> list[tuple[_Sequence, int, int]]:
         """(sequence, first position, length) chunks for this step, oldest prompt first."""
@@ -523,8 +535,10 @@ class SpeculativeEngine:
             stats.accepted_tokens += count
             stats.verify_steps_with_drafts += 1
             verified = row.buckets[: row.verify]
-            sequence.calibration.learn([self.acceptance.hazard(bucket) for bucket in verified], count)
+            sequence.calibration.learn([self.acceptance.hazard(bucket) for bucket in verified], count, row.probe)
             self.acceptance.learn(verified, count)
+        elif row.draft and row.sequence.request.num_speculative_tokens is None:
+            sequence.calibration.skipped()
         emitted = self._emit(sequence, row.draft[:count] + [token])
         return StepOutcome(sequence, emitted, row.verify, count)
 

@@ -28,6 +28,14 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
     parser.add_argument("--n-max", type=int, default=int(env("n_max", defaults.ngram.n_max)))
     parser.add_argument("--grace", type=float, default=float(env("grace", defaults.grace_s)), help="seconds SIGTERM gives in-flight calls")
     parser.add_argument("--session-idle-timeout", type=float, default=float(env("session_idle_timeout", defaults.session_idle_timeout_s)))
+    parser.add_argument(
+        "--max-vocabularies", type=int, default=int(env("max_vocabularies", defaults.max_vocabularies)),
+        help="tables (one per tokenizer fingerprint) the drafter creates at most (SPECDEC_DRAFTER_MAX_VOCABULARIES)",
+    )
+    parser.add_argument(
+        "--backup-dir", default=env("backup_dir", defaults.backup_dir),
+        help="directory the Backup RPC writes into, outside --db (SPECDEC_DRAFTER_BACKUP_DIR; default: Backup refused)",
+    )
     add_serving_flags(parser, ENV_PREFIX, DEFAULT_METRICS_PORT)
     args = parser.parse_args(argv)
     serving = serving_options(parser, args)
@@ -37,11 +45,15 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
         parser.error(str(error))
     if args.max_bytes < 1 << 16:
         parser.error(f"--max-bytes must be at least 65536, got {args.max_bytes}")
-    return DrafterConfig(
-        port=args.port, host=args.host, db=args.db, max_bytes=args.max_bytes, ngram=ngram,
-        grace_s=args.grace, session_idle_timeout_s=args.session_idle_timeout,
-        **serving,
-    )
+    try:
+        return DrafterConfig(
+            port=args.port, host=args.host, db=args.db, max_bytes=args.max_bytes, ngram=ngram,
+            grace_s=args.grace, session_idle_timeout_s=args.session_idle_timeout, backup_dir=args.backup_dir or None,
+            max_vocabularies=args.max_vocabularies,
+            **serving,
+        )
+    except ValueError as error:
+        parser.error(str(error))
 
 
 def main(argv: list[str] | None = None) -> None:

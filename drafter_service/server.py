@@ -14,9 +14,11 @@ durable. Reads run in their own LMDB read transactions and never wait.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import re
+import shutil
 import threading
 import time
 from concurrent import futures
@@ -30,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from grpc_reflection.v1alpha import reflection
 
 from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, ContextIndex, NGramConfig, NGramSource
-from drafter_service.store import LMDBNGramStore, StoreConfig
+from drafter_service.store import MAX_OBSERVE_ID_BYTES, LMDBNGramStore, StoreConfig
 from specdec import serving, telemetry
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -39,7 +41,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 # Beside Prometheus' own 9090 without clashing with the usual node exporters.
 DEFAULT_METRICS_PORT = 9101
-VOCABULARY_PATTERN = re.compile(r"^[0-9a-f]{16}$")
+VOCABULARY_PATTERN = re.compile(r"[0-9a-f]{16}")  # always with fullmatch: "$" also matches before a final newline
+# A backup's name: one plain path component, nothing a filesystem reads specially.
+BACKUP_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SOURCES = {SOURCE_CONTEXT: drafter_pb2.DRAFT_SOURCE_CONTEXT, SOURCE_GLOBAL: drafter_pb2.DRAFT_SOURCE_GLOBAL}
 
 
@@ -80,6 +84,20 @@ class DrafterConfig:
     # PEM certificate and key: serve over TLS when both are set.
     tls_cert: str | None = None
     tls_key: str | None = None
+    # Vocabularies (one LMDB table each: 3 file descriptors and 8x max_bytes of
+    # address space) the drafter creates at most; a deployment serves one or two models.
+    max_vocabularies: int = 8
+    # Directory Backup writes into (one folder per backup, named by the caller);
+    # None: Backup is refused. Never the --db directory or inside it.
+    backup_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_vocabularies < 1:
+            raise ValueError(f"max_vocabularies must be at least 1, got {self.max_vocabularies}")
+        if self.backup_dir is not None:
+            backups, db = Path(self.backup_dir).resolve(), Path(self.db).resolve()
+            if backups == db or db in backups.parents:
+                raise ValueError(f"the backup directory {self.backup_dir!r} must lie outside the table directory {self.db!r}")
 
 
 # Observed tokens cost about this many table bytes (3 n-gram records with
@@ -95,8 +113,17 @@ def epoch_tokens(max_bytes: int) -> int:
     return max(1000, max_bytes // (TABLE_BYTES_PER_TOKEN * EPOCHS_PER_TABLE))
 
 
+class TooManyVocabularies(Exception):
+    pass
+
+
 class StoreRegistry:
-    """One store per vocabulary fingerprint, opened on first use and kept open."""
+    """One store per vocabulary fingerprint, opened on first use and kept open.
+
+    Only writes create a table (``get``); reads look one up (``find``), so a
+    stranger's fingerprint in a read-only call costs nothing. At most
+    ``max_vocabularies`` tables are created; those found at start-up always open.
+    """
 
     def __init__(self, config: DrafterConfig) -> None:
         self.config = config
@@ -105,15 +132,23 @@ class StoreRegistry:
         self._stores: dict[str, LMDBNGramStore] = {}
         self._lock = threading.Lock()
         for existing in sorted(self.root.iterdir()):  # reopen warm tables at start-up
-            if existing.is_dir() and VOCABULARY_PATTERN.match(existing.name):
-                self.get(existing.name)
+            if existing.is_dir() and VOCABULARY_PATTERN.fullmatch(existing.name):
+                self.get(existing.name, create=False)
 
-    def get(self, vocabulary: str) -> LMDBNGramStore:
+    def find(self, vocabulary: str) -> LMDBNGramStore | None:
+        return self._stores.get(vocabulary)
+
+    def get(self, vocabulary: str, create: bool = True) -> LMDBNGramStore:
         store = self._stores.get(vocabulary)
         if store is not None:
             return store
         with self._lock:
             if vocabulary not in self._stores:
+                if create and len(self._stores) >= self.config.max_vocabularies:
+                    raise TooManyVocabularies(
+                        f"the drafter already holds {len(self._stores)} vocabularies (limit {self.config.max_vocabularies}, "
+                        f"--max-vocabularies); {vocabulary} gets no table"
+                    )
                 store_config = StoreConfig(
                     path=str(self.root / vocabulary),
                     namespace=bytes.fromhex(vocabulary),
@@ -133,6 +168,19 @@ class StoreRegistry:
             for store in self._stores.values():
                 store.close()
             self._stores.clear()
+
+
+class _NoTable:
+    """What Propose reads for a vocabulary with no table yet: no n-grams."""
+
+    def best(self, key):
+        return None
+
+    def continuations(self, key):
+        return None
+
+
+_NO_TABLE = _NoTable()
 
 
 @dataclass
@@ -189,15 +237,22 @@ class ObservationWriter(threading.Thread):
             by_store.setdefault(id(item.store), []).append(item)
         for items in by_store.values():
             try:
-                results = items[0].store.apply([(item.observe_id, item.tokens) for item in items])
-                for item, applied in zip(items, results):
-                    item.applied = applied
-            except BaseException as error:  # reported to each caller, never kills the writer
-                log.exception("observation commit failed")
+                self._apply(items)
+            except Exception:  # one item's fault must not fail the others' callers: each alone
                 for item in items:
-                    item.error = error
+                    try:
+                        self._apply([item])
+                    except Exception as error:  # reported to its caller, never kills the writer
+                        log.exception("observation commit failed")
+                        item.error = error
             for item in items:
                 item.done.set()
+
+    @staticmethod
+    def _apply(items: list[_Pending]) -> None:
+        results = items[0].store.apply([(item.observe_id, item.tokens) for item in items])
+        for item, applied in zip(items, results):
+            item.applied = applied
 
     def stop(self) -> None:
         self.queue.put(None)
@@ -243,7 +298,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _check_vocabulary(self, vocabulary: str) -> None:
         _check(
-            bool(VOCABULARY_PATTERN.match(vocabulary)),
+            bool(VOCABULARY_PATTERN.fullmatch(vocabulary)),
             f"vocabulary must be the 16-hex-digit fingerprint of the tokenizer, got {vocabulary!r}",
         )
 
@@ -290,6 +345,22 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             grpc.StatusCode.RESOURCE_EXHAUSTED,
         )
 
+    def _check_observe_id(self, observe_id: str, items: int) -> None:
+        """Each of ``items`` is stored under ``observe_id/index``: all of those must fit."""
+        _check(bool(observe_id), "observe_id is empty: give each Observe a unique id so retries are not counted twice")
+        longest = len(observe_id.encode()) + 1 + len(str(max(items - 1, 0)))
+        _check(
+            longest <= MAX_OBSERVE_ID_BYTES,
+            f"observe_id is {len(observe_id.encode())} bytes; with its '/index' suffix it must fit in {MAX_OBSERVE_ID_BYTES}",
+        )
+
+    def _table(self, vocabulary: str, context) -> LMDBNGramStore:
+        """The vocabulary's table, created on first write, within --max-vocabularies."""
+        try:
+            return self.stores.get(vocabulary)
+        except TooManyVocabularies as full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
+
     def _check_sequences(self, sequences) -> None:
         self._check_call_size(len(sequences), sum(len(sequence.tokens) for sequence in sequences))
         for index, sequence in enumerate(sequences):
@@ -319,11 +390,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self._check_propose(request)
             except InvalidRequest as invalid:
                 context.abort(invalid.code, str(invalid))
-            store = self.stores.get(request.vocabulary)
+            store = self.stores.find(request.vocabulary)
             now = time.monotonic()
             updates = [(update, self._advance(request.vocabulary, update, now)) for update in request.sequences]
-        # Drafting reads only this call's sessions and one LMDB read transaction.
-        with store.snapshot() as table:
+        # Drafting reads only this call's sessions and one LMDB read transaction
+        # (no table yet for this vocabulary: drafts come from the contexts alone).
+        with store.snapshot() if store is not None else contextlib.nullcontext(_NO_TABLE) as table:
             drafts = [self._draft(update, session, table) for update, session in updates]
         with self.lock:
             self._count([session.last_sources for _, session in updates], asked=[update.num_draft_tokens > 0 for update, _ in updates])
@@ -382,12 +454,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def _observe(self, request, context):
         try:
             self._check_vocabulary(request.vocabulary)
-            _check(bool(request.observe_id), "observe_id is empty: give each Observe a unique id so retries are not counted twice")
-            _check(len(request.observe_id.encode()) <= 400, "observe_id is longer than 400 bytes")
+            self._check_observe_id(request.observe_id, len(request.sequences))
             self._check_sequences(request.sequences)
         except InvalidRequest as invalid:
             context.abort(invalid.code, str(invalid))
-        store = self.stores.get(request.vocabulary)
+        store = self._table(request.vocabulary, context)
         items = [
             _Pending(store, f"{request.observe_id}/{index}", list(sequence.tokens))
             for index, sequence in enumerate(request.sequences)
@@ -398,17 +469,28 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.ObserveResponse(applied=any(item.applied for item in items) or not items)
 
     def CloseSessions(self, request, context):
+        """Close sessions of ``vocabulary``; with ``observe``, their tokens go into its table
+        first, and a session is closed only once that is stored (a failed call can be retried)."""
+        with self.lock:
+            sessions = {sid: self.sessions.get(sid) for sid in request.session_ids}
         try:
             self._check_vocabulary(request.vocabulary)
-            _check(not request.observe or bool(request.observe_id), "observe_id is required when observe is set")
+            if request.observe:
+                self._check_observe_id(request.observe_id, len(request.session_ids))
+            for index, (sid, session) in enumerate(sessions.items()):
+                _check(
+                    session is None or session.vocabulary == request.vocabulary,
+                    f"session_ids[{index}]: session {sid!r} was opened under another vocabulary",
+                )
         except InvalidRequest as invalid:
             context.abort(invalid.code, str(invalid))
-        with self.lock:
-            closed = [self.sessions.pop(sid) for sid in request.session_ids if sid in self.sessions]
-        if request.observe and closed:
-            store = self.stores.get(request.vocabulary)
-            items = [_Pending(store, f"{request.observe_id}/{i}", session.context.tokens) for i, session in enumerate(closed)]
+        ids = [sid for sid in request.session_ids if sessions[sid] is not None]
+        if request.observe and ids:
+            store = self._table(request.vocabulary, context)
+            items = [_Pending(store, f"{request.observe_id}/{i}", list(sessions[sid].context.tokens)) for i, sid in enumerate(ids)]
             self._commit(items, context)
+        with self.lock:
+            closed = [sid for sid in ids if self.sessions.pop(sid, None) is not None]
         return drafter_pb2.CloseSessionsResponse(closed=len(closed))
 
     def _commit(self, items: list[_Pending], context) -> None:
@@ -427,7 +509,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self._check_vocabulary(request.vocabulary)
             except InvalidRequest as invalid:
                 context.abort(invalid.code, str(invalid))
-            stores = [self.stores.get(request.vocabulary)]
+            stores = [store] if (store := self.stores.find(request.vocabulary)) is not None else []
         else:
             stores = list(self.stores.all().values())
         totals = {"entries": 0, "bytes": 0, "file_bytes": 0, "evictions": 0}
@@ -440,17 +522,39 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         )
 
     def Backup(self, request, context):
+        """A compact copy of one table in ``--backup-dir``/``destination``. Callers learn
+        nothing about the filesystem beyond that directory: failures are logged here."""
         try:
+            _check(
+                self.config.backup_dir is not None,
+                "backups are off: start the drafter with --backup-dir DIR to allow them",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
             self._check_vocabulary(request.vocabulary)
-            _check(bool(request.destination), "destination is empty")
-            _check(not Path(request.destination).exists(), f"destination {request.destination!r} already exists")
-            _check(request.vocabulary in self.stores.all(), f"no table for vocabulary {request.vocabulary}", grpc.StatusCode.NOT_FOUND)
+            _check(
+                bool(BACKUP_NAME_PATTERN.fullmatch(request.destination)),
+                f"destination must be a plain name of 1-128 letters, digits, '.', '_' or '-' (not starting with "
+                f"'.', '_' or '-'), got {request.destination[:200]!r}; the backup goes into the drafter's backup directory",
+            )
+            _check(self.stores.find(request.vocabulary) is not None, f"no table for vocabulary {request.vocabulary}", grpc.StatusCode.NOT_FOUND)
         except InvalidRequest as invalid:
             context.abort(invalid.code, str(invalid))
-        destination = Path(request.destination)
-        destination.mkdir(parents=True)
-        self.stores.get(request.vocabulary).backup(str(destination))
-        size = sum(f.stat().st_size for f in destination.iterdir())
+        destination = Path(self.config.backup_dir) / request.destination
+        try:
+            Path(self.config.backup_dir).mkdir(parents=True, exist_ok=True)
+            destination.mkdir()  # exclusive: two callers never share a folder
+        except FileExistsError:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"a backup named {request.destination!r} already exists; pick another name")
+        except OSError:
+            log.exception("could not create backup folder %s", destination)
+            context.abort(grpc.StatusCode.INTERNAL, "could not create the backup; the drafter's log says why")
+        try:
+            self.stores.get(request.vocabulary).backup(str(destination))
+            size = sum(f.stat().st_size for f in destination.iterdir())
+        except Exception:
+            log.exception("backup of %s into %s failed", request.vocabulary, destination)
+            shutil.rmtree(destination, ignore_errors=True)
+            context.abort(grpc.StatusCode.INTERNAL, "the backup failed and was removed; the drafter's log says why")
         return drafter_pb2.BackupResponse(bytes=size)
 
     def expire_idle_sessions(self) -> int:

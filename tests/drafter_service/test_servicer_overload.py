@@ -51,3 +51,23 @@ def test_session_limit_is_resource_exhausted_and_opens_nothing(servicer):
     assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "too many open sessions (0, limit 2)" in context.details
     assert servicer.sessions == {}  # checked before any session was opened
+
+
+def test_one_bad_item_in_a_write_group_fails_only_its_own_caller(tmp_path):
+    # The writer commits what several callers queued in one transaction; an item
+    # the store refuses (here an observe id past LMDB's key size) must not fail the rest.
+    from drafter_service.server import _Pending
+
+    config = DrafterConfig(db=str(tmp_path / "db"))
+    stores = StoreRegistry(config)
+    try:
+        store = stores.get(VOCABULARY)
+        group = [_Pending(store, "good-1", [5, 6, 7]), _Pending(store, "x" * 600, [8, 9, 10]), _Pending(store, "good-2", [11, 12, 13])]
+        ObservationWriter(4)._commit(group)
+        assert [item.done.is_set() for item in group] == [True, True, True]
+        assert [item.error is None for item in group] == [True, False, True]
+        assert group[0].applied and group[2].applied
+        assert store.best((5, 6))[0] == 7 and store.best((11, 12))[0] == 13
+        assert store.best((8, 9)) is None
+    finally:
+        stores.close()

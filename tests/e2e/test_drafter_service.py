@@ -194,14 +194,14 @@ def test_health_serves_and_reflection_lists_the_service(tmp_path):
 
 
 def test_backup_is_a_consistent_copy_that_serves_the_same_drafts(tmp_path):
-    with drafter(tmp_path / "db") as server:
+    with drafter(tmp_path / "db", "--backup-dir", str(tmp_path / "backups")) as server:
         observe(server.stub, "o1", [5, 6, 7, 8, 9, 10])
-        response = server.stub.Backup(pb.BackupRequest(vocabulary=VOCABULARY, destination=str(tmp_path / "copy")), timeout=30)
+        response = server.stub.Backup(pb.BackupRequest(vocabulary=VOCABULARY, destination="copy"), timeout=30)
         assert response.bytes > 0
         assert server.terminate() == 0
     restored = tmp_path / "restored"
     restored.mkdir()
-    (tmp_path / "copy").rename(restored / VOCABULARY)
+    (tmp_path / "backups" / "copy").rename(restored / VOCABULARY)
     with drafter(restored) as server:
         assert list(propose(server.stub, "y", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]
 
@@ -264,7 +264,11 @@ BAD_INPUTS = [
     ("observe huge token", "Observe",
      pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="o", sequences=[pb.TokenSequence(tokens=[1, 1 << 25])]),
      grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
-    ("backup over an existing path", "Backup", None, grpc.StatusCode.INVALID_ARGUMENT, "already exists"),
+    ("backup without --backup-dir", "Backup", pb.BackupRequest(vocabulary=VOCABULARY, destination="copy"),
+     grpc.StatusCode.FAILED_PRECONDITION, "start the drafter with --backup-dir"),
+    ("vocabulary with a trailing newline", "Observe",
+     pb.ObserveRequest(vocabulary=VOCABULARY + "\n", observe_id="nl", sequences=[pb.TokenSequence(tokens=[1, 2, 3])]),
+     grpc.StatusCode.INVALID_ARGUMENT, "16-hex-digit"),
 ]
 
 
@@ -272,8 +276,6 @@ BAD_INPUTS = [
 def test_bad_input_gets_a_clear_status_and_changes_nothing(tmp_path, name, method, request_, code, fragment):
     with drafter(tmp_path / "db") as server:
         observe(server.stub, "seed", [5, 6, 7, 8, 9, 10])
-        if request_ is None:
-            request_ = pb.BackupRequest(vocabulary=VOCABULARY, destination=str(tmp_path))
         before = server.stub.Stats(pb.StatsRequest(), timeout=5)
         with pytest.raises(grpc.RpcError) as raised:
             getattr(server.stub, method)(request_, timeout=5)
@@ -283,6 +285,44 @@ def test_bad_input_gets_a_clear_status_and_changes_nothing(tmp_path, name, metho
         assert (after.entries, after.open_sessions, after.observed_tokens) == (before.entries, before.open_sessions, before.observed_tokens)
         # The server still works and still knows what it learned.
         assert list(propose(server.stub, "ok", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]
+    assert sorted(p.name for p in (tmp_path / "db").iterdir()) == [VOCABULARY]  # no table made from bad input
+
+
+ESCAPES = ["/tmp/elsewhere", "../escape", "a/b", "..", ".hidden", "copy\n", "", "x" * 129]
+
+
+@pytest.mark.parametrize("destination", ESCAPES, ids=repr)
+def test_backup_writes_only_plain_names_under_the_backup_dir(tmp_path, destination):
+    backups = tmp_path / "backups"
+    with drafter(tmp_path / "db", "--backup-dir", str(backups)) as server:
+        observe(server.stub, "o1", [5, 6, 7, 8])
+        with pytest.raises(grpc.RpcError) as raised:
+            server.stub.Backup(pb.BackupRequest(vocabulary=VOCABULARY, destination=destination), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "plain name" in raised.value.details()
+    assert not backups.exists() or not any(backups.iterdir())
+    assert not (tmp_path / "escape").exists() and not Path("/tmp/elsewhere").exists()
+
+
+def test_backup_under_an_existing_name_says_only_that(tmp_path):
+    backups = tmp_path / "backups"
+    with drafter(tmp_path / "db", "--backup-dir", str(backups)) as server:
+        observe(server.stub, "o1", [5, 6, 7, 8])
+        server.stub.Backup(pb.BackupRequest(vocabulary=VOCABULARY, destination="nightly"), timeout=30)
+        with pytest.raises(grpc.RpcError) as raised:
+            server.stub.Backup(pb.BackupRequest(vocabulary=VOCABULARY, destination="nightly"), timeout=30)
+        assert raised.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert str(tmp_path) not in raised.value.details()  # nothing about the host's paths
+
+
+@pytest.mark.parametrize("inside", ["db", "db/backups"])
+def test_a_backup_dir_in_the_table_directory_is_refused_at_start(tmp_path, inside):
+    completed = subprocess.run(
+        [sys.executable, "-m", "drafter_service", "--port", "0", "--db", str(tmp_path / "db"), "--backup-dir", str(tmp_path / inside)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert completed.returncode == 2
+    assert "must lie outside the table directory" in completed.stderr
 
 
 def test_oversized_message_is_refused_and_server_keeps_serving(tmp_path):
@@ -367,3 +407,54 @@ def test_a_stock_client_calls_propose_through_reflection(tmp_path):
         [draft] = json.loads(result.stdout)["drafts"]
         assert draft["tokens"] == [4, 2, 3]  # the context's own chain, as in the stub-based test
         assert draft["sources"] == ["DRAFT_SOURCE_CONTEXT"] * 3
+
+
+# -- tables only from writes, within --max-vocabularies; CloseSessions validates first ----
+
+
+def test_read_only_calls_never_create_a_table(tmp_path):
+    with drafter(tmp_path / "db") as server:
+        stats = server.stub.Stats(pb.StatsRequest(vocabulary=OTHER_VOCABULARY), timeout=5)
+        assert stats.entries == 0
+        # Propose under a vocabulary with no table drafts from the context alone.
+        assert list(propose(server.stub, "s", [1, 2, 3, 1, 2], 1, open_=True, vocabulary=OTHER_VOCABULARY).tokens) == [3]
+        assert not any((tmp_path / "db").iterdir())
+        observe(server.stub, "o1", [5, 6, 7], vocabulary=OTHER_VOCABULARY)
+        assert [p.name for p in (tmp_path / "db").iterdir()] == [OTHER_VOCABULARY]
+
+
+def test_vocabularies_beyond_the_limit_get_resource_exhausted(tmp_path):
+    with drafter(tmp_path / "db", "--max-vocabularies", "1") as server:
+        observe(server.stub, "o1", [5, 6, 7, 8, 9, 10])
+        with pytest.raises(grpc.RpcError) as raised:
+            observe(server.stub, "o2", [5, 6, 7, 8], vocabulary=OTHER_VOCABULARY)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-vocabularies" in raised.value.details()
+        assert observe(server.stub, "o3", [9, 10, 11]).applied  # the table it holds still learns
+    assert [p.name for p in (tmp_path / "db").iterdir()] == [VOCABULARY]
+    with drafter(tmp_path / "db", "--max-vocabularies", "1") as server:  # tables found at start always open
+        assert list(propose(server.stub, "s", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]
+
+
+def close_request(session_ids, observe_id="c1", vocabulary=VOCABULARY):
+    return pb.CloseSessionsRequest(vocabulary=vocabulary, session_ids=session_ids, observe=True, observe_id=observe_id)
+
+
+@pytest.mark.parametrize("request_, fragment", [
+    (close_request(["a", "b"], observe_id="x" * 600), "observe_id is 600 bytes"),
+    (close_request(["a", "b"], vocabulary=OTHER_VOCABULARY), "opened under another vocabulary"),
+], ids=["observe_id too long", "another vocabulary"])
+def test_a_refused_close_keeps_the_sessions_and_stores_nothing(tmp_path, request_, fragment):
+    with drafter(tmp_path / "db") as server:
+        propose(server.stub, "a", [20, 21, 22, 23, 24, 25], 0, open_=True)
+        propose(server.stub, "b", [30, 31, 32, 33, 34, 35], 0, open_=True)
+        with pytest.raises(grpc.RpcError) as raised:
+            server.stub.CloseSessions(request_, timeout=10)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert fragment in raised.value.details()
+        stats = server.stub.Stats(pb.StatsRequest(), timeout=5)
+        assert (stats.open_sessions, stats.entries) == (2, 0)
+        # Retried correctly, the sessions' tokens go into their own vocabulary's table.
+        assert server.stub.CloseSessions(close_request(["a", "b"]), timeout=10).closed == 2
+        assert list(propose(server.stub, "n", [20, 21, 22, 23], 2, open_=True).tokens) == [24, 25]
+    assert [p.name for p in (tmp_path / "db").iterdir()] == [VOCABULARY]

@@ -46,24 +46,28 @@ Epochs and decay
 The epoch advances by one per ``epoch_observations`` tokens applied (items
 skipped as already applied do not count), checked at the end of each apply:
 counting tokens, not calls, keeps decay independent of how clients batch.
-A stored count c that is ``a`` epochs old is worth ``c >> (a *
-decay_shift_per_epoch)`` (halved per epoch by default); continuations worth 0
-are dropped, and a key all of whose continuations are worth 0 reads as
-absent. Reads apply the decay on the fly; writes store it (lazy decay).
+A stored count c that is ``a`` epochs old is worth ``max(1, c >> (a *
+decay_shift_per_epoch))`` (halved per epoch by default, never below 1):
+decay ranks continuations by recent frequency, and never forgets one.
+Forgetting is eviction's job (oldest epoch first), so every record the table
+holds can draft: with decay to 0, n-grams seen once became unreadable one
+epoch later while still taking their room (~3/4 of a 4-epoch table). Reads
+apply the decay on the fly; writes store it (lazy decay).
 
-Merging an apply (one write transaction, at the epoch E it started in)
+Merging an apply (one write transaction; E is the epoch it started in)
 ----------------------------------------------------------------------
 1. Each item with an observe id already applied in the last
    ``applied_id_retention_epochs`` epochs (or earlier in the same batch) is
    skipped and reported False; the others are recorded under epoch E.
-2. The new items' n-grams are counted together, as
+2. The epoch advances by the new items' tokens, to E'; ids older than the
+   retention (epoch < E' - retention) are deleted. First, so that a batch
+   crossing a boundary is merged fresh at E', not aged as it lands.
+3. The new items' n-grams are counted together, as
    ``InMemoryNGramTable.observe`` counts them (per key: next-token counts in
    first-seen order).
-3. Per key: decay the stored pairs to E, add the new counts (tokens not yet
+4. Per key: decay the stored pairs to E', add the new counts (tokens not yet
    stored go after the stored ones), sort by count descending (stable) and
-   keep the first ``max_continuations``; last-touched becomes E.
-4. The epoch advances by the tokens applied; ids older than the retention
-   (epoch < E' - retention) are deleted.
+   keep the first ``max_continuations``; last-touched becomes E'.
 5. Eviction (below), in the same transaction.
 An empty batch does nothing.
 
@@ -94,10 +98,12 @@ Measured with random tokens: ~2.4x max_bytes for a 4 MiB table fed
 whole; 5.8x when each apply adds 60% of max_bytes. ``FILE_BYTES_PER_MAX_BYTE``
 (6) is the documented bound for applies up to a quarter of max_bytes. The map is reserved
 once, sparse, and never resized; if a transaction still hits
-``MapFullError``, apply aborts it, evicts (chunked) to
-``HARD_EVICTION_FRACTION`` of the low-water mark, retries once, then applies
-the items one transaction each; an item too large for the map on its own is
-dropped with a logged error. No ``MapFullError`` reaches a caller.
+``MapFullError`` (a long-lived reader, another process's read transaction or
+a dead reader's slot, keeps freed pages from reuse, so the file grows), apply
+aborts it, frees dead readers' slots, retries once, then applies the items one
+transaction each. An item that still finds no room is not stored and
+``StoreFull`` says which: the caller retries it under the same id. Nothing is
+evicted below the low-water mark because of it: readers, not data, take the room.
 
 Durability and concurrency
 --------------------------
@@ -139,9 +145,6 @@ MAX_N = (LMDB_MAX_KEY_BYTES - NAMESPACE_BYTES - 1) // 4
 # Charged per record on top of key and value: LMDB's 8-byte leaf-node header
 # plus the record's 2-byte slot in its page's offset array.
 RECORD_OVERHEAD_BYTES = 10
-# After a MapFullError, evict to this fraction of the low-water mark before
-# the one retry: the failed transaction needed more room than the usual margin.
-HARD_EVICTION_FRACTION = 0.5
 # Documented bound on data.mdb per byte of max_bytes: live pages (<= ~1.6x
 # tracked) plus two transactions' copy-on-write copies of them, when a
 # transaction rewrites the whole tree (small tables); measured <= 4.7x.
@@ -176,6 +179,17 @@ _META_EVICTIONS = b"evictions"
 log = logging.getLogger(__name__)
 
 
+class StoreFull(RuntimeError):
+    """Observations found no room in the map; nothing of them was written.
+
+    ``results[i]``: item i's outcome, True applied, False a duplicate, None not
+    stored (the caller retries it under the same id)."""
+
+    def __init__(self, message: str, results: list[bool | None]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
 class StoreFormatError(RuntimeError):
     """The file was written in a format this code does not read."""
 
@@ -204,7 +218,7 @@ class StoreConfig:
     # past their chunk, so eviction cost is spread out instead of bursting.
     low_water_fraction: float = 0.9
     # Tokens per epoch: ~minutes of a busy service's output, so an n-gram
-    # unseen for an hour or so has decayed to nothing.
+    # unseen for an hour or so counts next to nothing against fresh ones.
     epoch_observations: int = 1_000_000
     # Counts shift right this many bits per epoch of age: 1 halves them; 0
     # disables decay. An integer shift keeps decay exact and reproducible.
@@ -288,9 +302,9 @@ def total_count(pairs: Sequence[tuple[int, int]]) -> int:
 
 
 def decayed(pairs: Sequence[tuple[int, int]], age: int, decay_shift: int) -> list[tuple[int, int]]:
-    """Pairs worth something after ``age`` epochs: [(7, 4), (9, 1)], age 2, shift 1 -> [(7, 1)]."""
+    """Pairs after ``age`` epochs, each worth at least 1: [(7, 8), (9, 1)], age 2, shift 1 -> [(7, 2), (9, 1)]."""
     shift = age * decay_shift
-    return [(token, count >> shift) for token, count in pairs if count >> shift]
+    return [(token, (count >> shift) or 1) for token, count in pairs]
 
 
 def merge_continuations(
@@ -302,10 +316,10 @@ def merge_continuations(
 ) -> list[tuple[int, int]]:
     """Stored pairs decayed by ``age`` epochs plus ``additions``, top-k by count.
 
-    stored [(7, 4), (9, 1)] two epochs old, shift 1: 7 is worth 1, 9 nothing;
-    additions {8: 1, 9: 1} -> [(7, 1), (8, 1), (9, 1)] (a stable sort keeps
+    stored [(7, 4), (9, 1)] two epochs old, shift 1: 7 and 9 are worth 1;
+    additions {8: 1, 9: 1} -> [(9, 2), (7, 1), (8, 1)] (a stable sort keeps
     stored before new, new in first-seen order); max_continuations 2 ->
-    [(7, 1), (8, 1)].
+    [(9, 2), (7, 1)].
     """
     merged = dict(stored) if age == 0 else dict(decayed(stored, age, decay_shift))  # age 0: the usual case
     for token, count in additions.items():
@@ -382,7 +396,7 @@ class StoreSnapshot:
         last_touched, _total, pairs = decode_value(value)
         if last_touched == self._epoch:  # nothing to decay: the usual case
             return dict(pairs)
-        return dict(decayed(pairs, self._epoch - last_touched, self._config.decay_shift_per_epoch)) or None
+        return dict(decayed(pairs, self._epoch - last_touched, self._config.decay_shift_per_epoch))
 
     def best(self, key: tuple[int, ...]) -> Continuation | None:
         value = self._value(key)
@@ -465,10 +479,10 @@ class LMDBNGramStore:
     def apply(self, batch: Sequence[tuple[str | None, Sequence[int]]]) -> list[bool]:
         """Count a batch of (observe id or None, tokens) in one transaction.
 
-        Returns per item True if counted now, False if skipped: its id was
-        already applied (a retry), or, logged, it does not fit in the map.
-        Raises ValueError, writing nothing, for a token id outside uint32 or
-        an id longer than MAX_OBSERVE_ID_BYTES.
+        Returns per item True if counted now, False if its id was already
+        applied (a retry). Raises StoreFull when items found no room in the map
+        (it says which; the others are stored), and ValueError, writing nothing,
+        for a token id outside uint32 or an id longer than MAX_OBSERVE_ID_BYTES.
         """
         observations = [self._validate(observe_id, tokens) for observe_id, tokens in batch]
         if not observations:
@@ -571,28 +585,41 @@ class LMDBNGramStore:
                 return self._commit_batch(observations)
             except lmdb.MapFullError:
                 log.warning("n-gram store map full applying %d items (attempt %d)", len(observations), attempt + 1)
-                if attempt == 0:
-                    self._evict_to(int(self.config.low_water_bytes * HARD_EVICTION_FRACTION))
+                self.check_readers()  # a dead reader's slot pins old pages: free it, retry once
         if len(observations) == 1:
-            log.error("an observation of %d tokens does not fit in the map; dropped", len(observations[0].tokens))
-            return [False]
-        results: list[bool] = []
-        for observation in observations:
-            results += self._commit_with_recovery([observation])
+            log.error(
+                "an observation of %d tokens does not fit in the %d-byte map now; refused (a long-lived reader keeps "
+                "freed pages from reuse, or the observation is too large)", len(observations[0].tokens), self.config.map_size_bytes,
+            )
+            raise StoreFull("the table has no room for this observation now", [None])
+        results: list[bool | None] = []
+        for observation in observations:  # one transaction each: those that fit are stored
+            try:
+                results += self._commit_with_recovery([observation])
+            except StoreFull:
+                results.append(None)
+        if None in results:
+            raise StoreFull(f"{results.count(None)} of {len(results)} observations found no room in the table now", results)
         return results
+
+    def check_readers(self) -> int:
+        """Free the reader slots of dead processes (their snapshots pin pages the writer
+        could reuse); returns how many. Cheap: the drafter calls it every few seconds."""
+        return self._env.reader_check()
 
     def _commit_batch(self, observations: list[_Observation]) -> list[bool]:
         with self._env.begin(write=True) as txn:
             meta = self._read_meta(txn)
             results = self._claim_ids(txn, observations, meta)
             fresh = [(item.tokens, item.packed) for item, new in zip(observations, results) if new]
-            counts = count_ngrams(fresh, self.config.namespace, self.config.n_min, self.config.n_max)
-            for key in sorted(counts):  # key order: neighbouring writes share pages
-                self._merge_key(txn, key, counts[key], meta)
+            # The epoch first: a batch that crosses a boundary lands fresh in the new one.
             meta.epoch_tokens += sum(len(tokens) for tokens, _packed in fresh)
             epochs, meta.epoch_tokens = divmod(meta.epoch_tokens, self.config.epoch_observations)
             if epochs:
                 self._advance_epoch(txn, meta, epochs)
+            counts = count_ngrams(fresh, self.config.namespace, self.config.n_min, self.config.n_max)
+            for key in sorted(counts):  # key order: neighbouring writes share pages
+                self._merge_key(txn, key, counts[key], meta)
             # Same transaction: no crash leaves the table above the high-water mark.
             config = self.config
             self._evict(txn, meta, config.low_water_bytes, config.eviction_chunk_records, config.high_water_bytes)

@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from drafter_service.ngram import SOURCE_GLOBAL, InMemoryNGramTable, NGramConfig, NGramDrafter
 from drafter_service.store import (
+    StoreFull,
     FILE_BYTES_PER_MAX_BYTE,
     UINT32_MAX,
     LMDBNGramStore,
@@ -191,19 +192,30 @@ def test_epoch_advances_every_epoch_observations_tokens(tmp_path):
         assert (store.stats()["epoch"], store.stats()["epoch_tokens"]) == (4, 0)
 
 
-def test_counts_halve_per_epoch_and_zero_counts_are_dropped(tmp_path):
+def test_counts_halve_per_epoch_but_never_below_one(tmp_path):
     with LMDBNGramStore(make_config(tmp_path, n_min=2, n_max=2, decay_shift_per_epoch=1)) as store:
         store.apply([(None, [1, 2, 3])] * 4 + [(None, [1, 2, 4])])
         assert store.continuations((1, 2)) == {3: 4, 4: 1}
         store.advance_epoch()
-        assert store.continuations((1, 2)) == {3: 2}  # 1 >> 1 = 0: dropped
+        assert store.continuations((1, 2)) == {3: 2, 4: 1}  # 1 >> 1 = 0: still worth 1
         store.advance_epoch()
-        assert store.continuations((1, 2)) == {3: 1}
         store.advance_epoch()
-        assert store.continuations((1, 2)) is None  # every continuation is worth 0
+        assert store.continuations((1, 2)) == {3: 1, 4: 1}  # readable until evicted
         store.observe([1, 2, 4])
-        # Stored {3: 4, 4: 1} is three epochs old: both decay to 0 on write.
-        assert list(store.continuations((1, 2)).items()) == [(4, 1)]
+        # Stored {3: 4, 4: 1} is three epochs old: both worth 1 on write, then 4 gains one.
+        assert list(store.continuations((1, 2)).items()) == [(4, 2), (3, 1)]
+
+
+def test_a_batch_that_crosses_an_epoch_boundary_lands_fresh(tmp_path):
+    # 8 + 5 tokens with 10 per epoch: the second batch advances the epoch. Merged
+    # before that, its count-1 n-grams would be a whole epoch old on arrival.
+    with LMDBNGramStore(make_config(tmp_path, n_min=2, n_max=2, epoch_observations=10, decay_shift_per_epoch=1)) as store:
+        store.observe([1, 2, 3, 4, 5, 6, 7, 8])
+        store.observe([20, 21, 22, 23, 24])
+        assert store.stats()["epoch"] == 1
+        with store.snapshot() as table:
+            assert table.best((21, 22)) == (23, 1, 1)  # stored at the new epoch: the fast path reads it
+        assert store.continuations((1, 2)) == {3: 1}  # an epoch old, singletons still draft
 
 
 # --- eviction and size ----------------------------------------------------------------
@@ -276,6 +288,48 @@ def test_map_full_never_reaches_the_caller(tmp_path, caplog):
         last = batch[-1][1]  # applied in the newest epoch, so never evicted
         assert all(last[p] in store.continuations(tuple(last[p - 4 : p])) for p in range(4, 100))
         assert store.apply([batch[-1]]) == [False]
+
+
+HOLD_A_READER = """
+import lmdb, sys, time
+env = lmdb.open(sys.argv[1], max_dbs=4, readonly=True, lock=True)
+txn = env.begin()  # a snapshot: every page it can see stays out of reuse
+print("reading", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_reader_that_pins_pages_gets_observations_refused_never_dropped_or_evicted(tmp_path):
+    # Another process's read transaction keeps the writer from reusing pages, so the
+    # file grows to the map's size. Observations that then find no room must be
+    # refused (StoreFull: the caller retries), never answered as applied or
+    # duplicate, and no eviction may cut the table below its bound to make room.
+    config = make_config(tmp_path, max_bytes=64 << 10, map_size=1 << 20, epoch_observations=100_000, decay_shift_per_epoch=0)
+    rng = random.Random(3)
+    with LMDBNGramStore(config) as store:
+        store.apply([("warm", [rng.randrange(1000) for _ in range(400)])])  # the table near its bound
+        reader = subprocess.Popen([sys.executable, "-c", HOLD_A_READER, config.path], stdout=subprocess.PIPE, text=True)
+        try:
+            assert reader.stdout.readline() == "reading\n"
+            refused = None
+            for index in range(400):
+                try:
+                    assert store.apply([(f"o{index}", [rng.randrange(1000) for _ in range(100)])]) == [True]
+                except StoreFull as full:
+                    assert full.results == [None]
+                    refused = index
+                    break
+            assert refused is not None, "the pinned map never filled"
+            assert store.stats()["bytes"] >= 0.8 * config.max_bytes  # nothing evicted to make room
+            reader.send_signal(signal.SIGKILL)
+            reader.wait(timeout=10)
+            assert store.check_readers() == 1  # the dead reader's slot, freed
+            # The refused observation, retried under its id, is stored now.
+            assert store.apply([(f"o{refused}", [7, 8, 9, 10, 11])]) == [True]
+            assert store.apply([(f"o{refused}", [7, 8, 9, 10, 11])]) == [False]  # and known as applied
+        finally:
+            reader.kill()
+            reader.wait(timeout=10)
 
 
 # --- persistence, backup, integration, concurrency -----------------------------------------
@@ -444,13 +498,13 @@ class StoreModel:
 
     def decayed(self, pairs, age):
         shift = age * self.config.decay_shift_per_epoch
-        return [(token, count >> shift) for token, count in pairs if count >> shift]
+        return [(token, max(1, count >> shift)) for token, count in pairs]
 
     def continuations(self, key):
         if key not in self.ngrams:
             return None
         last_touched, pairs = self.ngrams[key]
-        return dict(self.decayed(pairs, self.epoch - last_touched)) or None
+        return dict(self.decayed(pairs, self.epoch - last_touched))
 
     def apply(self, batch) -> list[bool]:
         if not batch:
@@ -463,11 +517,11 @@ class StoreModel:
             results.append(new)
             if new:
                 fresh.append(tokens)
-        for key, additions in self.count(fresh).items():
-            self.merge(key, additions)
         epochs, self.epoch_tokens = divmod(self.epoch_tokens + sum(map(len, fresh)), self.config.epoch_observations)
         if epochs:
             self.advance_epoch(epochs)
+        for key, additions in self.count(fresh).items():
+            self.merge(key, additions)
         self.evict()
         return results
 

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from drafter_service.ngram import NGramConfig
-from drafter_service.server import DEFAULT_METRICS_PORT, DrafterConfig, create_server
+from drafter_service.server import DEFAULT_METRICS_PORT, LIMITS, DirectoryLocked, DrafterConfig, create_server
 from specdec.serving import add_serving_flags, announce, env_default, serving_options, stop_on_signals
 
 ENV_PREFIX = "SPECDEC_DRAFTER_"
@@ -28,10 +28,11 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
     parser.add_argument("--n-max", type=int, default=int(env("n_max", defaults.ngram.n_max)))
     parser.add_argument("--grace", type=float, default=float(env("grace", defaults.grace_s)), help="seconds SIGTERM gives in-flight calls")
     parser.add_argument("--session-idle-timeout", type=float, default=float(env("session_idle_timeout", defaults.session_idle_timeout_s)))
-    parser.add_argument(
-        "--max-vocabularies", type=int, default=int(env("max_vocabularies", defaults.max_vocabularies)),
-        help="tables (one per tokenizer fingerprint) the drafter creates at most (SPECDEC_DRAFTER_MAX_VOCABULARIES)",
-    )
+    for name, help_text in LIMITS:
+        parser.add_argument(
+            "--" + name.replace("_", "-"), type=int, default=int(env(name, getattr(defaults, name))),
+            help=f"{help_text} ({ENV_PREFIX}{name.upper()}; default {getattr(defaults, name)})",
+        )
     parser.add_argument(
         "--backup-dir", default=env("backup_dir", defaults.backup_dir),
         help="directory the Backup RPC writes into, outside --db (SPECDEC_DRAFTER_BACKUP_DIR; default: Backup refused)",
@@ -49,7 +50,7 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
         return DrafterConfig(
             port=args.port, host=args.host, db=args.db, max_bytes=args.max_bytes, ngram=ngram,
             grace_s=args.grace, session_idle_timeout_s=args.session_idle_timeout, backup_dir=args.backup_dir or None,
-            max_vocabularies=args.max_vocabularies,
+            **{name: getattr(args, name) for name, _ in LIMITS},
             **serving,
         )
     except ValueError as error:
@@ -59,7 +60,10 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     stopping = stop_on_signals()
-    drafter = create_server(config)
+    try:
+        drafter = create_server(config)
+    except DirectoryLocked as locked:
+        sys.exit(f"drafter: {locked}")
     announce("drafter", config.host, drafter.port, drafter.metrics_port, f"db {config.db}")
     stopping.wait()
     drafter.stop()

@@ -15,7 +15,9 @@ durable. Reads run in their own LMDB read transactions and never wait.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
+import os
 import queue
 import re
 import shutil
@@ -32,7 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from grpc_reflection.v1alpha import reflection
 
 from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, ContextIndex, NGramConfig, NGramSource
-from drafter_service.store import MAX_OBSERVE_ID_BYTES, LMDBNGramStore, StoreConfig
+from drafter_service.store import MAX_OBSERVE_ID_BYTES, LMDBNGramStore, StoreConfig, StoreFull
 from specdec import serving, telemetry
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -45,6 +47,20 @@ VOCABULARY_PATTERN = re.compile(r"[0-9a-f]{16}")  # always with fullmatch: "$" a
 # A backup's name: one plain path component, nothing a filesystem reads specially.
 BACKUP_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SOURCES = {SOURCE_CONTEXT: drafter_pb2.DRAFT_SOURCE_CONTEXT, SOURCE_GLOBAL: drafter_pb2.DRAFT_SOURCE_GLOBAL}
+
+
+# DrafterConfig's limits on what callers may ask: (field, what it bounds). Each
+# is a flag of the same name, and must be at least 1.
+LIMITS = (
+    ("max_sessions", "sessions open at once"),
+    ("max_session_tokens", "tokens one session may hold"),
+    ("max_sequences_per_call", "sequences in one Propose or Observe"),
+    ("max_tokens_per_call", "tokens in one Propose or Observe"),
+    ("max_draft_tokens", "draft tokens one sequence may ask for"),
+    ("max_pending_observations", "observations queued for the writer; beyond, RESOURCE_EXHAUSTED"),
+    ("max_message_bytes", "gRPC message size in bytes"),
+    ("max_vocabularies", "tables (one per tokenizer fingerprint) the drafter creates"),
+)
 
 
 @dataclass(frozen=True)
@@ -65,15 +81,18 @@ class DrafterConfig:
     max_token_id: int = 1 << 24
     # Sessions held at once; each is a small dict of its context's n-grams.
     max_sessions: int = 10_000
+    # Tokens one session may hold (indexed, ~600 bytes each): a 128K-token
+    # context, and ~80 MB per session at most.
+    max_session_tokens: int = 1 << 17
     # A session untouched this long is closed (its verifier request is surely gone).
     session_idle_timeout_s: float = 600.0
     # Sequences per Propose/Observe call: a verifier batch is at most a few hundred.
     max_sequences_per_call: int = 1024
-    # Tokens in one call: a long prompt plus margin; bounds work done under the lock.
-    max_tokens_per_call: int = 1 << 20
+    # Tokens in one call: a 128K-token context; bounds one call's memory and time.
+    max_tokens_per_call: int = 1 << 17
     # Observations waiting for the writer; beyond it Observe answers RESOURCE_EXHAUSTED.
     max_pending_observations: int = 4096
-    # gRPC message size cap (bytes): 1M uint32 tokens encode to at most ~5 MB.
+    # gRPC message size cap (bytes): 128K uint32 tokens encode to at most ~0.7 MB.
     max_message_bytes: int = 8 << 20
     # Time SIGTERM gives in-flight calls to finish.
     grace_s: float = 5.0
@@ -84,6 +103,8 @@ class DrafterConfig:
     # PEM certificate and key: serve over TLS when both are set.
     tls_cert: str | None = None
     tls_key: str | None = None
+    # PEM CA: require client certificates it signed (mutual TLS).
+    tls_client_ca: str | None = None
     # Vocabularies (one LMDB table each: 3 file descriptors and 8x max_bytes of
     # address space) the drafter creates at most; a deployment serves one or two models.
     max_vocabularies: int = 8
@@ -92,14 +113,17 @@ class DrafterConfig:
     backup_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_vocabularies < 1:
-            raise ValueError(f"max_vocabularies must be at least 1, got {self.max_vocabularies}")
+        for name, _ in LIMITS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.backup_dir is not None:
             backups, db = Path(self.backup_dir).resolve(), Path(self.db).resolve()
             if backups == db or db in backups.parents:
                 raise ValueError(f"the backup directory {self.backup_dir!r} must lie outside the table directory {self.db!r}")
 
 
+# Seconds between the janitor's rounds (idle sessions, dead readers' slots).
+JANITOR_INTERVAL_S = 5.0
 # Observed tokens cost about this many table bytes (3 n-gram records with
 # their coldness entries, measured ~250-300 bytes on fresh text).
 TABLE_BYTES_PER_TOKEN = 300
@@ -117,6 +141,34 @@ class TooManyVocabularies(Exception):
     pass
 
 
+class DirectoryLocked(RuntimeError):
+    pass
+
+
+# In --db: held (flock) by the one drafter process that serves the directory.
+LOCK_FILE_NAME = "drafter.lock"
+
+
+def _lock_directory(root: Path):
+    """Hold ``root``'s lock file for this process's life (the kernel drops it when the process dies)."""
+    handle = open(root / LOCK_FILE_NAME, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise DirectoryLocked(
+            f"another drafter ({holder}) is serving --db {root}: two processes writing one store would corrupt it; "
+            "stop that one, or give this one its own --db"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
 class StoreRegistry:
     """One store per vocabulary fingerprint, opened on first use and kept open.
 
@@ -129,6 +181,7 @@ class StoreRegistry:
         self.config = config
         self.root = Path(config.db)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._directory_lock = _lock_directory(self.root)
         self._stores: dict[str, LMDBNGramStore] = {}
         self._lock = threading.Lock()
         for existing in sorted(self.root.iterdir()):  # reopen warm tables at start-up
@@ -168,6 +221,8 @@ class StoreRegistry:
             for store in self._stores.values():
                 store.close()
             self._stores.clear()
+            if not self._directory_lock.closed:
+                self._directory_lock.close()  # releases the flock
 
 
 class _NoTable:
@@ -191,6 +246,7 @@ class _Session:
     # Sources of the last draft, per token: the verifier's feedback on it
     # (verified/accepted counts in the next update) is credited to them.
     last_sources: list[int] = field(default_factory=list)
+    busy: bool = False  # a Propose call is indexing or drafting it (outside the lock)
 
 
 @dataclass
@@ -238,6 +294,12 @@ class ObservationWriter(threading.Thread):
         for items in by_store.values():
             try:
                 self._apply(items)
+            except StoreFull as full:  # those without room answer a retryable error; the rest are stored
+                for item, applied in zip(items, full.results):
+                    if applied is None:
+                        item.error = full
+                    else:
+                        item.applied = applied
             except Exception:  # one item's fault must not fail the others' callers: each alone
                 for item in items:
                     try:
@@ -257,6 +319,11 @@ class ObservationWriter(threading.Thread):
     def stop(self) -> None:
         self.queue.put(None)
         self.join()
+
+
+def _expired(context) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
 
 
 class InvalidRequest(Exception):
@@ -332,6 +399,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 raise InvalidRequest(grpc.StatusCode.NOT_FOUND, f"{where}: unknown session {sid!r} (open it first)")
             if not sequence.open and session.vocabulary != request.vocabulary:
                 raise InvalidRequest(invalid, f"{where}: session {sid!r} was opened under another vocabulary")
+            if not sequence.open and session.busy:
+                raise InvalidRequest(grpc.StatusCode.ABORTED, f"{where}: session {sid!r} is in use by another call; retry")
+            held = 0 if sequence.open else len(session.context.tokens)
+            if held + len(sequence.new_tokens) > self.config.max_session_tokens:
+                raise InvalidRequest(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{where}: session {sid!r} would hold {held + len(sequence.new_tokens)} tokens; the limit is "
+                    f"{self.config.max_session_tokens} (--max-session-tokens)",
+                )
             drafted = 0 if sequence.open else len(session.last_sources)
             if not sequence.accepted_draft_tokens <= sequence.verified_draft_tokens <= drafted:
                 raise InvalidRequest(
@@ -385,6 +461,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return response
 
     def _propose(self, request, context):
+        """Validate and claim the call's sessions under the lock (cheap); index the new
+        tokens and draft outside it (O(tokens): one caller's big call never stalls the
+        others). A call whose deadline passed does no work and leaves no session."""
+        if _expired(context):
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the call was served")
         with self.lock:
             try:
                 self._check_propose(request)
@@ -392,14 +473,31 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 context.abort(invalid.code, str(invalid))
             store = self.stores.find(request.vocabulary)
             now = time.monotonic()
-            updates = [(update, self._advance(request.vocabulary, update, now)) for update in request.sequences]
-        # Drafting reads only this call's sessions and one LMDB read transaction
-        # (no table yet for this vocabulary: drafts come from the contexts alone).
-        with store.snapshot() if store is not None else contextlib.nullcontext(_NO_TABLE) as table:
-            drafts = [self._draft(update, session, table) for update, session in updates]
+            updates = [(update, self._claim(request.vocabulary, update, now)) for update in request.sequences]
+        try:
+            for update, session in updates:
+                session.context.extend(update.new_tokens)
+            # Drafting reads only this call's sessions and one LMDB read transaction
+            # (no table yet for this vocabulary: drafts come from the contexts alone).
+            with store.snapshot() if store is not None else contextlib.nullcontext(_NO_TABLE) as table:
+                drafts = [self._draft(update, session, table) for update, session in updates]
+        except BaseException:
+            self._release(updates, drop_opened=True)  # a session half-extended is no session
+            raise
+        if _expired(context):  # the caller gave up: it will reopen, so keep nothing it opened
+            self._release(updates, drop_opened=True)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while drafting; no session was kept")
+        self._release(updates, drop_opened=False)
         with self.lock:
             self._count([session.last_sources for _, session in updates], asked=[update.num_draft_tokens > 0 for update, _ in updates])
         return drafter_pb2.ProposeResponse(drafts=drafts)
+
+    def _release(self, updates, drop_opened: bool) -> None:
+        with self.lock:
+            for update, session in updates:
+                session.busy = False
+                if drop_opened and update.open and self.sessions.get(update.session_id) is session:
+                    del self.sessions[update.session_id]
 
     def _count(self, sources: list[list[int]], asked: list[bool]) -> None:
         """Counters for one call; ``sources``: each draft's per-token sources."""
@@ -420,13 +518,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             counters[f"{name}_verified"] += 1
             counters[f"{name}_accepted"] += position < update.accepted_draft_tokens
 
-    def _advance(self, vocabulary: str, update, now: float) -> _Session:
+    def _claim(self, vocabulary: str, update, now: float) -> _Session:
+        """Open or look up the update's session and mark it busy (under the lock)."""
         if update.open:
             self.sessions[update.session_id] = _Session(vocabulary, ContextIndex(self.config.ngram), now)
         session = self.sessions[update.session_id]
         if update.verified_draft_tokens:
             self._credit_feedback(update, session)
-        session.context.extend(update.new_tokens)
+        session.busy = True
         session.last_used = now
         return session
 
@@ -466,7 +565,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._commit(items, context)
         with self.lock:
             self.counters["observed_tokens"] += sum(len(item.tokens) for item in items if item.applied)
-        return drafter_pb2.ObserveResponse(applied=any(item.applied for item in items) or not items)
+        applied = sum(item.applied for item in items)
+        return drafter_pb2.ObserveResponse(
+            applied=bool(applied) or not items, applied_sequences=applied, duplicate_sequences=len(items) - applied,
+        )
 
     def CloseSessions(self, request, context):
         """Close sessions of ``vocabulary``; with ``observe``, their tokens go into its table
@@ -500,6 +602,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the drafter's write queue is full; retry with backoff")
         for item in items:
             item.done.wait()
+        for item in items:
+            if isinstance(item.error, StoreFull):
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{sum(item.error is not None for item in items)} of {len(items)} sequences were not stored: the table has "
+                    "no room now (a long-lived reader holds old pages); retry with the same observe_id, the stored ones are not counted twice",
+                )
             if item.error is not None:
                 context.abort(grpc.StatusCode.INTERNAL, f"could not store the observation: {item.error}")
 
@@ -560,7 +669,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def expire_idle_sessions(self) -> int:
         deadline = time.monotonic() - self.config.session_idle_timeout_s
         with self.lock:
-            stale = [sid for sid, session in self.sessions.items() if session.last_used < deadline]
+            stale = [sid for sid, session in self.sessions.items() if session.last_used < deadline and not session.busy]
             for sid in stale:
                 del self.sessions[sid]
         return len(stale)
@@ -620,11 +729,19 @@ class DrafterServer:
     _stop_janitor: threading.Event = field(default_factory=threading.Event)
 
     def start_janitor(self) -> None:
-        interval = max(1.0, min(60.0, self.servicer.config.session_idle_timeout_s / 4))
+        """Every few seconds: close idle sessions, and free dead readers' slots (a
+        reader killed with kill -9 would otherwise pin old pages until a restart)."""
+        interval = max(0.1, min(JANITOR_INTERVAL_S, self.servicer.config.session_idle_timeout_s / 4))
 
         def loop() -> None:
             while not self._stop_janitor.wait(interval):
                 self.servicer.expire_idle_sessions()
+                for vocabulary, store in self.servicer.stores.all().items():
+                    try:
+                        if freed := store.check_readers():
+                            log.warning("freed %d reader slot(s) of dead processes on table %s", freed, vocabulary)
+                    except Exception:  # a closed or broken table: the next tick tries again
+                        log.exception("reader check failed on table %s", vocabulary)
 
         threading.Thread(target=loop, name="drafter-janitor", daemon=True).start()
 
@@ -650,8 +767,12 @@ def create_server(config: DrafterConfig) -> DrafterServer:
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key)
-    stores = StoreRegistry(config)
+    stores = StoreRegistry(config)  # first: a locked --db must fail before the port is taken
+    try:
+        port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key, config.tls_client_ca)
+    except BaseException:
+        stores.close()
+        raise
     writer = ObservationWriter(config.max_pending_observations)
     servicer = DrafterServicer(config, stores, writer)
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)

@@ -21,13 +21,22 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def bind(server: grpc.Server, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None) -> int:
-    """Add the listening port (TLS when a certificate and key are given); returns the bound port."""
+def bind(server: grpc.Server, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None,
+         tls_client_ca: str | None = None) -> int:
+    """Add the listening port (TLS when a certificate and key are given; mutual TLS,
+    requiring a client certificate that ``tls_client_ca`` signed, when that is given too);
+    returns the bound port."""
     address = f"{host}:{port}"
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("TLS needs both a certificate and a key (got only one)")
+    if tls_client_ca and not tls_cert:
+        raise ValueError("client certificates (tls_client_ca) need the server's own TLS certificate and key")
     if tls_cert:
-        credentials = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
+        credentials = grpc.ssl_server_credentials(
+            [(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())],
+            root_certificates=Path(tls_client_ca).read_bytes() if tls_client_ca else None,
+            require_client_auth=bool(tls_client_ca),
+        )
         bound = server.add_secure_port(address, credentials)
     else:
         bound = server.add_insecure_port(address)
@@ -36,12 +45,23 @@ def bind(server: grpc.Server, host: str, port: int, tls_cert: str | None = None,
     return bound
 
 
-def channel(target: str, tls_ca: str | None = None) -> grpc.Channel:
-    """A channel to a peer service; TLS, trusting ``tls_ca``, when one is given."""
+def channel(target: str, tls_ca: str | None = None, options: list[tuple[str, object]] = (),
+            tls_cert: str | None = None, tls_key: str | None = None) -> grpc.Channel:
+    """A channel to a peer service: TLS, trusting ``tls_ca``, when one is given, presenting
+    the client certificate ``tls_cert``/``tls_key`` when given (mutual TLS); ``options`` add to CHANNEL_OPTIONS."""
+    options = CHANNEL_OPTIONS + list(options)
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("a client certificate needs both its certificate and its key (got only one)")
     if not tls_ca:
-        return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-    credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
-    return grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+        if tls_cert:
+            raise ValueError("a client certificate is sent only over TLS: give the server's CA too")
+        return grpc.insecure_channel(target, options=options)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=Path(tls_ca).read_bytes(),
+        private_key=Path(tls_key).read_bytes() if tls_key else None,
+        certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
+    )
+    return grpc.secure_channel(target, credentials, options=options)
 
 
 def env_default(prefix: str, name: str, default):
@@ -55,13 +75,20 @@ def add_serving_flags(parser: argparse.ArgumentParser, env_prefix: str, default_
                         help="Prometheus /metrics port (0: a free one, -1: off)")
     parser.add_argument("--tls-cert", default=env_default(env_prefix, "tls_cert", None), help="PEM certificate: serve over TLS (with --tls-key)")
     parser.add_argument("--tls-key", default=env_default(env_prefix, "tls_key", None))
+    parser.add_argument("--tls-client-ca", default=env_default(env_prefix, "tls_client_ca", None),
+                        help="PEM CA: require client certificates it signed (mutual TLS; needs --tls-cert)")
 
 
 def serving_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     """Config fields from ``add_serving_flags``' flags, checked (exits with a usage error)."""
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
-    return {"tls_cert": args.tls_cert, "tls_key": args.tls_key, "metrics_port": None if args.metrics_port < 0 else args.metrics_port}
+    if args.tls_client_ca and not args.tls_cert:
+        parser.error("--tls-client-ca needs --tls-cert and --tls-key: client certificates are checked over TLS only")
+    return {
+        "tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
+        "metrics_port": None if args.metrics_port < 0 else args.metrics_port,
+    }
 
 
 def stop_on_signals() -> threading.Event:

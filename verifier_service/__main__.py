@@ -44,17 +44,24 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
                         help="skip the start-up step-cost measurement (tests, tiny models)")
     add_serving_flags(parser, ENV_PREFIX, DEFAULT_METRICS_PORT)
     parser.add_argument("--drafter-tls-ca", default=env("drafter_tls_ca", None), help="PEM root certificate: reach the drafter over TLS")
+    parser.add_argument("--drafter-tls-cert", default=env("drafter_tls_cert", None),
+                        help="PEM client certificate for a drafter that requires one (with --drafter-tls-key and --drafter-tls-ca)")
+    parser.add_argument("--drafter-tls-key", default=env("drafter_tls_key", None))
     args = parser.parse_args(argv)
     for name in ("max_batch_size", "max_queued", "max_new_tokens_limit", "max_sequence_tokens", "prefill_chunk_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     serving = serving_options(parser, args)
+    if bool(args.drafter_tls_cert) != bool(args.drafter_tls_key):
+        parser.error("--drafter-tls-cert and --drafter-tls-key go together")
+    if args.drafter_tls_cert and not args.drafter_tls_ca:
+        parser.error("--drafter-tls-cert needs --drafter-tls-ca: a client certificate is sent over TLS only")
     return VerifierConfig(
         port=args.port, host=args.host, model=args.model, device=args.device, dtype=args.dtype, drafter=args.drafter,
         drafter_timeout_s=args.drafter_timeout, max_batch_size=args.max_batch_size, max_queued=args.max_queued,
         max_new_tokens_limit=args.max_new_tokens_limit, max_sequence_tokens=args.max_sequence_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens, grace_s=args.grace, calibrate=not args.no_calibrate,
-        drafter_tls_ca=args.drafter_tls_ca, **serving,
+        drafter_tls_ca=args.drafter_tls_ca, drafter_tls_cert=args.drafter_tls_cert, drafter_tls_key=args.drafter_tls_key, **serving,
     )
 
 

@@ -90,7 +90,12 @@ class VerifierConfig:
     calibrate: bool = True  # measure step cost at start-up (False: a flat cost, refined by real steps)
     tls_cert: str | None = None
     tls_key: str | None = None
+    # PEM CA: require client certificates it signed (mutual TLS).
+    tls_client_ca: str | None = None
     drafter_tls_ca: str | None = None
+    # Client certificate and key the verifier presents to a drafter that requires one.
+    drafter_tls_cert: str | None = None
+    drafter_tls_key: str | None = None
     # Prometheus /metrics port (0: a free one; None: not served, the default
     # for in-process servers; the command line serves on DEFAULT_METRICS_PORT).
     metrics_port: int | None = None
@@ -328,7 +333,7 @@ class VerifierServer:
         if config.drafter:
             self.drafter = RemoteDrafter(DrafterClientConfig(
                 target=config.drafter, vocabulary=tokenizer_fingerprint(loaded.tokenizer),
-                propose_timeout_s=config.drafter_timeout_s, tls_ca=config.drafter_tls_ca,
+                propose_timeout_s=config.drafter_timeout_s, tls_ca=config.drafter_tls_ca, tls_cert=config.drafter_tls_cert, tls_key=config.drafter_tls_key,
             ))
             self.servicer.metrics.watch("drafter_fallbacks", "Steps run without drafts because the drafter failed or was backed off",
                                         lambda: self.drafter.fallbacks)
@@ -384,7 +389,7 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     servicer = VerifierServicer(config, tracing, metrics)
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key)
+    port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key, config.tls_client_ca)
     server.start()
     verifier = VerifierServer(server, port, servicer, health_servicer)
     if config.metrics_port is not None:

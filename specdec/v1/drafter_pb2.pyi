@@ -79,10 +79,14 @@ class ObserveRequest(_message.Message):
     def __init__(self, vocabulary: _Optional[str] = ..., observe_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
 
 class ObserveResponse(_message.Message):
-    __slots__ = ("applied",)
+    __slots__ = ("applied", "applied_sequences", "duplicate_sequences")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     applied: bool
-    def __init__(self, applied: _Optional[bool] = ...) -> None: ...
+    applied_sequences: int
+    duplicate_sequences: int
+    def __init__(self, applied: _Optional[bool] = ..., applied_sequences: _Optional[int] = ..., duplicate_sequences: _Optional[int] = ...) -> None: ...
 
 class CloseSessionsRequest(_message.Message):
     __slots__ = ("vocabulary", "session_ids", "observe", "observe_id")

@@ -19,6 +19,9 @@ class FakeContext:
     def invocation_metadata(self):
         return ()
 
+    def time_remaining(self):
+        return None
+
     def abort(self, code, details):
         self.code, self.details = code, details
         raise Aborted(details)

@@ -79,6 +79,11 @@ def drafter(db, *extra):
             process.process.wait(timeout=10)
 
 
+def tables(db) -> list[str]:
+    """The table folders under ``db`` (beside them: the drafter's lock file)."""
+    return sorted(p.name for p in Path(db).iterdir() if p.is_dir())
+
+
 def propose(stub, session, tokens, k, open_=False, vocabulary=VOCABULARY):
     request = pb.ProposeRequest(
         vocabulary=vocabulary,
@@ -285,7 +290,7 @@ def test_bad_input_gets_a_clear_status_and_changes_nothing(tmp_path, name, metho
         assert (after.entries, after.open_sessions, after.observed_tokens) == (before.entries, before.open_sessions, before.observed_tokens)
         # The server still works and still knows what it learned.
         assert list(propose(server.stub, "ok", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]
-    assert sorted(p.name for p in (tmp_path / "db").iterdir()) == [VOCABULARY]  # no table made from bad input
+    assert tables(tmp_path / "db") == [VOCABULARY]  # no table made from bad input
 
 
 ESCAPES = ["/tmp/elsewhere", "../escape", "a/b", "..", ".hidden", "copy\n", "", "x" * 129]
@@ -418,9 +423,9 @@ def test_read_only_calls_never_create_a_table(tmp_path):
         assert stats.entries == 0
         # Propose under a vocabulary with no table drafts from the context alone.
         assert list(propose(server.stub, "s", [1, 2, 3, 1, 2], 1, open_=True, vocabulary=OTHER_VOCABULARY).tokens) == [3]
-        assert not any((tmp_path / "db").iterdir())
+        assert tables(tmp_path / "db") == []
         observe(server.stub, "o1", [5, 6, 7], vocabulary=OTHER_VOCABULARY)
-        assert [p.name for p in (tmp_path / "db").iterdir()] == [OTHER_VOCABULARY]
+        assert tables(tmp_path / "db") == [OTHER_VOCABULARY]
 
 
 def test_vocabularies_beyond_the_limit_get_resource_exhausted(tmp_path):
@@ -431,7 +436,7 @@ def test_vocabularies_beyond_the_limit_get_resource_exhausted(tmp_path):
         assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-vocabularies" in raised.value.details()
         assert observe(server.stub, "o3", [9, 10, 11]).applied  # the table it holds still learns
-    assert [p.name for p in (tmp_path / "db").iterdir()] == [VOCABULARY]
+    assert tables(tmp_path / "db") == [VOCABULARY]
     with drafter(tmp_path / "db", "--max-vocabularies", "1") as server:  # tables found at start always open
         assert list(propose(server.stub, "s", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]
 
@@ -457,4 +462,19 @@ def test_a_refused_close_keeps_the_sessions_and_stores_nothing(tmp_path, request
         # Retried correctly, the sessions' tokens go into their own vocabulary's table.
         assert server.stub.CloseSessions(close_request(["a", "b"]), timeout=10).closed == 2
         assert list(propose(server.stub, "n", [20, 21, 22, 23], 2, open_=True).tokens) == [24, 25]
-    assert [p.name for p in (tmp_path / "db").iterdir()] == [VOCABULARY]
+    assert tables(tmp_path / "db") == [VOCABULARY]
+
+
+def test_a_second_drafter_on_the_same_db_refuses_to_start(tmp_path):
+    with drafter(tmp_path / "db") as first:
+        observe(first.stub, "o1", [5, 6, 7, 8, 9, 10])
+        second = subprocess.run(
+            [sys.executable, "-m", "drafter_service", "--port", "0", "--db", str(tmp_path / "db")],
+            capture_output=True, text=True, timeout=60, env={**os.environ, "SPECDEC_DRAFTER_METRICS_PORT": "0"},
+        )
+        assert second.returncode == 1
+        assert f"another drafter (pid {first.process.pid}) is serving --db" in second.stderr
+        assert list(propose(first.stub, "s", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]  # untouched
+        first.kill9()
+    with drafter(tmp_path / "db") as again:  # the lock died with its process
+        assert list(propose(again.stub, "s", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -15,19 +16,29 @@ from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 
 
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory):
-    """A self-signed certificate for 127.0.0.1 (its own CA): (cert path, key path)."""
+def self_signed(directory, name: str, subject_alt_name: str):
+    """A self-signed certificate (its own CA): (cert path, key path)."""
     openssl = shutil.which("openssl")
     assert openssl, "openssl is needed: apt-get install -y openssl"
-    directory = tmp_path_factory.mktemp("tls")
-    cert, key = directory / "cert.pem", directory / "key.pem"
+    cert, key = directory / f"{name}.pem", directory / f"{name}-key.pem"
     subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}",
+         "-addext", f"subjectAltName={subject_alt_name}", "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True,
     )
     return cert, key
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    """The services' certificate, for 127.0.0.1."""
+    return self_signed(tmp_path_factory.mktemp("tls"), "server", "IP:127.0.0.1")
+
+
+@pytest.fixture(scope="module")
+def client_certificate(tmp_path_factory):
+    """A client's certificate: a server given it as --tls-client-ca accepts this client."""
+    return self_signed(tmp_path_factory.mktemp("tls-client"), "verifier", "DNS:verifier")
 
 
 def test_generate_over_tls_end_to_end(tiny_model_dir, tmp_path, certificate):
@@ -73,3 +84,52 @@ def call_when_serving(stub, request):
             if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+def healthcheck(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specdec.healthcheck", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_mutual_tls_drafter_serves_only_clients_with_a_certificate(tiny_model_dir, tmp_path, certificate, client_certificate):
+    cert, key = (str(path) for path in certificate)
+    client_cert, client_key = (str(path) for path in client_certificate)
+    with running("drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(tmp_path / "db"),
+                 "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", client_cert) as drafter:
+        # The container health check, over mutual TLS: with the client certificate only.
+        assert healthcheck("--tls-ca", cert, "--tls-cert", client_cert, "--tls-key", client_key, drafter.address).returncode == 0
+        refused = healthcheck("--tls-ca", cert, drafter.address)
+        assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
+        assert healthcheck(drafter.address).returncode == 1  # plaintext
+        env_configured = subprocess.run(
+            [sys.executable, "-m", "specdec.healthcheck", drafter.address], capture_output=True, text=True, timeout=60,
+            env={**os.environ, "SPECDEC_HEALTHCHECK_TLS_CA": cert, "SPECDEC_HEALTHCHECK_TLS_CERT": client_cert,
+                 "SPECDEC_HEALTHCHECK_TLS_KEY": client_key},
+        )
+        assert env_configured.returncode == 0, env_configured.stderr
+        # A verifier presenting its certificate gets drafts.
+        with running("verifier_service", "--port", "0", "--metrics-port", "-1", "--model", str(tiny_model_dir), "--no-calibrate",
+                     "--drafter", drafter.address, "--drafter-tls-ca", cert,
+                     "--drafter-tls-cert", client_cert, "--drafter-tls-key", client_key) as verifier:
+            with grpc.insecure_channel(verifier.address) as channel:
+                request = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 5, 6, 7, 5, 6, 7, 5], max_new_tokens=16, num_speculative_tokens=4)
+                response = call_when_serving(rpc.VerifierStub(channel), request)
+                assert response.stats.draft_tokens > 0
+
+
+def test_healthcheck_of_a_tls_server_checks_over_tls(tmp_path):
+    # The certificate names the service, as in a compose network or a cluster; the
+    # container checks itself at 127.0.0.1 and overrides the name it expects.
+    cert, key = (str(path) for path in self_signed(tmp_path, "drafter", "DNS:drafter.internal"))
+    with running("drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(tmp_path / "db"),
+                 "--tls-cert", cert, "--tls-key", key) as drafter:
+        assert healthcheck("--tls-ca", cert, "--tls-server-name", "drafter.internal", drafter.address).returncode == 0
+        assert healthcheck("--tls-ca", cert, drafter.address).returncode == 1  # 127.0.0.1 is not the certificate's name
+        assert healthcheck(drafter.address).returncode == 1  # plaintext against TLS fails, and says so
+
+
+def test_client_ca_without_a_server_certificate_is_a_usage_error(tmp_path, client_certificate):
+    result = subprocess.run(
+        [sys.executable, "-m", "drafter_service", "--port", "0", "--db", str(tmp_path / "db"), "--tls-client-ca", str(client_certificate[0])],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2 and "--tls-client-ca needs --tls-cert" in result.stderr

@@ -305,3 +305,58 @@ def test_stop_returns_while_the_drafter_is_down(drafters, clients):
     client.stop(timeout_s=DEADLINE_S)
     assert client.pending_observations == 1  # given up at stop: drafts get worse, outputs never do
     assert not client._worker.is_alive()
+
+
+# -- after an outage: reopening a big batch within the deadline, drafts back within a second --
+
+
+def long_contexts(count: int, length: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(5)
+    return [[rng.randrange(40_000) for _ in range(length)] for _ in range(count)]
+
+
+def test_a_call_whose_deadline_passes_leaves_no_session(drafters):
+    server = drafters.start()
+    stub = drafters.stub(server)
+    opening = [pb.SequenceUpdate(session_id=f"s{i}", open=True, new_tokens=tokens_, num_draft_tokens=3)
+               for i, tokens_ in enumerate(long_contexts(16, 6000))]
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Propose(pb.ProposeRequest(vocabulary=VOCABULARY, sequences=opening), timeout=0.01)  # ~100K tokens: far too short
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(1.0)  # the server finishes (or drops) the call it was serving
+    assert drafters.stats(server).open_sessions == 0
+
+
+def test_reopening_a_big_batch_after_an_outage_spreads_over_steps_that_each_meet_their_deadline(drafters, clients):
+    # 16 sequences of 6,000 tokens: reopened in one call (96K tokens, ~0.3-0.4 s of
+    # drafter work) every step would miss the 100 ms deadline forever.
+    server = drafters.start()
+    client = clients(server.port, propose_timeout_s=0.1)
+    contexts = long_contexts(16, 6000)
+    requests = [DraftRequest(f"seq-{i}", context, 3) for i, context in enumerate(contexts)]
+    steps = 0
+    while len(client._sent) < 16:
+        client.propose(requests)
+        steps += 1
+        assert steps <= 8  # 16,384 tokens a call: two sessions a step
+    assert client.fallbacks == 0
+    assert [len(request.sequences) for request in client.stub.proposes][:2] == [2, 4]  # two opened, then 2 known + 2 new
+    assert drafters.stats(server).open_sessions == 16
+
+
+def test_drafts_come_back_within_a_second_of_a_restarted_drafter_serving(drafters, clients):
+    port = free_port()
+    first = drafters.start(port)
+    client = clients(port, propose_timeout_s=0.1)  # the defaults: back-off and reconnect as shipped
+    assert tokens(client.propose([DraftRequest("seq-0", CONTEXT, 3)])) == [[4, 2, 3]]
+    first.stop(0)
+    down_until = time.monotonic() + 3.0  # down for 3 s while steps keep running
+    while time.monotonic() < down_until:
+        assert tokens(client.propose([DraftRequest("seq-0", CONTEXT, 3)])) == [[]]
+        time.sleep(0.05)
+    drafters.start(port)  # returns once it reports SERVING
+    serving_at = time.monotonic()
+    wait_until(lambda: client.propose([DraftRequest("seq-0", CONTEXT, 3)])[0].tokens, "drafts come back")
+    assert time.monotonic() - serving_at < 1.0

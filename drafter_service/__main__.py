@@ -34,6 +34,12 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
             help=f"{help_text} ({ENV_PREFIX}{name.upper()}; default {getattr(defaults, name)})",
         )
     parser.add_argument(
+        "--admin-port", type=int, default=_optional_int(env("admin_port", defaults.admin_port)),
+        help="serve Stats and Backup on this port only (0: a free one), on --admin-host (SPECDEC_DRAFTER_ADMIN_PORT; "
+             "default: on the main port)",
+    )
+    parser.add_argument("--admin-host", default=env("admin_host", defaults.admin_host), help="address of the admin port")
+    parser.add_argument(
         "--backup-dir", default=env("backup_dir", defaults.backup_dir),
         help="directory the Backup RPC writes into, outside --db (SPECDEC_DRAFTER_BACKUP_DIR; default: Backup refused)",
     )
@@ -50,11 +56,16 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
         return DrafterConfig(
             port=args.port, host=args.host, db=args.db, max_bytes=args.max_bytes, ngram=ngram,
             grace_s=args.grace, session_idle_timeout_s=args.session_idle_timeout, backup_dir=args.backup_dir or None,
+            admin_port=args.admin_port, admin_host=args.admin_host,
             **{name: getattr(args, name) for name, _ in LIMITS},
             **serving,
         )
     except ValueError as error:
         parser.error(str(error))
+
+
+def _optional_int(value) -> int | None:
+    return None if value in (None, "") else int(value)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     except DirectoryLocked as locked:
         sys.exit(f"drafter: {locked}")
     announce("drafter", config.host, drafter.port, drafter.metrics_port, f"db {config.db}")
+    if drafter.admin_port is not None:
+        print(f"drafter admin on {config.admin_host}:{drafter.admin_port} (Stats, Backup)", flush=True)
     stopping.wait()
     drafter.stop()
     logging.info("stopped cleanly")

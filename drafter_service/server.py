@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import lmdb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from grpc_reflection.v1alpha import reflection
 
 from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, ContextIndex, NGramConfig, NGramSource
-from drafter_service.store import MAX_OBSERVE_ID_BYTES, LMDBNGramStore, StoreConfig, StoreFull
+from drafter_service.store import MAX_OBSERVE_ID_BYTES, LMDBNGramStore, StoreConfig, StoreFormatError, StoreFull
 from specdec import serving, telemetry
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -108,6 +109,11 @@ class DrafterConfig:
     # Vocabularies (one LMDB table each: 3 file descriptors and 8x max_bytes of
     # address space) the drafter creates at most; a deployment serves one or two models.
     max_vocabularies: int = 8
+    # Port for the admin calls (Stats, Backup), on admin_host; None: they are
+    # served on the main port too. When set, the main port refuses them
+    # (PERMISSION_DENIED), so verifiers' network reaches only Propose, Observe, CloseSessions.
+    admin_port: int | None = None
+    admin_host: str = "127.0.0.1"
     # Directory Backup writes into (one folder per backup, named by the caller);
     # None: Backup is refused. Never the --db directory or inside it.
     backup_dir: str | None = None
@@ -184,9 +190,20 @@ class StoreRegistry:
         self._directory_lock = _lock_directory(self.root)
         self._stores: dict[str, LMDBNGramStore] = {}
         self._lock = threading.Lock()
+        self.quarantined: list[str] = []  # tables set aside at start-up, as renamed
         for existing in sorted(self.root.iterdir()):  # reopen warm tables at start-up
             if existing.is_dir() and VOCABULARY_PATTERN.fullmatch(existing.name):
-                self.get(existing.name, create=False)
+                try:
+                    self.get(existing.name, create=False)
+                except (StoreFormatError, lmdb.Error) as error:  # one bad table must not stop the others
+                    self._quarantine(existing, error)
+
+    def _quarantine(self, table: Path, error: BaseException) -> None:
+        aside = table.with_name(f"{table.name}.quarantined-{time.strftime('%Y%m%dT%H%M%S')}")
+        table.rename(aside)
+        self.quarantined.append(aside.name)
+        log.error("table %s cannot be served (%s); moved aside to %s, serving the others. "
+                  "python -m drafter_service.check --db %s says more", table.name, error, aside.name, self.root)
 
     def find(self, vocabulary: str) -> LMDBNGramStore | None:
         return self._stores.get(vocabulary)
@@ -696,6 +713,9 @@ class _DrafterCollector:
                            {(source,): counters[f"{source}_{verdict}"] for source in ("context", "global")}, ["source"])
         yield _counter(prefix + "dropped_spans", "Trace spans dropped (collector down or queue full)",
                        {(): self.servicer.tracing.dropped_spans})
+        quarantined = GaugeMetricFamily(prefix + "quarantined_tables", "Tables moved aside at start-up as unservable")
+        quarantined.add_metric([], len(self.servicer.stores.quarantined))
+        yield quarantined
         sessions = GaugeMetricFamily(prefix + "open_sessions", "Open sessions")
         sessions.add_metric([], len(self.servicer.sessions))
         yield sessions
@@ -716,6 +736,19 @@ def _counter(name: str, help_text: str, samples: dict[tuple, float], labels: lis
     return family
 
 
+class _ServingOnly(drafter_pb2_grpc.DrafterServicer):
+    """The main port's face when admin calls have a port of their own."""
+
+    def __init__(self, servicer: DrafterServicer) -> None:
+        self.Propose, self.Observe, self.CloseSessions = servicer.Propose, servicer.Observe, servicer.CloseSessions
+
+    def Stats(self, request, context):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "Stats is served on the drafter's admin port only")
+
+    def Backup(self, request, context):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "Backup is served on the drafter's admin port only")
+
+
 @dataclass
 class DrafterServer:
     server: grpc.Server
@@ -725,6 +758,8 @@ class DrafterServer:
     stores: StoreRegistry
     writer: ObservationWriter
     metrics_port: int | None = None  # where /metrics is served; None: not served
+    admin_server: grpc.Server | None = None  # Stats and Backup, when --admin-port is set
+    admin_port: int | None = None
     _metrics_server: object = None
     _stop_janitor: threading.Event = field(default_factory=threading.Event)
 
@@ -749,7 +784,10 @@ class DrafterServer:
         """NOT_SERVING, let in-flight calls finish, then flush writes and close the stores."""
         self.health.enter_graceful_shutdown()
         self._stop_janitor.set()
-        self.server.stop(self.servicer.config.grace_s if grace is None else grace).wait()
+        grace = self.servicer.config.grace_s if grace is None else grace
+        stopping = [server.stop(grace) for server in (self.server, self.admin_server) if server is not None]
+        for stopped in stopping:
+            stopped.wait()
         self.writer.stop()
         self.stores.close()
         if self._metrics_server is not None:
@@ -768,20 +806,28 @@ def create_server(config: DrafterConfig) -> DrafterServer:
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     stores = StoreRegistry(config)  # first: a locked --db must fail before the port is taken
+    admin_server = admin_port = None
     try:
         port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key, config.tls_client_ca)
+        if config.admin_port is not None:
+            admin_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=options)
+            admin_port = serving.bind(admin_server, config.admin_host, config.admin_port, config.tls_cert, config.tls_key, config.tls_client_ca)
     except BaseException:
         stores.close()
         raise
     writer = ObservationWriter(config.max_pending_observations)
     servicer = DrafterServicer(config, stores, writer)
-    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer if admin_server is None else _ServingOnly(servicer), server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    drafter = DrafterServer(server, port, servicer, health_servicer, stores, writer)
+    if admin_server is not None:
+        drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, admin_server)
+    drafter = DrafterServer(server, port, servicer, health_servicer, stores, writer, admin_server=admin_server, admin_port=admin_port)
     if config.metrics_port is not None:
         drafter._metrics_server, drafter.metrics_port = telemetry.start_metrics_server(servicer.registry, config.host, config.metrics_port)
     writer.start()
     server.start()
+    if admin_server is not None:
+        admin_server.start()
     drafter.start_janitor()
     for name in ("", SERVICE_NAME):  # the stores are open: ready
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

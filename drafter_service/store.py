@@ -191,7 +191,48 @@ class StoreFull(RuntimeError):
 
 
 class StoreFormatError(RuntimeError):
-    """The file was written in a format this code does not read."""
+    """The file was written in a format this code does not read, or is not ours, or is damaged."""
+
+
+# LMDB's meta pages (lmdb.h, 64-bit): page header (16 bytes), then mm_magic,
+# mm_version, mm_address, mm_mapsize, mm_dbs[2] (48 bytes each, the first's
+# md_pad holding the page size), mm_last_pg, mm_txnid.
+_LMDB_MAGIC = 0xBEEFC0DE
+_LMDB_META = struct.Struct("<II")  # magic, version, at +16
+_LMDB_PAGE_SIZE = struct.Struct("<I")  # at +40
+_LMDB_LAST_PAGE_AND_TXN = struct.Struct("<QQ")  # at +136
+# Sub-databases a store's main database names; anything else is not ours.
+_OUR_DATABASES = {b"ngrams", b"coldness", b"applied", b"meta"}
+
+
+def file_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path/data.mdb`` cannot be opened safely, or None (also when there is none yet).
+
+    Checked without mapping the file: LMDB maps it whole, and a page past the end
+    of a truncated file kills the process with SIGBUS, which no handler catches.
+    """
+    data_file = os.path.join(path, "data.mdb")
+    if not os.path.exists(data_file):
+        return None
+    size = os.path.getsize(data_file)
+    with open(data_file, "rb") as handle:
+        head = handle.read(2 * 65536)
+    if len(head) < 4096 + 152:
+        return f"data.mdb is {size} bytes: too short for LMDB's two meta pages"
+    if _LMDB_META.unpack_from(head, 16)[0] != _LMDB_MAGIC:
+        return "data.mdb is not an LMDB file (bad magic)"
+    page_size = _LMDB_PAGE_SIZE.unpack_from(head, 40)[0]
+    if page_size not in (4096, 8192, 16384, 32768, 65536) or len(head) < page_size + 152:
+        return f"data.mdb has an implausible page size {page_size}"
+    metas = [
+        _LMDB_LAST_PAGE_AND_TXN.unpack_from(head, offset + 136)
+        for offset in (0, page_size)
+        if _LMDB_META.unpack_from(head, offset + 16)[0] == _LMDB_MAGIC
+    ]
+    last_page, _txn = max(metas, key=lambda meta: meta[1])
+    if (last_page + 1) * page_size > size:
+        return f"data.mdb is truncated: its last page ends at byte {(last_page + 1) * page_size}, the file has {size}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -435,6 +476,9 @@ class LMDBNGramStore:
             n: (config.namespace + bytes((n,)), struct.Struct(f">{n}I")) for n in range(config.n_min, config.n_max + 1)
         }
         os.makedirs(config.path, exist_ok=True)
+        problem = file_problem(config.path)
+        if problem is not None:
+            raise StoreFormatError(f"{config.path}: {problem}")
         self._env = lmdb.open(
             config.path,
             map_size=config.map_size_bytes,
@@ -443,13 +487,18 @@ class LMDBNGramStore:
             readahead=False,  # random point reads: readahead would only evict useful pages
             lock=True,
         )
-        self._env.reader_check()  # free slots left by killed readers
-        with self._env.begin(write=True) as txn:
-            self._ngrams = self._env.open_db(b"ngrams", txn=txn)
-            self._coldness = self._env.open_db(b"coldness", txn=txn)
-            self._applied = self._env.open_db(b"applied", txn=txn)
-            self._meta = self._env.open_db(b"meta", txn=txn)
-            self._initialise_meta(txn)
+        try:
+            self._env.reader_check()  # free slots left by killed readers
+            self._check_ours()
+            with self._env.begin(write=True) as txn:
+                self._ngrams = self._env.open_db(b"ngrams", txn=txn)
+                self._coldness = self._env.open_db(b"coldness", txn=txn)
+                self._applied = self._env.open_db(b"applied", txn=txn)
+                self._meta = self._env.open_db(b"meta", txn=txn)
+                self._initialise_meta(txn)
+        except BaseException:  # not ours, another version, damaged: leave nothing open
+            self._env.close()
+            raise
         self._evict_if_needed()  # a file last written under a larger max_bytes
 
     # -- NGramSource
@@ -538,6 +587,16 @@ class LMDBNGramStore:
         self.close()
 
     # -- internals: meta
+
+    def _check_ours(self) -> None:
+        """An environment that holds data but not our format record is someone else's: never take it over."""
+        with self._env.begin() as txn:
+            names = set(txn.cursor().iternext(keys=True, values=False))
+            version = None
+            if b"meta" in names:
+                version = txn.get(_META_VERSION, db=self._env.open_db(b"meta", txn=txn, create=False))
+        if names and (not names <= _OUR_DATABASES or version is None):
+            raise StoreFormatError(f"{self.config.path} is an LMDB environment without this store's format record: not ours")
 
     def _initialise_meta(self, txn: lmdb.Transaction) -> None:
         version = txn.get(_META_VERSION, db=self._meta)

@@ -74,3 +74,42 @@ def test_one_bad_item_in_a_write_group_fails_only_its_own_caller(tmp_path):
         assert store.best((8, 9)) is None
     finally:
         stores.close()
+
+
+def test_sequences_without_room_answer_unavailable_and_a_retry_stores_only_those(tmp_path, monkeypatch):
+    # The store refuses the second sequence once (StoreFull: a reader pinning pages);
+    # Observe must not answer OK (the client would drop it), and the retry under the
+    # same id stores it without counting the first twice.
+    from drafter_service.store import LMDBNGramStore, StoreFull
+
+    config = DrafterConfig(db=str(tmp_path / "db"))
+    stores = StoreRegistry(config)
+    writer = ObservationWriter(config.max_pending_observations)
+    writer.start()
+    servicer = DrafterServicer(config, stores, writer)
+    apply, full_once = LMDBNGramStore.apply, [True]
+
+    def apply_with_no_room_once(store, batch):
+        if full_once and len(batch) == 2:
+            full_once.clear()
+            results = apply(store, batch[:1])
+            raise StoreFull("no room", results + [None])
+        return apply(store, batch)
+
+    monkeypatch.setattr(LMDBNGramStore, "apply", apply_with_no_room_once)
+    request = pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="o", sequences=[
+        pb.TokenSequence(tokens=[5, 6, 7, 8]), pb.TokenSequence(tokens=[9, 10, 11, 12]),
+    ])
+    try:
+        context = FakeContext()
+        with pytest.raises(Aborted):
+            servicer.Observe(request, context)
+        assert context.code == grpc.StatusCode.UNAVAILABLE
+        assert "1 of 2 sequences were not stored" in context.details and "same observe_id" in context.details
+        response = servicer.Observe(request, FakeContext())
+        assert (response.applied_sequences, response.duplicate_sequences) == (1, 1)
+        table = stores.get(VOCABULARY)
+        assert table.continuations((5, 6, 7)) == {8: 1} and table.continuations((9, 10, 11)) == {12: 1}
+    finally:
+        writer.stop()
+        stores.close()

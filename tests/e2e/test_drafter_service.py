@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
+import lmdb
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -478,3 +479,86 @@ def test_a_second_drafter_on_the_same_db_refuses_to_start(tmp_path):
         first.kill9()
     with drafter(tmp_path / "db") as again:  # the lock died with its process
         assert list(propose(again.stub, "s", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]
+
+
+def test_admin_calls_are_served_only_on_the_admin_port(tmp_path):
+    with drafter(tmp_path / "db", "--admin-port", "0", "--backup-dir", str(tmp_path / "backups")) as server:
+        lines = [server.process.stdout.readline() for _ in range(2)]  # metrics, then admin
+        match = re.search(r"drafter admin on [\d.]+:(\d+)", "".join(lines))
+        assert match, lines
+        observe(server.stub, "o1", [5, 6, 7, 8, 9, 10])  # verifiers' calls: on the main port
+        assert list(propose(server.stub, "s", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]
+        for method, request in (("Stats", pb.StatsRequest()), ("Backup", pb.BackupRequest(vocabulary=VOCABULARY, destination="b"))):
+            with pytest.raises(grpc.RpcError) as raised:
+                getattr(server.stub, method)(request, timeout=5)
+            assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "admin port" in raised.value.details()
+        with grpc.insecure_channel(f"127.0.0.1:{match.group(1)}") as channel:
+            admin = rpc.DrafterStub(channel)
+            assert admin.Stats(pb.StatsRequest(), timeout=5).observed_tokens == 6
+            assert admin.Backup(pb.BackupRequest(vocabulary=VOCABULARY, destination="b"), timeout=30).bytes > 0
+
+
+# -- damaged tables: quarantined at start-up, the others served; the offline check ------------
+
+
+def damaged_store(db: Path) -> None:
+    """Four tables: one sound, one truncated, one with another format version, one foreign LMDB environment."""
+    from drafter_service.store import LMDBNGramStore, StoreConfig
+
+    for name in (VOCABULARY, "1111111111111111", "2222222222222222"):
+        with LMDBNGramStore(StoreConfig(path=str(db / name), namespace=bytes.fromhex(name))) as store:
+            store.observe([5, 6, 7, 8, 9, 10] + list(range(100, 3000)))
+    data = db / "1111111111111111" / "data.mdb"
+    with open(data, "r+b") as handle:
+        handle.truncate(data.stat().st_size // 2)
+    env = lmdb.open(str(db / "2222222222222222"), max_dbs=4)
+    with env.begin(write=True) as txn:
+        txn.put(b"format_version", bytes((99,)), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    env = lmdb.open(str(db / "3333333333333333"), max_dbs=4)
+    with env.begin(write=True) as txn:
+        txn.put(b"someone", b"else's data", db=env.open_db(b"theirs", txn=txn))
+    env.close()
+
+
+def test_damaged_tables_are_quarantined_and_the_others_served(tmp_path):
+    db = tmp_path / "db"
+    damaged_store(db)
+    check = subprocess.run([sys.executable, "-m", "drafter_service.check", "--db", str(db)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 1
+    assert f"{VOCABULARY}: ok" in check.stdout
+    assert "1111111111111111: PROBLEM: data.mdb is truncated" in check.stdout
+    assert "2222222222222222: PROBLEM: format version" in check.stdout
+    assert "3333333333333333: PROBLEM: its sub-databases" in check.stdout
+    with drafter(db) as server:
+        assert list(propose(server.stub, "s", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]
+        log = server.log()
+    assert [name for name in tables(db) if len(name) == 16] == [VOCABULARY]
+    aside = sorted(p.name.split(".")[0] for p in db.iterdir() if ".quarantined-" in p.name)
+    assert aside == ["1111111111111111", "2222222222222222", "3333333333333333"]
+    assert log.count("moved aside to") == 3
+    # The foreign environment was not written to: still only its own data.
+    foreign = next(p for p in db.iterdir() if p.name.startswith("3333333333333333"))
+    env = lmdb.open(str(foreign), max_dbs=4, readonly=True)
+    with env.begin() as txn:
+        assert list(txn.cursor().iternext(values=False)) == [b"theirs"]
+    env.close()
+    check = subprocess.run([sys.executable, "-m", "drafter_service.check", "--db", str(db)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0 and check.stdout.count("quarantined by the drafter") == 3
+
+
+def test_the_check_finds_random_pages(tmp_path):
+    db = tmp_path / "db"
+    from drafter_service.store import LMDBNGramStore, StoreConfig
+
+    with LMDBNGramStore(StoreConfig(path=str(db / VOCABULARY), namespace=bytes.fromhex(VOCABULARY))) as store:
+        store.observe(list(range(100, 20_000)))
+    data = db / VOCABULARY / "data.mdb"
+    rng = random.Random(1)
+    with open(data, "r+b") as handle:
+        for page in range(4, data.stat().st_size // 4096, 7):  # past the meta and root pages, every 7th page
+            handle.seek(page * 4096)
+            handle.write(rng.randbytes(4096))
+    check = subprocess.run([sys.executable, "-m", "drafter_service.check", "--db", str(db)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 1 and f"{VOCABULARY}: PROBLEM" in check.stdout

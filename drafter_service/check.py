@@ -5,8 +5,9 @@ changing anything: the file is whole (not truncated) and an LMDB
 environment; it holds this store's sub-databases and format record, in a
 version this code reads; every n-gram record decodes and has its coldness
 entry. It also lists tables the drafter quarantined at start-up. Exit 0 when
-every table is sound, 1 otherwise. Format version 1 is the only one so far,
-so there is nothing to migrate yet; a future version's migration belongs here.
+every table is sound, 1 otherwise. A format 1 table is sound: the drafter
+migrates it to format 2 when it opens it (observe ids were kept by decay
+epoch then, and are dropped).
 """
 
 from __future__ import annotations
@@ -29,35 +30,35 @@ from drafter_service.store import (
 )
 
 
-def check_table(path: Path) -> tuple[str | None, int]:
-    """(the problem, or None; n-gram records checked)."""
+def check_table(path: Path) -> tuple[str | None, int, int | None]:
+    """(the problem, or None; n-gram records checked; the format version found)."""
     problem = file_problem(path)
     if problem is not None:
-        return problem, 0
+        return problem, 0, None
     try:
         env = lmdb.open(str(path), readonly=True, max_dbs=SUB_DATABASES)
     except lmdb.Error as error:
-        return f"LMDB cannot open it: {error}", 0
+        return f"LMDB cannot open it: {error}", 0, None
     try:
         with env.begin() as txn:
             names = set(txn.cursor().iternext(keys=True, values=False))
             if names != _OUR_DATABASES:
-                return f"its sub-databases are {sorted(names)}, not this store's", 0
+                return f"its sub-databases are {sorted(names)}, not this store's", 0, None
             meta = env.open_db(b"meta", txn=txn, create=False)
             version = txn.get(_META_VERSION, db=meta)
-            if version != bytes((FORMAT_VERSION,)):
-                return f"format version {version!r}; this code reads {FORMAT_VERSION}", 0
+            if version not in (bytes((FORMAT_VERSION,)), b"\x01"):
+                return f"format version {version!r}; this code reads 1 (migrating it) and {FORMAT_VERSION}", 0, None
             ngrams = env.open_db(b"ngrams", txn=txn, create=False)
             coldness = env.open_db(b"coldness", txn=txn, create=False)
             records = 0
             for key, value in txn.cursor(db=ngrams):
                 epoch, total, _pairs = decode_value(value)
                 if txn.get(coldness_key(epoch, total, key), db=coldness) is None:
-                    return f"n-gram record {key.hex()} has no coldness entry", records
+                    return f"n-gram record {key.hex()} has no coldness entry", records, version[0]
                 records += 1
-            return None, records
+            return None, records, version[0]
     except Exception as error:  # corrupt pages (lmdb.CorruptedError), undecodable values (StoreFormatError)
-        return f"unreadable: {type(error).__name__}: {error}", 0
+        return f"unreadable: {type(error).__name__}: {error}", 0, None
     finally:
         env.close()
 
@@ -75,9 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         if entry.name == LOCK_FILE_NAME:
             continue
         if entry.is_dir() and VOCABULARY_PATTERN.fullmatch(entry.name):
-            problem, records = check_table(entry)
-            if problem is None:
-                print(f"{entry.name}: ok, format {FORMAT_VERSION} (current, nothing to migrate), {records} n-grams")
+            problem, records, version = check_table(entry)
+            if problem is None and version != FORMAT_VERSION:
+                print(f"{entry.name}: ok, format {version}: the drafter migrates it to {FORMAT_VERSION} when it opens it "
+                      f"(its observe ids are dropped), {records} n-grams")
+            elif problem is None:
+                print(f"{entry.name}: ok, format {FORMAT_VERSION} (current), {records} n-grams")
             else:
                 sound = False
                 print(f"{entry.name}: PROBLEM: {problem}")

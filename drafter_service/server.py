@@ -61,6 +61,7 @@ LIMITS = (
     ("max_pending_observations", "observations queued for the writer; beyond, RESOURCE_EXHAUSTED"),
     ("max_message_bytes", "gRPC message size in bytes"),
     ("max_vocabularies", "tables (one per tokenizer fingerprint) the drafter creates"),
+    ("dedup_window_hours", "hours an observe_id is remembered, so that a retry is not counted twice"),
 )
 
 
@@ -109,6 +110,8 @@ class DrafterConfig:
     # Vocabularies (one LMDB table each: 3 file descriptors and 8x max_bytes of
     # address space) the drafter creates at most; a deployment serves one or two models.
     max_vocabularies: int = 8
+    # Hours an Observe's observe_id is remembered: a retry within them is not counted twice.
+    dedup_window_hours: int = 24
     # Port for the admin calls (Stats, Backup), on admin_host; None: they are
     # served on the main port too. When set, the main port refuses them
     # (PERMISSION_DENIED), so verifiers' network reaches only Propose, Observe, CloseSessions.
@@ -226,6 +229,7 @@ class StoreRegistry:
                     n_max=self.config.ngram.n_max,
                     max_bytes=self.config.max_bytes,
                     epoch_observations=epoch_tokens(self.config.max_bytes),
+                    dedup_window_hours=self.config.dedup_window_hours,
                 )
                 self._stores[vocabulary] = LMDBNGramStore(store_config)
             return self._stores[vocabulary]

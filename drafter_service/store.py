@@ -6,20 +6,20 @@ that followed it — but on disk: it survives restarts and kill -9, stays within
 a configured size, forgets stale n-grams, and serves lookups from many threads
 while one thread writes.
 
-On-disk format, version 1 (``FORMAT_VERSION``)
+On-disk format, version 2 (``FORMAT_VERSION``)
 ----------------------------------------------
 One LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``) with
 four named sub-databases. Every integer is big-endian, so byte order is
 numeric order and keys sharing a prefix sort together. No pickle anywhere.
 
 ``meta``
-    ``b"format_version"`` -> uint8, 1. ``b"epoch"`` -> uint32, the current
+    ``b"format_version"`` -> uint8, 2. ``b"epoch"`` -> uint32, the current
     epoch. ``b"epoch_tokens"`` -> uint64, tokens applied since it began.
     ``b"tracked_bytes"`` -> uint64, see *Size*. ``b"evictions"`` -> uint64,
     records evicted so far.
 ``ngrams``
     key = namespace (8 bytes) | n (uint8) | n tokens (uint32 each).
-    value = version (uint8, 1) | last-touched epoch (uint32) | total (uint32)
+    value = value version (uint8, 1: ``VALUE_VERSION``) | last-touched epoch (uint32) | total (uint32)
     | k pairs (token uint32, count uint32), 1 <= k <= max_continuations,
     count descending, ties in the order they were stored. Counts are as of
     the last-touched epoch; total is their sum (saturating at 2**32-1).
@@ -28,11 +28,23 @@ numeric order and keys sharing a prefix sort together. No pickle anywhere.
     value empty. Exactly one per ``ngrams`` record: this sub-db's key order
     is the eviction order.
 ``applied``
-    key = epoch applied (uint32) | namespace (8 bytes) | observe id (UTF-8);
-    value empty. Oldest first, so expiry and eviction read from the front.
+    key = hour applied (uint32, hours since the Unix epoch) | namespace (8
+    bytes) | observe id (UTF-8); value empty. Oldest first, so expiry and
+    eviction read from the front.
 
-Opening a file whose ``format_version`` is not 1, or reading a value whose
-version byte is not 1, raises ``StoreFormatError``.
+Opening a file whose ``format_version`` is 2 reads it; 1 is migrated in
+place (version 1 keyed ``applied`` by decay epoch: those ids are dropped,
+logged, so a retry in flight across the upgrade may be counted twice);
+anything else, or a value whose version byte is not 1, raises ``StoreFormatError``.
+
+De-duplication window
+---------------------
+An observe id is remembered for ``dedup_window_hours`` (24) to that plus an
+hour, by the clock, whatever the traffic: a client's retries, however late
+its back-off brings them, are skipped within it. (Version 1 kept ids for 4
+decay epochs, which on a 1 MiB table is ~30 observations: 188 of 200 late
+retries were applied twice.) Expired ids are deleted at the start of each
+apply; ids count towards the size bound and are evicted last.
 
 Namespaces
 ----------
@@ -56,12 +68,12 @@ apply the decay on the fly; writes store it (lazy decay).
 
 Merging an apply (one write transaction; E is the epoch it started in)
 ----------------------------------------------------------------------
-1. Each item with an observe id already applied in the last
-   ``applied_id_retention_epochs`` epochs (or earlier in the same batch) is
-   skipped and reported False; the others are recorded under epoch E.
-2. The epoch advances by the new items' tokens, to E'; ids older than the
-   retention (epoch < E' - retention) are deleted. First, so that a batch
-   crossing a boundary is merged fresh at E', not aged as it lands.
+1. Ids applied before the window (hour < now - ``dedup_window_hours``)
+   are deleted. Each item with an observe id still remembered (or earlier in
+   the same batch) is skipped and reported False; the others are recorded
+   under the current hour.
+2. The epoch advances by the new items' tokens, to E'. First, so that a
+   batch crossing a boundary is merged fresh at E', not aged as it lands.
 3. The new items' n-grams are counted together, as
    ``InMemoryNGramTable.observe`` counts them (per key: next-token counts in
    first-seen order).
@@ -120,10 +132,11 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections import Counter
 from itertools import chain
 from operator import itemgetter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -133,7 +146,9 @@ import lmdb
 from drafter_service.ngram import Continuation, best_of
 from specdec.vocabulary import FINGERPRINT_BYTES, vocabulary_fingerprint  # noqa: F401 (part of the store's API)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version byte of an ``ngrams`` value (its encoding has not changed since format 1).
+VALUE_VERSION = 1
 NAMESPACE_BYTES = FINGERPRINT_BYTES
 UINT32_MAX = 0xFFFFFFFF
 
@@ -264,9 +279,11 @@ class StoreConfig:
     # Counts shift right this many bits per epoch of age: 1 halves them; 0
     # disables decay. An integer shift keeps decay exact and reproducible.
     decay_shift_per_epoch: int = 1
-    # A client retries within seconds; four epochs of tokens is far longer,
-    # and expiry keeps the applied-id table bounded.
-    applied_id_retention_epochs: int = 4
+    # Hours an observe id is remembered (see *De-duplication window*): longer
+    # than any client's retries, and expiry keeps the applied-id table bounded.
+    dedup_window_hours: int = 24
+    # Seconds since the Unix epoch (tests move it).
+    clock: Callable[[], float] = time.time
     # LMDB map in bytes, reserved once and never resized; None means
     # max(MAP_BYTES_PER_MAX_BYTE * max_bytes, MIN_MAP_BYTES).
     map_size: int | None = None
@@ -289,8 +306,8 @@ class StoreConfig:
         positive = ("max_continuations", "epoch_observations", "max_bytes", "eviction_chunk_records")
         if any(getattr(self, name) < 1 for name in positive):
             raise ValueError(f"{', '.join(positive)} must be >= 1")
-        if self.decay_shift_per_epoch < 0 or self.applied_id_retention_epochs < 0:
-            raise ValueError("decay_shift_per_epoch and applied_id_retention_epochs must be >= 0")
+        if self.decay_shift_per_epoch < 0 or self.dedup_window_hours < 0:
+            raise ValueError("decay_shift_per_epoch and dedup_window_hours must be >= 0")
         if not 0.0 < self.low_water_fraction <= self.high_water_fraction <= 1.0:
             raise ValueError(
                 f"need 0 < low_water_fraction <= high_water_fraction <= 1, "
@@ -322,14 +339,14 @@ def encode_value(epoch: int, pairs: Sequence[tuple[int, int]], total: int | None
     flat = list(chain.from_iterable(pairs))
     if total is None:
         total = total_count(pairs)
-    return _HEADER.pack(FORMAT_VERSION, epoch, total) + _PAIRS[len(pairs)].pack(*flat)
+    return _HEADER.pack(VALUE_VERSION, epoch, total) + _PAIRS[len(pairs)].pack(*flat)
 
 
 def decode_value(value: bytes) -> tuple[int, int, list[tuple[int, int]]]:
     """(last-touched epoch, total, pairs) of an ``ngrams`` value; asserts the version."""
-    if not value or value[0] != FORMAT_VERSION:
+    if not value or value[0] != VALUE_VERSION:
         version = value[0] if value else None
-        raise StoreFormatError(f"n-gram value has format version {version}; this code reads version {FORMAT_VERSION}")
+        raise StoreFormatError(f"n-gram value has version {version}; this code reads version {VALUE_VERSION}")
     if (len(value) - _HEADER.size) % _PAIR_BYTES:
         raise StoreFormatError(f"n-gram value of {len(value)} bytes is not a header plus whole pairs")
     _version, epoch, total = _HEADER.unpack_from(value)
@@ -402,8 +419,8 @@ def coldness_key(epoch: int, total: int, ngram_key: bytes) -> bytes:
     return _EPOCH_TOTAL.pack(epoch, total) + ngram_key
 
 
-def applied_key(epoch: int, namespace: bytes, observe_id: bytes) -> bytes:
-    return _UINT32.pack(epoch) + namespace + observe_id
+def applied_key(hour: int, namespace: bytes, observe_id: bytes) -> bytes:
+    return _UINT32.pack(hour) + namespace + observe_id
 
 
 # --- the store --------------------------------------------------------------
@@ -444,7 +461,7 @@ class StoreSnapshot:
         if value is None:
             return None
         version, last_touched, total = _HEADER.unpack_from(value)
-        if version == FORMAT_VERSION and last_touched == self._epoch and len(value) > _HEADER.size:
+        if version == VALUE_VERSION and last_touched == self._epoch and len(value) > _HEADER.size:
             # Pairs are stored most frequent first: the head is the answer.
             # (A plain tuple: this runs per draft token, and unpacks like a Continuation.)
             return (*_FIRST_PAIR.unpack_from(value, _HEADER.size), total)
@@ -603,6 +620,16 @@ class LMDBNGramStore:
         if version is None:
             txn.put(_META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
             self._write_meta(txn, _Meta(epoch=0, epoch_tokens=0, tracked_bytes=0, evictions=0))
+        elif version == b"\x01":  # applied ids keyed by decay epoch: drop them, the rest is unchanged
+            meta = self._read_meta(txn)
+            cursor, dropped = txn.cursor(db=self._applied), 0
+            while cursor.first():
+                meta.tracked_bytes -= record_bytes(cursor.key(), b"")
+                cursor.delete()
+                dropped += 1
+            self._write_meta(txn, meta)
+            txn.put(_META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
+            log.warning("%s: migrated store format 1 to %d (dropped %d observe ids kept by epoch)", self.config.path, FORMAT_VERSION, dropped)
         elif version != bytes((FORMAT_VERSION,)):
             raise StoreFormatError(
                 f"{self.config.path} has store format version {version[0]}; this code reads version {FORMAT_VERSION}"
@@ -669,7 +696,9 @@ class LMDBNGramStore:
     def _commit_batch(self, observations: list[_Observation]) -> list[bool]:
         with self._env.begin(write=True) as txn:
             meta = self._read_meta(txn)
-            results = self._claim_ids(txn, observations, meta)
+            hour = int(self.config.clock() // 3600)
+            self._expire_ids(txn, meta, hour - self.config.dedup_window_hours)
+            results = self._claim_ids(txn, observations, meta, hour)
             fresh = [(item.tokens, item.packed) for item, new in zip(observations, results) if new]
             # The epoch first: a batch that crosses a boundary lands fresh in the new one.
             meta.epoch_tokens += sum(len(tokens) for tokens, _packed in fresh)
@@ -685,24 +714,31 @@ class LMDBNGramStore:
             self._write_meta(txn, meta)
         return results
 
-    def _claim_ids(self, txn: lmdb.Transaction, observations: list[_Observation], meta: _Meta) -> list[bool]:
+    def _claim_ids(self, txn: lmdb.Transaction, observations: list[_Observation], meta: _Meta, hour: int) -> list[bool]:
         results = []
         for item in observations:
-            if item.observe_id is not None and self._id_applied(txn, item.observe_id, meta.epoch):
+            if item.observe_id is not None and self._id_applied(txn, item.observe_id, hour):
                 results.append(False)
                 continue
             if item.observe_id is not None:
-                key = applied_key(meta.epoch, self.config.namespace, item.observe_id)
+                key = applied_key(hour, self.config.namespace, item.observe_id)
                 self._put_record(txn, self._applied, key, meta)
             results.append(True)
         return results
 
-    def _id_applied(self, txn: lmdb.Transaction, observe_id: bytes, epoch: int) -> bool:
-        # Ids live under the epoch that applied them; only the retained epochs can hold one.
-        oldest = max(0, epoch - self.config.applied_id_retention_epochs)
-        namespace = self.config.namespace
-        keys = (applied_key(applied, namespace, observe_id) for applied in range(oldest, epoch + 1))
+    def _id_applied(self, txn: lmdb.Transaction, observe_id: bytes, hour: int) -> bool:
+        # Ids live under the hour that applied them; only the window's hours can hold one
+        # (and a clock set back: a later hour's ids count too, up to a window ahead).
+        window, namespace = self.config.dedup_window_hours, self.config.namespace
+        keys = (applied_key(applied, namespace, observe_id) for applied in range(max(0, hour - window), hour + window + 1))
         return any(txn.get(key, db=self._applied) is not None for key in keys)
+
+    def _expire_ids(self, txn: lmdb.Transaction, meta: _Meta, cutoff: int) -> None:
+        """Delete the ids applied before hour ``cutoff`` (the key order is the hour's)."""
+        cursor = txn.cursor(db=self._applied)
+        while cursor.first() and _UINT32.unpack_from(cursor.key())[0] < cutoff:
+            meta.tracked_bytes -= record_bytes(cursor.key(), cursor.value())
+            cursor.delete()
 
     def _merge_key(self, txn: lmdb.Transaction, key: bytes, additions: dict[int, int], meta: _Meta) -> None:
         # The hot loop of every apply (one call per distinct n-gram), hence the
@@ -713,7 +749,7 @@ class LMDBNGramStore:
             # The commonest case under fresh text: a new n-gram seen once in this
             # batch (counts are < UINT32_MAX: one batch holds < 2^32 tokens).
             ((token, total),) = additions.items()
-            value = _HEADER.pack(FORMAT_VERSION, meta.epoch, total) + _FIRST_PAIR.pack(token, total)
+            value = _HEADER.pack(VALUE_VERSION, meta.epoch, total) + _FIRST_PAIR.pack(token, total)
         else:
             if old is None:  # nothing to decay or merge
                 pairs = _ranked(additions.items())[: config.max_continuations]
@@ -735,11 +771,6 @@ class LMDBNGramStore:
         if meta.epoch + epochs > UINT32_MAX:
             raise OverflowError("epoch counter exhausted")
         meta.epoch += epochs
-        cutoff = meta.epoch - self.config.applied_id_retention_epochs
-        cursor = txn.cursor(db=self._applied)
-        while cursor.first() and _UINT32.unpack_from(cursor.key())[0] < cutoff:
-            meta.tracked_bytes -= record_bytes(cursor.key(), cursor.value())
-            cursor.delete()
 
     def _put_record(self, txn: lmdb.Transaction, db: object, key: bytes, meta: _Meta) -> None:
         txn.put(key, b"", db=db)

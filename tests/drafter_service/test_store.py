@@ -83,7 +83,7 @@ def test_an_unknown_value_version_raises_a_clear_error(tmp_path):
         txn.put(key, bytes([9]) + struct.pack(">IIII", 0, 1, 3, 1), db=ngrams)
     env.close()
     with LMDBNGramStore(config) as store:
-        with pytest.raises(StoreFormatError, match="format version 9; this code reads version 1"):
+        with pytest.raises(StoreFormatError, match="value has version 9; this code reads version 1"):
             store.continuations((1, 2))
 
 
@@ -92,9 +92,9 @@ def test_an_unknown_file_version_is_refused_on_open(tmp_path):
     LMDBNGramStore(config).close()
     env = lmdb.open(config.path, max_dbs=4)
     with env.begin(write=True) as txn:
-        txn.put(b"format_version", bytes([2]), db=env.open_db(b"meta", txn=txn))
+        txn.put(b"format_version", bytes([3]), db=env.open_db(b"meta", txn=txn))
     env.close()
-    with pytest.raises(StoreFormatError, match="store format version 2"):
+    with pytest.raises(StoreFormatError, match="store format version 3"):
         LMDBNGramStore(config)
 
 
@@ -170,14 +170,49 @@ def test_apply_skips_ids_already_applied_even_after_reopen(tmp_path):
         assert store.stats()["applied_ids"] == 2
 
 
-def test_applied_ids_expire_after_the_retention(tmp_path):
-    with LMDBNGramStore(make_config(tmp_path, applied_id_retention_epochs=1, decay_shift_per_epoch=0)) as store:
-        store.apply([("a", [1, 2, 3])])  # recorded under epoch 0
-        store.advance_epoch()
-        assert store.apply([("a", [1, 2, 3])]) == [False]  # epoch 1: 0 >= 1 - 1 is still retained
-        store.advance_epoch()
-        assert store.stats()["applied_ids"] == 0  # epoch 2: 0 < 2 - 1 expired
+def test_applied_ids_expire_after_the_window_by_the_clock(tmp_path):
+    clock = FakeClock(3600 * 1000 + 10)  # hour 1000
+    with LMDBNGramStore(make_config(tmp_path, dedup_window_hours=1, decay_shift_per_epoch=0, clock=clock.now)) as store:
+        store.apply([("a", [1, 2, 3])])  # recorded under hour 1000
+        store.advance_epoch(50)  # epochs pass: ids stay
+        clock.seconds += 3600  # hour 1001: 1000 >= 1001 - 1 is still remembered
+        assert store.apply([("a", [1, 2, 3])]) == [False]
+        clock.seconds += 3600  # hour 1002: expired at this apply
+        assert store.apply([("b", [1, 2, 3])]) == [True]
+        assert store.stats()["applied_ids"] == 1
         assert store.apply([("a", [1, 2, 3])]) == [True]
+
+
+def test_late_retries_on_a_small_table_are_still_recognised(tmp_path):
+    # A 1 MiB table spans few tokens per epoch; ids kept by epoch were gone after ~30
+    # observations (188 of 200 late retries applied twice). By the clock, none are.
+    rng = random.Random(4)
+    batches = [(f"obs-{i}", [rng.randrange(5000) for _ in range(100)]) for i in range(200)]
+    config = make_config(tmp_path, max_bytes=1 << 20, epoch_observations=1000)
+    with LMDBNGramStore(config) as store:
+        assert all(store.apply([batch]) == [True] for batch in batches)
+        assert store.stats()["epoch"] >= 19
+        assert [store.apply([batch]) for batch in batches] == [[False]] * 200
+
+
+def test_a_format_1_store_is_migrated_and_its_epoch_keyed_ids_dropped(tmp_path, caplog):
+    config = make_config(tmp_path, n_min=2, n_max=2)
+    with LMDBNGramStore(config) as store:
+        store.apply([("a", [1, 2, 3])])
+    env = lmdb.open(config.path, max_dbs=4)  # as format 1 left it: version 1, ids under epoch 0
+    with env.begin(write=True) as txn:
+        applied = env.open_db(b"applied", txn=txn)
+        txn.drop(applied, delete=False)
+        txn.put(struct.pack(">I", 0) + NAMESPACE + b"a", b"", db=applied)
+        txn.put(b"format_version", b"\x01", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with caplog.at_level(logging.WARNING, logger="drafter_service.store"), LMDBNGramStore(config) as store:
+        assert "migrated store format 1 to 2 (dropped 1 observe ids" in caplog.text
+        assert store.continuations((1, 2)) == {3: 1}  # n-grams untouched
+        assert store.stats()["applied_ids"] == 0
+        assert store.apply([("a", [1, 2, 3])]) == [True]
+    with LMDBNGramStore(config) as store:  # now format 2: opens as is
+        assert store.apply([("a", [1, 2, 3])]) == [False]
 
 
 def test_epoch_advances_every_epoch_observations_tokens(tmp_path):
@@ -477,6 +512,14 @@ def test_every_acknowledged_batch_survives_kill_9(tmp_path):
 # --- the model: an executable spec of the module docstring ------------------------------
 
 
+class FakeClock:
+    def __init__(self, seconds: float = 1_800_000_000.0) -> None:
+        self.seconds = seconds
+
+    def now(self) -> float:
+        return self.seconds
+
+
 class StoreModel:
     """The documented semantics on plain dicts, for one namespace (record sizes from the docstring)."""
 
@@ -509,11 +552,14 @@ class StoreModel:
     def apply(self, batch) -> list[bool]:
         if not batch:
             return []  # an empty batch is no apply: no transaction, no eviction
+        hour = int(self.config.clock() // 3600)
+        cutoff = hour - self.config.dedup_window_hours
+        self.applied = {observe_id: applied for observe_id, applied in self.applied.items() if applied >= cutoff}
         results, fresh = [], []
         for observe_id, tokens in batch:
             new = observe_id is None or observe_id not in self.applied
             if observe_id is not None and new:
-                self.applied[observe_id] = self.epoch
+                self.applied[observe_id] = hour
             results.append(new)
             if new:
                 fresh.append(tokens)
@@ -544,8 +590,6 @@ class StoreModel:
 
     def advance_epoch(self, epochs: int) -> None:
         self.epoch += epochs
-        cutoff = self.epoch - self.config.applied_id_retention_epochs
-        self.applied = {observe_id: epoch for observe_id, epoch in self.applied.items() if epoch >= cutoff}
 
     def evict(self) -> None:
         def coldness(key):
@@ -572,6 +616,7 @@ class StoreMatchesModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.directory = tempfile.mkdtemp(prefix="store-machine-")
+        self.clock = FakeClock()
         # ~15 bigrams fit; every path of the eviction rule is reachable.
         self.config = StoreConfig(
             path=self.directory,
@@ -585,7 +630,8 @@ class StoreMatchesModel(RuleBasedStateMachine):
             max_continuations=2,
             epoch_observations=15,
             decay_shift_per_epoch=1,
-            applied_id_retention_epochs=1,
+            dedup_window_hours=1,
+            clock=self.clock.now,
         )
         self.store = LMDBNGramStore(self.config)
         self.model = StoreModel(self.config)
@@ -609,6 +655,10 @@ class StoreMatchesModel(RuleBasedStateMachine):
     def reopen(self):
         self.store.close()
         self.store = LMDBNGramStore(self.config)
+
+    @rule(hours=st.integers(1, 2))
+    def pass_time(self, hours):
+        self.clock.seconds += hours * 3600
 
     @rule(epochs=st.integers(1, 2))
     def advance_epoch(self, epochs):

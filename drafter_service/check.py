@@ -23,6 +23,7 @@ from drafter_service.store import (
     _META_VERSION,
     _OUR_DATABASES,
     FORMAT_VERSION,
+    MIGRATED_FORMAT_VERSION,
     SUB_DATABASES,
     coldness_key,
     decode_value,
@@ -46,8 +47,9 @@ def check_table(path: Path) -> tuple[str | None, int, int | None]:
                 return f"its sub-databases are {sorted(names)}, not this store's", 0, None
             meta = env.open_db(b"meta", txn=txn, create=False)
             version = txn.get(_META_VERSION, db=meta)
-            if version not in (bytes((FORMAT_VERSION,)), b"\x01"):
-                return f"format version {version!r}; this code reads 1 (migrating it) and {FORMAT_VERSION}", 0, None
+            if version not in (bytes((FORMAT_VERSION,)), bytes((MIGRATED_FORMAT_VERSION,))):
+                return (f"format version {version!r}; this code reads {MIGRATED_FORMAT_VERSION} (migrating it) "
+                        f"and {FORMAT_VERSION}"), 0, None
             ngrams = env.open_db(b"ngrams", txn=txn, create=False)
             coldness = env.open_db(b"coldness", txn=txn, create=False)
             records = 0

@@ -147,6 +147,8 @@ from drafter_service.ngram import Continuation, best_of
 from specdec.vocabulary import FINGERPRINT_BYTES, vocabulary_fingerprint  # noqa: F401 (part of the store's API)
 
 FORMAT_VERSION = 2
+# The one older format a store opens, migrating it in place (see the docstring).
+MIGRATED_FORMAT_VERSION = 1
 # Version byte of an ``ngrams`` value (its encoding has not changed since format 1).
 VALUE_VERSION = 1
 NAMESPACE_BYTES = FINGERPRINT_BYTES
@@ -620,7 +622,7 @@ class LMDBNGramStore:
         if version is None:
             txn.put(_META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
             self._write_meta(txn, _Meta(epoch=0, epoch_tokens=0, tracked_bytes=0, evictions=0))
-        elif version == b"\x01":  # applied ids keyed by decay epoch: drop them, the rest is unchanged
+        elif version == bytes((MIGRATED_FORMAT_VERSION,)):  # ids keyed by decay epoch: drop them, the rest is unchanged
             meta = self._read_meta(txn)
             cursor, dropped = txn.cursor(db=self._applied), 0
             while cursor.first():
@@ -629,7 +631,8 @@ class LMDBNGramStore:
                 dropped += 1
             self._write_meta(txn, meta)
             txn.put(_META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
-            log.warning("%s: migrated store format 1 to %d (dropped %d observe ids kept by epoch)", self.config.path, FORMAT_VERSION, dropped)
+            log.warning("%s: migrated store format %d to %d (dropped %d observe ids kept by epoch)",
+                        self.config.path, MIGRATED_FORMAT_VERSION, FORMAT_VERSION, dropped)
         elif version != bytes((FORMAT_VERSION,)):
             raise StoreFormatError(
                 f"{self.config.path} has store format version {version[0]}; this code reads version {FORMAT_VERSION}"

@@ -15,6 +15,7 @@ durable. Reads run in their own LMDB read transactions and never wait.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -50,8 +51,8 @@ BACKUP_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SOURCES = {SOURCE_CONTEXT: drafter_pb2.DRAFT_SOURCE_CONTEXT, SOURCE_GLOBAL: drafter_pb2.DRAFT_SOURCE_GLOBAL}
 
 
-# DrafterConfig's limits on what callers may ask: (field, what it bounds). Each
-# is a flag of the same name, and must be at least 1.
+# DrafterConfig's limits on what callers may ask, and on the disk: (field, what
+# it bounds). Each is a flag of the same name, and must be at least 1.
 LIMITS = (
     ("max_sessions", "sessions open at once"),
     ("max_session_tokens", "tokens one session may hold"),
@@ -62,6 +63,7 @@ LIMITS = (
     ("max_message_bytes", "gRPC message size in bytes"),
     ("max_vocabularies", "tables (one per tokenizer fingerprint) the drafter creates"),
     ("dedup_window_hours", "hours an observe_id is remembered, so that a retry is not counted twice"),
+    ("min_free_mb", "MiB the disk holding --db keeps free: below, writes are refused (RESOURCE_EXHAUSTED) and drafts still served"),
 )
 
 
@@ -112,6 +114,10 @@ class DrafterConfig:
     max_vocabularies: int = 8
     # Hours an Observe's observe_id is remembered: a retry within them is not counted twice.
     dedup_window_hours: int = 24
+    # Free space (MiB) the --db disk keeps: below it no table is created and no
+    # observation written (one commit of a 128K-token call dirties ~40 MB), as
+    # etcd's NOSPACE alarm; Propose keeps serving. Cleared once space is back.
+    min_free_mb: int = 64
     # Port for the admin calls (Stats, Backup), on admin_host; None: they are
     # served on the main port too. When set, the main port refuses them
     # (PERMISSION_DENIED), so verifiers' network reaches only Propose, Observe, CloseSessions.
@@ -148,6 +154,44 @@ def epoch_tokens(max_bytes: int) -> int:
 
 class TooManyVocabularies(Exception):
     pass
+
+
+class DiskFull(Exception):
+    """Writes are refused: the disk holding --db is (nearly) full."""
+
+
+class DiskSpace:
+    """Free space on the disk holding --db, and whether writes are refused for want of it.
+
+    Read before every commit and every table creation (a statvfs call), and by
+    the janitor, which clears the refusal once an operator has freed space.
+    """
+
+    def __init__(self, root: Path, min_free_bytes: int) -> None:
+        self.root, self.min_free_bytes = root, min_free_bytes
+        self.full = False
+        self.free_bytes = 0
+        self._lock = threading.Lock()
+        self.check()
+
+    def check(self) -> bool:
+        """Re-read the free space; True while writes are refused."""
+        stat = os.statvfs(self.root)
+        with self._lock:
+            self.free_bytes = stat.f_bavail * stat.f_frsize
+            full = self.free_bytes < self.min_free_bytes
+            if full and not self.full:
+                log.error("%s; drafts are still served", self.refusal())
+            elif self.full and not full:
+                log.warning("the disk holding %s has %d MiB free again: observations are written again", self.root, self.free_bytes >> 20)
+            self.full = full
+        return full
+
+    def refusal(self) -> str:
+        return (
+            f"the disk holding the drafter's tables ({self.root}) has {self.free_bytes >> 20} MiB free, below "
+            f"--min-free-mb {self.min_free_bytes >> 20}: observations are refused until space is freed"
+        )
 
 
 class DirectoryLocked(RuntimeError):
@@ -191,15 +235,23 @@ class StoreRegistry:
         self.root = Path(config.db)
         self.root.mkdir(parents=True, exist_ok=True)
         self._directory_lock = _lock_directory(self.root)
+        self.disk = DiskSpace(self.root, config.min_free_mb << 20)
         self._stores: dict[str, LMDBNGramStore] = {}
         self._lock = threading.Lock()
         self.quarantined: list[str] = []  # tables set aside at start-up, as renamed
         for existing in sorted(self.root.iterdir()):  # reopen warm tables at start-up
-            if existing.is_dir() and VOCABULARY_PATTERN.fullmatch(existing.name):
-                try:
-                    self.get(existing.name, create=False)
-                except (StoreFormatError, lmdb.Error) as error:  # one bad table must not stop the others
-                    self._quarantine(existing, error)
+            if not (existing.is_dir() and VOCABULARY_PATTERN.fullmatch(existing.name)):
+                continue
+            if _half_made(existing):
+                log.warning("table %s was never completed (its creation was cut short, a full disk?): removed, it held nothing", existing.name)
+                shutil.rmtree(existing)
+                continue
+            try:
+                self.get(existing.name, create=False)
+            except DiskFull as full:  # not the table's fault: opened on first write once there is room
+                log.error("table %s not opened at start-up: %s", existing.name, full)
+            except (StoreFormatError, lmdb.Error) as error:  # one bad table must not stop the others
+                self._quarantine(existing, error)
 
     def _quarantine(self, table: Path, error: BaseException) -> None:
         aside = table.with_name(f"{table.name}.quarantined-{time.strftime('%Y%m%dT%H%M%S')}")
@@ -222,17 +274,33 @@ class StoreRegistry:
                         f"the drafter already holds {len(self._stores)} vocabularies (limit {self.config.max_vocabularies}, "
                         f"--max-vocabularies); {vocabulary} gets no table"
                     )
-                store_config = StoreConfig(
-                    path=str(self.root / vocabulary),
-                    namespace=bytes.fromhex(vocabulary),
-                    n_min=self.config.ngram.n_min,
-                    n_max=self.config.ngram.n_max,
-                    max_bytes=self.config.max_bytes,
-                    epoch_observations=epoch_tokens(self.config.max_bytes),
-                    dedup_window_hours=self.config.dedup_window_hours,
-                )
-                self._stores[vocabulary] = LMDBNGramStore(store_config)
+                self._stores[vocabulary] = self._open(vocabulary)
             return self._stores[vocabulary]
+
+    def _open(self, vocabulary: str) -> LMDBNGramStore:
+        """Open (or create) a table, never on a full disk: LMDB writes its new files
+        through a map, where running out of space is a SIGBUS rather than an error."""
+        table = self.root / vocabulary
+        new = not table.exists()
+        if new and self.disk.check():  # an existing table opens read-mostly: reserve_lock_file guards it
+            raise DiskFull(f"{self.disk.refusal()}; table {vocabulary} not opened")
+        try:
+            store_config = StoreConfig(
+                path=str(table),
+                namespace=bytes.fromhex(vocabulary),
+                n_min=self.config.ngram.n_min,
+                n_max=self.config.ngram.n_max,
+                max_bytes=self.config.max_bytes,
+                epoch_observations=epoch_tokens(self.config.max_bytes),
+                dedup_window_hours=self.config.dedup_window_hours,
+            )
+            return LMDBNGramStore(store_config)
+        except (OSError, lmdb.Error) as error:
+            if new and table.exists():  # leave no half-made table behind
+                shutil.rmtree(table, ignore_errors=True)
+            if self.disk.check() or (isinstance(error, OSError) and error.errno == errno.ENOSPC):
+                raise DiskFull(f"{self.disk.refusal()}; table {vocabulary} not opened") from error
+            raise
 
     def all(self) -> dict[str, LMDBNGramStore]:
         return dict(self._stores)
@@ -244,6 +312,14 @@ class StoreRegistry:
             self._stores.clear()
             if not self._directory_lock.closed:
                 self._directory_lock.close()  # releases the flock
+
+
+def _half_made(table: Path) -> bool:
+    """A table folder whose creation was cut short: a lock file at most, no data."""
+    data_file = table / "data.mdb"
+    if data_file.exists() and data_file.stat().st_size > 0:
+        return False
+    return {entry.name for entry in table.iterdir()} <= {"lock.mdb", "data.mdb"}
 
 
 class _NoTable:
@@ -283,9 +359,10 @@ class _Pending:
 class ObservationWriter(threading.Thread):
     """The only writer: commits queued observations in groups, then acknowledges them."""
 
-    def __init__(self, max_pending: int) -> None:
+    def __init__(self, max_pending: int, disk: DiskSpace) -> None:
         super().__init__(name="drafter-writer", daemon=True)
         self.queue: queue.Queue[_Pending | None] = queue.Queue(maxsize=max_pending)
+        self.disk = disk
 
     def submit(self, items: list[_Pending]) -> None:
         for item in items:
@@ -314,22 +391,38 @@ class ObservationWriter(threading.Thread):
             by_store.setdefault(id(item.store), []).append(item)
         for items in by_store.values():
             try:
-                self._apply(items)
-            except StoreFull as full:  # those without room answer a retryable error; the rest are stored
-                for item, applied in zip(items, full.results):
-                    if applied is None:
-                        item.error = full
-                    else:
-                        item.applied = applied
-            except Exception:  # one item's fault must not fail the others' callers: each alone
+                self._commit_table(items)
+            finally:
                 for item in items:
-                    try:
-                        self._apply([item])
-                    except Exception as error:  # reported to its caller, never kills the writer
-                        log.exception("observation commit failed")
-                        item.error = error
+                    item.done.set()
+
+    def _commit_table(self, items: list[_Pending]) -> None:
+        """Store one table's items; each gets its outcome or its own error."""
+        try:
+            if self.disk.check():
+                raise DiskFull(self.disk.refusal())
+            self._apply(items)
+        except DiskFull as full:
             for item in items:
-                item.done.set()
+                item.error = full
+        except StoreFull as full:  # those without room answer a retryable error; the rest are stored
+            for item, applied in zip(items, full.results):
+                if applied is None:
+                    item.error = full
+                else:
+                    item.applied = applied
+        except Exception as error:
+            if self.disk.check():  # the commit ran out of disk (LMDB: EIO or ENOSPC); nothing was written
+                log.error("observation commit failed for want of disk space: %s", error)
+                for item in items:
+                    item.error = DiskFull(self.disk.refusal())
+                return
+            for item in items:  # one item's fault must not fail the others' callers: each alone
+                try:
+                    self._apply([item])
+                except Exception as error:  # reported to its caller, never kills the writer
+                    log.exception("observation commit failed")
+                    item.error = error
 
     @staticmethod
     def _apply(items: list[_Pending]) -> None:
@@ -455,7 +548,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """The vocabulary's table, created on first write, within --max-vocabularies."""
         try:
             return self.stores.get(vocabulary)
-        except TooManyVocabularies as full:
+        except (TooManyVocabularies, DiskFull) as full:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
 
     def _check_sequences(self, sequences) -> None:
@@ -578,6 +671,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             self._check_sequences(request.sequences)
         except InvalidRequest as invalid:
             context.abort(invalid.code, str(invalid))
+        if self.stores.disk.full:  # the janitor clears it once space is back
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.stores.disk.refusal())
         store = self._table(request.vocabulary, context)
         items = [
             _Pending(store, f"{request.observe_id}/{index}", list(sequence.tokens))
@@ -624,6 +719,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         for item in items:
             item.done.wait()
         for item in items:
+            if isinstance(item.error, DiskFull):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item.error))
             if isinstance(item.error, StoreFull):
                 context.abort(
                     grpc.StatusCode.UNAVAILABLE,
@@ -720,6 +817,13 @@ class _DrafterCollector:
         quarantined = GaugeMetricFamily(prefix + "quarantined_tables", "Tables moved aside at start-up as unservable")
         quarantined.add_metric([], len(self.servicer.stores.quarantined))
         yield quarantined
+        disk = self.servicer.stores.disk
+        disk_full = GaugeMetricFamily(prefix + "disk_full", "1 while observations are refused for want of disk space (--min-free-mb)")
+        disk_full.add_metric([], int(disk.full))
+        yield disk_full
+        free = GaugeMetricFamily(prefix + "disk_free_bytes", "Free bytes on the disk holding --db, as last read")
+        free.add_metric([], disk.free_bytes)
+        yield free
         sessions = GaugeMetricFamily(prefix + "open_sessions", "Open sessions")
         sessions.add_metric([], len(self.servicer.sessions))
         yield sessions
@@ -768,13 +872,14 @@ class DrafterServer:
     _stop_janitor: threading.Event = field(default_factory=threading.Event)
 
     def start_janitor(self) -> None:
-        """Every few seconds: close idle sessions, and free dead readers' slots (a
-        reader killed with kill -9 would otherwise pin old pages until a restart)."""
+        """Every few seconds: close idle sessions, re-read the free disk space, and free
+        dead readers' slots (a reader killed with kill -9 would otherwise pin old pages until a restart)."""
         interval = max(0.1, min(JANITOR_INTERVAL_S, self.servicer.config.session_idle_timeout_s / 4))
 
         def loop() -> None:
             while not self._stop_janitor.wait(interval):
                 self.servicer.expire_idle_sessions()
+                self.servicer.stores.disk.check()  # clears the refusal once space is back
                 for vocabulary, store in self.servicer.stores.all().items():
                     try:
                         if freed := store.check_readers():
@@ -819,7 +924,7 @@ def create_server(config: DrafterConfig) -> DrafterServer:
     except BaseException:
         stores.close()
         raise
-    writer = ObservationWriter(config.max_pending_observations)
+    writer = ObservationWriter(config.max_pending_observations, stores.disk)
     servicer = DrafterServicer(config, stores, writer)
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer if admin_server is None else _ServingOnly(servicer), server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

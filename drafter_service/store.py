@@ -252,6 +252,29 @@ def file_problem(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
+# Upper bounds on LMDB's lock file layout (lmdb.h: MDB_txninfo's header is two
+# cache lines, each MDB_reader slot one).
+_LOCK_HEADER_BYTES = 4096
+_LOCK_READER_BYTES = 64
+
+
+def reserve_lock_file(path: str | os.PathLike[str], max_readers: int) -> None:
+    """Give ``path/lock.mdb`` real disk blocks before LMDB maps it.
+
+    LMDB sizes the lock file with ftruncate, a sparse file, and writes it through
+    the map: on a full disk the first store to a page with no block behind it is
+    a SIGBUS, which kills the process (and every restart after, while the disk
+    stays full). posix_fallocate raises OSError(ENOSPC) instead. A larger file
+    only gives LMDB more reader slots.
+    """
+    descriptor = os.open(os.path.join(path, "lock.mdb"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        wanted = _LOCK_HEADER_BYTES + max_readers * _LOCK_READER_BYTES
+        os.posix_fallocate(descriptor, 0, max(wanted, os.fstat(descriptor).st_size))
+    finally:
+        os.close(descriptor)
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     # Directory of the LMDB environment (data.mdb, lock.mdb); created if missing.
@@ -498,6 +521,7 @@ class LMDBNGramStore:
         problem = file_problem(config.path)
         if problem is not None:
             raise StoreFormatError(f"{config.path}: {problem}")
+        reserve_lock_file(config.path, config.max_readers)
         self._env = lmdb.open(
             config.path,
             map_size=config.map_size_bytes,

@@ -31,7 +31,7 @@ class FakeContext:
 def servicer(tmp_path):
     config = DrafterConfig(db=str(tmp_path / "db"), max_pending_observations=1, max_sessions=2)
     stores = StoreRegistry(config)
-    writer = ObservationWriter(config.max_pending_observations)  # never started: the queue stays full
+    writer = ObservationWriter(config.max_pending_observations, stores.disk)  # never started: the queue stays full
     yield DrafterServicer(config, stores, writer)
     stores.close()
 
@@ -66,7 +66,7 @@ def test_one_bad_item_in_a_write_group_fails_only_its_own_caller(tmp_path):
     try:
         store = stores.get(VOCABULARY)
         group = [_Pending(store, "good-1", [5, 6, 7]), _Pending(store, "x" * 600, [8, 9, 10]), _Pending(store, "good-2", [11, 12, 13])]
-        ObservationWriter(4)._commit(group)
+        ObservationWriter(4, stores.disk)._commit(group)
         assert [item.done.is_set() for item in group] == [True, True, True]
         assert [item.error is None for item in group] == [True, False, True]
         assert group[0].applied and group[2].applied
@@ -84,7 +84,7 @@ def test_sequences_without_room_answer_unavailable_and_a_retry_stores_only_those
 
     config = DrafterConfig(db=str(tmp_path / "db"))
     stores = StoreRegistry(config)
-    writer = ObservationWriter(config.max_pending_observations)
+    writer = ObservationWriter(config.max_pending_observations, stores.disk)
     writer.start()
     servicer = DrafterServicer(config, stores, writer)
     apply, full_once = LMDBNGramStore.apply, [True]
@@ -110,6 +110,34 @@ def test_sequences_without_room_answer_unavailable_and_a_retry_stores_only_those
         assert (response.applied_sequences, response.duplicate_sequences) == (1, 1)
         table = stores.get(VOCABULARY)
         assert table.continuations((5, 6, 7)) == {8: 1} and table.continuations((9, 10, 11)) == {12: 1}
+    finally:
+        writer.stop()
+        stores.close()
+
+
+def test_below_min_free_space_writes_are_refused_drafts_served_and_the_refusal_clears(tmp_path):
+    # Any real disk is "full" under a threshold larger than itself; the tmpfs test
+    # (tests/e2e/test_drafter_disk_full.py) fills a real one.
+    config = DrafterConfig(db=str(tmp_path / "db"), min_free_mb=1 << 40)
+    stores = StoreRegistry(config)
+    writer = ObservationWriter(config.max_pending_observations, stores.disk)
+    writer.start()
+    servicer = DrafterServicer(config, stores, writer)
+    try:
+        assert servicer.registry.get_sample_value("specdec_drafter_disk_full") == 1
+        request = pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="o", sequences=[pb.TokenSequence(tokens=[1, 2, 3, 4])])
+        context = FakeContext()
+        with pytest.raises(Aborted):
+            servicer.Observe(request, context)
+        assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "below --min-free-mb" in context.details and "until space is freed" in context.details
+        assert stores.find(VOCABULARY) is None  # no table created on a full disk
+        stores.disk.min_free_bytes = 1  # an operator frees space; the janitor's next check sees it
+        stores.disk.check()
+        assert servicer.registry.get_sample_value("specdec_drafter_disk_full") == 0
+        assert servicer.registry.get_sample_value("specdec_drafter_disk_free_bytes") > 0
+        assert servicer.Observe(request, FakeContext()).applied_sequences == 1
+        assert stores.find(VOCABULARY).best((1, 2, 3))[0] == 4
     finally:
         writer.stop()
         stores.close()

@@ -26,8 +26,9 @@ LISTENING_LINE = re.compile(r"listening on [\d.]+:(\d+)")
 class ServiceProcess:
     """``python -m MODULE ARGS...``, its port read from the listening line."""
 
-    def __init__(self, module: str, *args: str, env: dict[str, str] | None = None) -> None:
-        self.command = [sys.executable, "-m", module, *args]
+    def __init__(self, module: str, *args: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()) -> None:
+        # prefix: a command that execs the rest (nsenter, to run inside another mount namespace).
+        self.command = [*prefix, sys.executable, "-m", module, *args]
         # Append mode: the child's writes go to the end whatever offset log() leaves behind.
         self.log_file = tempfile.TemporaryFile("a+")
         self.channel: grpc.Channel | None = None

@@ -24,6 +24,7 @@ import re
 import shutil
 import threading
 import time
+from collections import Counter, deque
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,7 @@ _SOURCES = {SOURCE_CONTEXT: drafter_pb2.DRAFT_SOURCE_CONTEXT, SOURCE_GLOBAL: dra
 # it bounds). Each is a flag of the same name, and must be at least 1.
 LIMITS = (
     ("max_sessions", "sessions open at once"),
+    ("max_sessions_per_caller", "sessions one caller (client certificate, else peer address) holds at once"),
     ("max_session_tokens", "tokens one session may hold"),
     ("max_sequences_per_call", "sequences in one Propose or Observe"),
     ("max_tokens_per_call", "tokens in one Propose or Observe"),
@@ -85,6 +87,10 @@ class DrafterConfig:
     max_token_id: int = 1 << 24
     # Sessions held at once; each is a small dict of its context's n-grams.
     max_sessions: int = 10_000
+    # Sessions one caller holds at once: a verifier needs one per in-flight
+    # request (a batch is at most a few hundred), so no single client, broken
+    # or hostile, can take every session from the others.
+    max_sessions_per_caller: int = 2048
     # Tokens one session may hold (indexed, ~600 bytes each): a 128K-token
     # context, and ~80 MB per session at most.
     max_session_tokens: int = 1 << 17
@@ -338,6 +344,7 @@ _NO_TABLE = _NoTable()
 @dataclass
 class _Session:
     vocabulary: str
+    caller: str  # see _caller(): what --max-sessions-per-caller counts by
     context: ContextIndex
     last_used: float
     # Sources of the last draft, per token: the verifier's feedback on it
@@ -346,7 +353,16 @@ class _Session:
     busy: bool = False  # a Propose call is indexing or drafting it (outside the lock)
 
 
-@dataclass
+# A long observation is committed in chunks of this many tokens (~0.1 s each
+# here), and one transaction takes at most WRITE_BATCH_TOKENS, so a 128K-token
+# call (~4.5 s to commit whole) never holds the writer while small ones wait.
+CHUNK_TOKENS = 4096
+WRITE_BATCH_TOKENS = 8192
+# Bytes an observe id keeps free for a chunk's "#<index>" suffix.
+CHUNK_SUFFIX_BYTES = 8
+
+
+@dataclass(eq=False)  # hashed by identity
 class _Pending:
     store: LMDBNGramStore
     observe_id: str | None
@@ -354,10 +370,36 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     applied: bool = False
     error: BaseException | None = None
+    next_chunk: int = 0  # chunks before it are committed
+    deadline: float | None = None  # time.monotonic() when its caller gives up; None: never
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    @property
+    def chunks(self) -> int:
+        return max(1, -(-len(self.tokens) // CHUNK_TOKENS))
+
+    def chunk(self, index: int) -> tuple[str | None, list[int], int]:
+        """Chunk ``index`` as the store applies it: (id, tokens, start). Each chunk is
+        de-duplicated under its own id, so a retry after a partial commit stores only
+        the rest; it carries the n_max tokens before it as context (see count_ngrams)."""
+        if self.chunks == 1:
+            return self.observe_id, self.tokens, 0
+        low = index * CHUNK_TOKENS
+        context = min(low, self.store.config.n_max)
+        chunk_id = None if self.observe_id is None else f"{self.observe_id}#{index}"
+        return chunk_id, self.tokens[low - context : low + CHUNK_TOKENS], context
 
 
 class ObservationWriter(threading.Thread):
-    """The only writer: commits queued observations in groups, then acknowledges them."""
+    """The only writer: commits queued observations in groups, then acknowledges them.
+
+    Fair to small calls: each transaction takes the next chunk of every waiting
+    observation that fits in WRITE_BATCH_TOKENS, round-robin, so a small Observe
+    is stored in the first transaction after it arrives, whatever long ones are
+    in progress, and long ones always advance.
+    """
 
     def __init__(self, max_pending: int, disk: DiskSpace) -> None:
         super().__init__(name="drafter-writer", daemon=True)
@@ -369,70 +411,126 @@ class ObservationWriter(threading.Thread):
             self.queue.put_nowait(item)  # queue.Full -> the caller answers RESOURCE_EXHAUSTED
 
     def run(self) -> None:
+        waiting: deque[_Pending] = deque()  # with chunks left, the longest-waiting first
+        stopping = False
         while True:
-            first = self.queue.get()
-            if first is None:
-                return
-            group = [first]
-            while True:
+            while True:  # block only when there is nothing to do
                 try:
-                    item = self.queue.get_nowait()
+                    item = self.queue.get(block=not (waiting or stopping))
                 except queue.Empty:
                     break
                 if item is None:
-                    self.queue.put(None)  # stop after this group
-                    break
-                group.append(item)
-            self._commit(group)
-
-    def _commit(self, group: list[_Pending]) -> None:
-        by_store: dict[int, list[_Pending]] = {}
-        for item in group:
-            by_store.setdefault(id(item.store), []).append(item)
-        for items in by_store.values():
+                    stopping = True
+                else:
+                    waiting.append(item)
+            if not waiting:
+                if stopping:
+                    return
+                continue
+            group: list[tuple[_Pending, int]] = []
             try:
-                self._commit_table(items)
-            finally:
-                for item in items:
+                group = self._next_group(waiting)
+                self._commit(group)
+            except Exception as error:  # a bug here must never leave callers waiting forever
+                log.exception("the observation writer failed; failing what it holds")
+                group = [*group, *((item, 0) for item in waiting)]
+                waiting.clear()
+                for item, _ in group:
+                    item.error = item.error or error
+            for item in dict.fromkeys(item for item, _ in group):  # an item may have several chunks in it
+                if item.error is None and item.next_chunk < item.chunks and item.expired():
+                    # Its caller has given up: the chunks stored are kept (a retry skips them by id).
+                    item.error = TimeoutError("the caller's deadline passed before the observation was stored whole")
+                if item.error is None and item.next_chunk < item.chunks:
+                    waiting.append(item)
+                else:
                     item.done.set()
 
-    def _commit_table(self, items: list[_Pending]) -> None:
-        """Store one table's items; each gets its outcome or its own error."""
+    @staticmethod
+    def _next_group(waiting: deque[_Pending]) -> list[tuple[_Pending, int]]:
+        """One transaction's chunks, within WRITE_BATCH_TOKENS: the next chunk of every
+        waiting observation that fits, in waiting order (always the first); then, with
+        room left, more chunks of those taken. Those that did not fit stay first in line."""
+        group: list[tuple[_Pending, int]] = []
+        tokens = 0
+
+        def size(item: _Pending) -> int:  # its next chunk's own tokens
+            return min(len(item.tokens) - item.next_chunk * CHUNK_TOKENS, CHUNK_TOKENS)
+
+        def take(item: _Pending) -> None:
+            nonlocal tokens
+            tokens += size(item)
+            group.append((item, item.next_chunk))
+            item.next_chunk += 1
+
+        skipped = []
+        while waiting:
+            item = waiting.popleft()
+            if group and tokens + size(item) > WRITE_BATCH_TOKENS:
+                skipped.append(item)
+            else:
+                take(item)
+        waiting.extend(skipped)
+        for item in list(dict.fromkeys(item for item, _ in group)):
+            while item.next_chunk < item.chunks and tokens + size(item) <= WRITE_BATCH_TOKENS:
+                take(item)
+        return group
+
+    def _commit(self, group: list[tuple[_Pending, int]]) -> None:
+        by_store: dict[int, list[tuple[_Pending, int]]] = {}
+        for item, index in group:
+            by_store.setdefault(id(item.store), []).append((item, index))
+        for chunks in by_store.values():
+            self._commit_table(chunks)
+
+    def _commit_table(self, chunks: list[tuple[_Pending, int]]) -> None:
+        """Store one table's chunks; each item gets its outcome or its own error."""
         try:
             if self.disk.check():
                 raise DiskFull(self.disk.refusal())
-            self._apply(items)
+            self._apply(chunks)
         except DiskFull as full:
-            for item in items:
+            for item, _ in chunks:
                 item.error = full
         except StoreFull as full:  # those without room answer a retryable error; the rest are stored
-            for item, applied in zip(items, full.results):
+            for (item, _), applied in zip(chunks, full.results):
                 if applied is None:
                     item.error = full
                 else:
-                    item.applied = applied
+                    item.applied |= applied
         except Exception as error:
             if self.disk.check():  # the commit ran out of disk (LMDB: EIO or ENOSPC); nothing was written
                 log.error("observation commit failed for want of disk space: %s", error)
-                for item in items:
+                for item, _ in chunks:
                     item.error = DiskFull(self.disk.refusal())
                 return
-            for item in items:  # one item's fault must not fail the others' callers: each alone
+            for chunk in chunks:  # one item's fault must not fail the others' callers: each alone
                 try:
-                    self._apply([item])
+                    self._apply([chunk])
                 except Exception as error:  # reported to its caller, never kills the writer
                     log.exception("observation commit failed")
-                    item.error = error
+                    chunk[0].error = error
 
     @staticmethod
-    def _apply(items: list[_Pending]) -> None:
-        results = items[0].store.apply([(item.observe_id, item.tokens) for item in items])
-        for item, applied in zip(items, results):
-            item.applied = applied
+    def _apply(chunks: list[tuple[_Pending, int]]) -> None:
+        results = chunks[0][0].store.apply([item.chunk(index) for item, index in chunks])
+        for (item, _), applied in zip(chunks, results):
+            item.applied |= applied
 
     def stop(self) -> None:
         self.queue.put(None)
         self.join()
+
+
+def _caller(context) -> str:
+    """Who calls, for per-caller limits: the client certificate's common name under
+    mutual TLS, else the peer's address without its port (which changes per connection)."""
+    names = context.auth_context().get("x509_common_name")
+    if names:
+        return "certificate " + names[0].decode("utf-8", "replace")
+    peer = context.peer() or "unknown"  # "ipv4:10.0.0.7:51234", "ipv6:[::1]:51234", "unix:/path"
+    host, _, port = peer.rpartition(":")
+    return host if host and port.isdigit() else peer
 
 
 def _expired(context) -> bool:
@@ -466,6 +564,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
         )
         self.sessions: dict[str, _Session] = {}
+        self.sessions_by_caller: Counter[str] = Counter()  # kept with sessions, under the lock
         self.lock = threading.Lock()
         self.counters = dict.fromkeys(
             (
@@ -489,7 +588,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             bad = next(t for t in tokens if t >= limit)
             _check(False, f"{where}: token id {bad} is out of range (must be < {limit})")
 
-    def _check_propose(self, request: drafter_pb2.ProposeRequest) -> None:
+    def _check_propose(self, request: drafter_pb2.ProposeRequest, caller: str) -> None:
         self._check_vocabulary(request.vocabulary)
         self._check_call_size(len(request.sequences), sum(len(s.new_tokens) for s in request.sequences))
         seen = set()
@@ -529,6 +628,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     f"{where}: feedback needs accepted_draft_tokens ({sequence.accepted_draft_tokens}) <= "
                     f"verified_draft_tokens ({sequence.verified_draft_tokens}) <= the previous draft's length ({drafted})",
                 )
+        held = self.sessions_by_caller[caller]
+        _check(
+            held + opening <= self.config.max_sessions_per_caller,
+            f"this caller ({caller}) holds {held} open sessions, limit {self.config.max_sessions_per_caller} "
+            "(--max-sessions-per-caller); close finished ones",
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        )
         _check(
             len(self.sessions) + opening <= self.config.max_sessions,
             f"too many open sessions ({len(self.sessions)}, limit {self.config.max_sessions}); close finished ones",
@@ -538,10 +644,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def _check_observe_id(self, observe_id: str, items: int) -> None:
         """Each of ``items`` is stored under ``observe_id/index``: all of those must fit."""
         _check(bool(observe_id), "observe_id is empty: give each Observe a unique id so retries are not counted twice")
-        longest = len(observe_id.encode()) + 1 + len(str(max(items - 1, 0)))
+        longest = len(observe_id.encode()) + 1 + len(str(max(items - 1, 0))) + CHUNK_SUFFIX_BYTES
         _check(
             longest <= MAX_OBSERVE_ID_BYTES,
-            f"observe_id is {len(observe_id.encode())} bytes; with its '/index' suffix it must fit in {MAX_OBSERVE_ID_BYTES}",
+            f"observe_id is {len(observe_id.encode())} bytes; with its '/index' suffix it must fit in "
+            f"{MAX_OBSERVE_ID_BYTES - CHUNK_SUFFIX_BYTES}",
         )
 
     def _table(self, vocabulary: str, context) -> LMDBNGramStore:
@@ -580,14 +687,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         others). A call whose deadline passed does no work and leaves no session."""
         if _expired(context):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the call was served")
+        caller = _caller(context)
         with self.lock:
             try:
-                self._check_propose(request)
+                self._check_propose(request, caller)
             except InvalidRequest as invalid:
                 context.abort(invalid.code, str(invalid))
             store = self.stores.find(request.vocabulary)
             now = time.monotonic()
-            updates = [(update, self._claim(request.vocabulary, update, now)) for update in request.sequences]
+            updates = [(update, self._claim(request.vocabulary, caller, update, now)) for update in request.sequences]
         try:
             for update, session in updates:
                 session.context.extend(update.new_tokens)
@@ -611,7 +719,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             for update, session in updates:
                 session.busy = False
                 if drop_opened and update.open and self.sessions.get(update.session_id) is session:
-                    del self.sessions[update.session_id]
+                    self._forget(update.session_id)
+
+    def _forget(self, session_id: str) -> bool:
+        """Remove a session (under the lock); False if there was none."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return False
+        self.sessions_by_caller[session.caller] -= 1
+        if not self.sessions_by_caller[session.caller]:
+            del self.sessions_by_caller[session.caller]
+        return True
 
     def _count(self, sources: list[list[int]], asked: list[bool]) -> None:
         """Counters for one call; ``sources``: each draft's per-token sources."""
@@ -632,10 +750,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             counters[f"{name}_verified"] += 1
             counters[f"{name}_accepted"] += position < update.accepted_draft_tokens
 
-    def _claim(self, vocabulary: str, update, now: float) -> _Session:
+    def _claim(self, vocabulary: str, caller: str, update, now: float) -> _Session:
         """Open or look up the update's session and mark it busy (under the lock)."""
         if update.open:
-            self.sessions[update.session_id] = _Session(vocabulary, ContextIndex(self.config.ngram), now)
+            self.sessions[update.session_id] = _Session(vocabulary, caller, ContextIndex(self.config.ngram), now)
+            self.sessions_by_caller[caller] += 1
         session = self.sessions[update.session_id]
         if update.verified_draft_tokens:
             self._credit_feedback(update, session)
@@ -708,10 +827,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             items = [_Pending(store, f"{request.observe_id}/{i}", list(sessions[sid].context.tokens)) for i, sid in enumerate(ids)]
             self._commit(items, context)
         with self.lock:
-            closed = [sid for sid in ids if self.sessions.pop(sid, None) is not None]
+            closed = [sid for sid in ids if self._forget(sid)]
         return drafter_pb2.CloseSessionsResponse(closed=len(closed))
 
     def _commit(self, items: list[_Pending], context) -> None:
+        remaining = context.time_remaining()
+        if remaining is not None:
+            for item in items:
+                item.deadline = time.monotonic() + remaining
         try:
             self.writer.submit(items)
         except queue.Full:
@@ -721,6 +844,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         for item in items:
             if isinstance(item.error, DiskFull):
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item.error))
+            if isinstance(item.error, TimeoutError):
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{item.error}; retry with the same observe_id to store the rest")
             if isinstance(item.error, StoreFull):
                 context.abort(
                     grpc.StatusCode.UNAVAILABLE,
@@ -789,7 +914,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         with self.lock:
             stale = [sid for sid, session in self.sessions.items() if session.last_used < deadline and not session.busy]
             for sid in stale:
-                del self.sessions[sid]
+                self._forget(sid)
         return len(stale)
 
 

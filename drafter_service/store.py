@@ -416,21 +416,24 @@ def _ranked(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def count_ngrams(
-    sequences: Iterable[tuple[Sequence[int], bytes]], namespace: bytes, n_min: int, n_max: int
+    sequences: Iterable[tuple[Sequence[int], bytes, int]], namespace: bytes, n_min: int, n_max: int
 ) -> dict[bytes, dict[int, int]]:
-    """Next-token counts per ``ngrams`` key over (tokens, packed tokens) pairs.
+    """Next-token counts per ``ngrams`` key over (tokens, packed tokens, start) triples.
 
     tokens [5, 6, 7], n_min=1, n_max=2 counts (5,)->6, (6,)->7, (5, 6)->7,
-    as InMemoryNGramTable.observe does, keyed by namespace | n | tokens.
+    as InMemoryNGramTable.observe does, keyed by namespace | n | tokens. Only
+    n-grams whose next token is at index >= start count: the tokens before are
+    a chunk's context, whose own n-grams an earlier chunk counted.
     """
     counts: dict[bytes, dict[int, int]] = {}
-    for tokens, packed in sequences:
+    for tokens, packed, start in sequences:
         for n in range(n_min, n_max + 1):
             prefix = namespace + bytes((n,))
-            keys = [prefix + packed[4 * (position - n) : 4 * position] for position in range(n, len(tokens))]
+            first = max(n, start)
+            keys = [prefix + packed[4 * (position - n) : 4 * position] for position in range(first, len(tokens))]
             # Counter keeps first-seen order, so each key's continuations stay in
             # the order they first followed it, as in InMemoryNGramTable.
-            for (key, following), count in Counter(zip(keys, tokens[n:])).items():
+            for (key, following), count in Counter(zip(keys, tokens[first:])).items():
                 continuation = counts.setdefault(key, {})
                 continuation[following] = continuation.get(following, 0) + count
     return counts
@@ -463,6 +466,7 @@ class _Observation(NamedTuple):
     observe_id: bytes | None  # UTF-8
     tokens: list[int]
     packed: bytes  # tokens as big-endian uint32
+    start: int  # the first index whose n-grams count (see count_ngrams)
 
 
 class StoreSnapshot:
@@ -568,15 +572,19 @@ class LMDBNGramStore:
 
     # -- writing
 
-    def apply(self, batch: Sequence[tuple[str | None, Sequence[int]]]) -> list[bool]:
-        """Count a batch of (observe id or None, tokens) in one transaction.
+    def apply(self, batch: Sequence[tuple[str | None, Sequence[int]] | tuple[str | None, Sequence[int], int]]) -> list[bool]:
+        """Count a batch of (observe id or None, tokens[, start]) in one transaction.
+
+        With ``start``, the tokens before index ``start`` are context only: a long
+        observation is applied in chunks (each under its own id), a chunk carrying
+        the n_max tokens before it so that no n-gram is lost or counted twice.
 
         Returns per item True if counted now, False if its id was already
         applied (a retry). Raises StoreFull when items found no room in the map
         (it says which; the others are stored), and ValueError, writing nothing,
         for a token id outside uint32 or an id longer than MAX_OBSERVE_ID_BYTES.
         """
-        observations = [self._validate(observe_id, tokens) for observe_id, tokens in batch]
+        observations = [self._validate(*item) for item in batch]
         if not observations:
             return []
         with self._write_lock:
@@ -681,7 +689,7 @@ class LMDBNGramStore:
 
     # -- internals: applying
 
-    def _validate(self, observe_id: str | None, tokens: Sequence[int]) -> _Observation:
+    def _validate(self, observe_id: str | None, tokens: Sequence[int], start: int = 0) -> _Observation:
         id_bytes = None if observe_id is None else observe_id.encode("utf-8")
         if id_bytes is not None and not 0 < len(id_bytes) <= MAX_OBSERVE_ID_BYTES:
             raise ValueError(f"observe id must be 1..{MAX_OBSERVE_ID_BYTES} UTF-8 bytes, got {len(id_bytes)}")
@@ -690,7 +698,9 @@ class LMDBNGramStore:
             packed = struct.pack(f">{len(tokens)}I", *tokens)
         except struct.error:
             raise ValueError(f"token ids must be integers in [0, 2**32), got {tokens[:8]}...") from None
-        return _Observation(id_bytes, tokens, packed)
+        if not 0 <= start <= len(tokens):
+            raise ValueError(f"start {start} is outside the {len(tokens)} tokens")
+        return _Observation(id_bytes, tokens, packed, start)
 
     def _commit_with_recovery(self, observations: list[_Observation]) -> list[bool]:
         for attempt in range(2):
@@ -726,9 +736,9 @@ class LMDBNGramStore:
             hour = int(self.config.clock() // 3600)
             self._expire_ids(txn, meta, hour - self.config.dedup_window_hours)
             results = self._claim_ids(txn, observations, meta, hour)
-            fresh = [(item.tokens, item.packed) for item, new in zip(observations, results) if new]
+            fresh = [(item.tokens, item.packed, item.start) for item, new in zip(observations, results) if new]
             # The epoch first: a batch that crosses a boundary lands fresh in the new one.
-            meta.epoch_tokens += sum(len(tokens) for tokens, _packed in fresh)
+            meta.epoch_tokens += sum(len(tokens) - start for tokens, _packed, start in fresh)
             epochs, meta.epoch_tokens = divmod(meta.epoch_tokens, self.config.epoch_observations)
             if epochs:
                 self._advance_epoch(txn, meta, epochs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -16,8 +18,17 @@ class Aborted(Exception):
 
 
 class FakeContext:
+    def __init__(self, peer: str = "ipv4:10.0.0.7:51234") -> None:
+        self._peer = peer
+
     def invocation_metadata(self):
         return ()
+
+    def peer(self):
+        return self._peer
+
+    def auth_context(self):
+        return {}
 
     def time_remaining(self):
         return None
@@ -66,7 +77,10 @@ def test_one_bad_item_in_a_write_group_fails_only_its_own_caller(tmp_path):
     try:
         store = stores.get(VOCABULARY)
         group = [_Pending(store, "good-1", [5, 6, 7]), _Pending(store, "x" * 600, [8, 9, 10]), _Pending(store, "good-2", [11, 12, 13])]
-        ObservationWriter(4, stores.disk)._commit(group)
+        writer = ObservationWriter(4, stores.disk)
+        writer.submit(group)  # queued before the writer starts: one transaction
+        writer.start()
+        writer.stop()
         assert [item.done.is_set() for item in group] == [True, True, True]
         assert [item.error is None for item in group] == [True, False, True]
         assert group[0].applied and group[2].applied
@@ -138,6 +152,127 @@ def test_below_min_free_space_writes_are_refused_drafts_served_and_the_refusal_c
         assert servicer.registry.get_sample_value("specdec_drafter_disk_free_bytes") > 0
         assert servicer.Observe(request, FakeContext()).applied_sequences == 1
         assert stores.find(VOCABULARY).best((1, 2, 3))[0] == 4
+    finally:
+        writer.stop()
+        stores.close()
+
+
+def test_one_caller_cannot_take_every_session(tmp_path):
+    # A flood of opens from one address stops at --max-sessions-per-caller (on any
+    # of its connections); another caller still opens sessions; closing frees room.
+    config = DrafterConfig(db=str(tmp_path / "db"), max_sessions=6, max_sessions_per_caller=4)
+    stores = StoreRegistry(config)
+    servicer = DrafterServicer(config, stores, ObservationWriter(1, stores.disk))
+
+    def open_sessions(peer: str, names: list[str]):
+        context = FakeContext(peer)
+        updates = [pb.SequenceUpdate(session_id=name, open=True, new_tokens=[1, 2]) for name in names]
+        servicer.Propose(pb.ProposeRequest(vocabulary=VOCABULARY, sequences=updates), context)
+        return context
+
+    try:
+        open_sessions("ipv4:10.0.0.7:5000", ["a1", "a2", "a3"])
+        with pytest.raises(Aborted):
+            context = FakeContext("ipv4:10.0.0.7:5001")  # the same host on a new connection
+            servicer.Propose(pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[
+                pb.SequenceUpdate(session_id=f"a{i}", open=True, new_tokens=[1]) for i in (4, 5)
+            ]), context)
+        assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "this caller (ipv4:10.0.0.7) holds 3 open sessions, limit 4" in context.details
+        open_sessions("ipv6:[::1]:7000", ["b1", "b2", "b3"])  # another caller is not locked out
+        assert servicer.sessions_by_caller == {"ipv4:10.0.0.7": 3, "ipv6:[::1]": 3}
+        servicer.CloseSessions(pb.CloseSessionsRequest(vocabulary=VOCABULARY, session_ids=["a1", "a2"]), FakeContext())
+        assert servicer.sessions_by_caller == {"ipv4:10.0.0.7": 1, "ipv6:[::1]": 3}
+        open_sessions("ipv4:10.0.0.7:5002", ["a4", "a5"])
+        assert servicer.sessions_by_caller["ipv4:10.0.0.7"] == 3
+    finally:
+        stores.close()
+
+
+def test_a_long_observation_is_stored_in_chunks_exactly_as_whole(tmp_path):
+    # Chunks carry the n_max tokens before them: no n-gram lost at a boundary, none counted twice.
+    import random
+
+    from drafter_service.server import CHUNK_TOKENS, _Pending
+    from drafter_service.store import LMDBNGramStore, StoreConfig
+
+    rng = random.Random(5)
+    tokens = [rng.randrange(50) for _ in range(3 * CHUNK_TOKENS + 123)]  # small alphabet: many repeats
+    namespace = bytes.fromhex(VOCABULARY)
+    with LMDBNGramStore(StoreConfig(path=str(tmp_path / "whole"), namespace=namespace)) as whole, \
+            LMDBNGramStore(StoreConfig(path=str(tmp_path / "chunked"), namespace=namespace)) as chunked:
+        whole.apply([("o", tokens)])
+        item = _Pending(chunked, "o", tokens)
+        assert item.chunks == 4
+        assert chunked.apply([item.chunk(index) for index in range(item.chunks)]) == [True] * 4
+        assert chunked.apply([item.chunk(2)]) == [False]  # a retry of a stored chunk
+        for position in range(len(tokens)):
+            for n in (2, 3, 4):
+                key = tuple(tokens[position : position + n])
+                assert chunked.continuations(key) == whole.continuations(key), (position, n)
+        assert chunked.stats()["entries"] == whole.stats()["entries"]
+
+
+def test_small_observations_do_not_wait_for_a_long_one(tmp_path):
+    # A 128K-token Observe takes ~4.5 s to commit in one transaction here; small
+    # ones queued behind it used to wait that long. Now they wait one chunk's commit.
+    import random
+
+    from drafter_service.server import _Pending
+
+    config = DrafterConfig(db=str(tmp_path / "db"))
+    stores = StoreRegistry(config)
+    writer = ObservationWriter(config.max_pending_observations, stores.disk)
+    writer.start()
+    try:
+        store = stores.get(VOCABULARY)
+        rng = random.Random(1)
+        long = _Pending(store, "long/0", [rng.randrange(100, 40_000) for _ in range(config.max_tokens_per_call)])
+        writer.submit([long])
+        while long.next_chunk == 0:  # the writer has started on it
+            time.sleep(0.001)
+        small = [_Pending(store, f"small-{i}/0", [7, 8, 9, i]) for i in range(20)]
+        writer.submit(small)
+        for item in small:
+            assert item.done.wait(60)
+        assert not long.done.is_set(), "the small observations waited for the whole long one"
+        assert long.next_chunk < long.chunks
+        assert long.done.wait(120) and long.error is None and long.applied
+        assert all(item.applied and item.error is None for item in small)
+        assert store.best(tuple(long.tokens[-4:-1]))[0] == long.tokens[-1]
+    finally:
+        writer.stop()
+        stores.close()
+
+
+def test_a_long_observation_whose_caller_gave_up_stops_and_a_retry_stores_only_the_rest(tmp_path):
+    import random
+
+    from drafter_service.server import CHUNK_TOKENS, _Pending
+
+    config = DrafterConfig(db=str(tmp_path / "db"))
+    stores = StoreRegistry(config)
+    writer = ObservationWriter(config.max_pending_observations, stores.disk)
+    writer.start()
+    try:
+        store = stores.get(VOCABULARY)
+        rng = random.Random(2)
+        tokens = [rng.randrange(100, 40_000) for _ in range(8 * CHUNK_TOKENS)]
+        gave_up = _Pending(store, "late/0", tokens, deadline=time.monotonic() - 1)
+        writer.submit([gave_up])
+        assert gave_up.done.wait(60)
+        assert isinstance(gave_up.error, TimeoutError)
+        stored = gave_up.next_chunk
+        assert 1 <= stored < gave_up.chunks  # stopped after its first transaction
+        retry = _Pending(store, "late/0", tokens)
+        writer.submit([retry])
+        assert retry.done.wait(60) and retry.error is None and retry.applied
+        before = store.stats()["entries"]
+        again = _Pending(store, "late/0", tokens)  # everything stored now: a pure duplicate
+        writer.submit([again])
+        assert again.done.wait(60) and again.error is None and not again.applied
+        assert store.stats()["entries"] == before
+        assert store.best(tuple(tokens[-4:-1]))[0] == tokens[-1]
     finally:
         writer.stop()
         stores.close()

@@ -174,7 +174,12 @@ class RemoteDrafter:
         self.fallbacks += 1
         code = error.code()
         # Sessions may be gone (restart, idle expiry) or half-applied: start them
-        # over under a new generation of ids. The old ones expire on the drafter.
+        # over under a new generation of ids. The old ones are closed in the
+        # background (they would count against --max-sessions-per-caller until
+        # they expire); a drafter that restarted answers that it had none.
+        with self._wake:
+            self._closing += [self._session(session_id) for session_id in self._sent]
+            self._wake.notify()
         self._sent.clear()
         self._generation += 1
         if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS):

@@ -235,6 +235,24 @@ def test_a_session_the_drafter_forgot_is_reopened_on_the_next_step_without_back_
     assert update.session_id.endswith("-seq-0-1")
 
 
+def test_sessions_left_behind_by_a_reopen_are_closed_on_the_drafter(drafters, clients):
+    # After an error every session is reopened under a new generation of ids; the
+    # old ones would hold the caller's --max-sessions-per-caller room until they expire.
+    server = drafters.start()
+    client = clients(server.port, backoff_s=60.0)
+    client.propose([DraftRequest("seq-0", CONTEXT, 3), DraftRequest("seq-1", CONTEXT, 3)])
+    old = [update.session_id for update in client.stub.proposes[0].sequences]
+    assert set(old) <= set(server.servicer.sessions)
+    drafters.stub(server).CloseSessions(pb.CloseSessionsRequest(vocabulary=VOCABULARY, session_ids=old[:1]), timeout=5)
+    assert tokens(client.propose([DraftRequest("seq-0", LONGER, 3), DraftRequest("seq-1", LONGER, 3)])) == [[], []]  # NOT_FOUND
+    deadline = time.monotonic() + 5
+    while old[1] in server.servicer.sessions:
+        assert time.monotonic() < deadline, "the left-behind session was never closed"
+        time.sleep(0.01)
+    assert tokens(client.propose([DraftRequest("seq-0", LONGER, 3), DraftRequest("seq-1", LONGER, 3)])) == [[3, 4, 2]] * 2
+    assert len(server.servicer.sessions) == 2
+
+
 def test_close_observes_the_finished_tokens_into_the_global_table(drafters, clients):
     server = drafters.start()
     client = clients(server.port)

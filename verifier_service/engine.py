@@ -59,6 +59,7 @@ from verifier_service.adaptive import (
 )
 from verifier_service.drafting import DraftProposer, DraftRequest
 from verifier_service.kv_cache import STEP_KWARG, SlotKVCache, plan_step, use_slot_attention
+from verifier_service.linear_kernels import MEASURED_UP_TO, engaged, use_linear_kernels
 from verifier_service.rejection import SamplingParams, accept_greedy, accept_sampled, warp_probs
 from verifier_service.text import StopStringMatcher
 
@@ -239,6 +240,7 @@ class SpeculativeEngine:
         self.config = config or EngineConfig()
         check_supported(model)
         use_slot_attention(model)
+        self.kernels = use_linear_kernels(model)  # F.linear everywhere until calibrate_step_cost measures
         self.device = next(model.parameters()).device
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -509,14 +511,15 @@ class SpeculativeEngine:
             self.cache.ensure_finite(slot, columns)
         layout = plan_step(self.cache, counts, placed, self.device)
         extra = {"logits_to_keep": torch.tensor(keep, dtype=torch.long, device=self.device)} if self._keeps_logits else {}
-        output = self.model(
-            input_ids=torch.tensor([input_ids], device=self.device),
-            position_ids=layout.position_ids,
-            attention_mask=_NO_MASK,
-            use_cache=False,
-            **{STEP_KWARG: layout},
-            **extra,
-        )
+        with engaged():
+            output = self.model(
+                input_ids=torch.tensor([input_ids], device=self.device),
+                position_ids=layout.position_ids,
+                attention_mask=_NO_MASK,
+                use_cache=False,
+                **{STEP_KWARG: layout},
+                **extra,
+            )
         for slot, (cached, count) in enumerate(counts):
             self.cache.wrote(slot, cached + count)
         for slot, first, length in placed:
@@ -696,13 +699,25 @@ def calibrate_step_cost(engine: SpeculativeEngine, tokens: Sequence[int] = CALIB
     """
     limit = min(engine.cache.capacity, engine.context_length) - 1
     slots = len(engine._slots)
-    points = {}
+    points, transposed = {}, {}
     with torch.inference_mode():
         for count in tokens:
             if count > limit * slots:
                 break
             repeats = 2 if count < CALIBRATION_REPEAT_BELOW else 1
-            points[count] = _best_time(engine, repeats, _spread(count, slots, cached=1), [], list(range(count)))
+            rows = _spread(count, slots, cached=1)
+            if engine.kernels is None or count > MEASURED_UP_TO:
+                points[count] = _best_time(engine, repeats, rows, [], list(range(count)))
+                continue
+            # Both forms of the linear layers (see linear_kernels), the faster kept.
+            timed = {}
+            for form in (False, True):
+                with engine.kernels.forcing(form):
+                    timed[form] = _best_time(engine, repeats, rows, [], list(range(count)))
+            transposed[count] = timed[True] < timed[False]
+            points[count] = min(timed.values())
+        if engine.kernels is not None:
+            engine.kernels.choose(transposed)
         # The same steps over full slots, less their tokens' own cost: what attention's cache reads cost.
         count, columns = min(2 * slots, max(points)), min(limit - 2, CALIBRATION_COLUMNS)
         per_context_token = 0.0
@@ -710,8 +725,9 @@ def calibrate_step_cost(engine: SpeculativeEngine, tokens: Sequence[int] = CALIB
             rows = _spread(count, slots, cached=columns)
             seconds = _best_time(engine, 2, rows, [], list(range(count)))
             per_context_token = max(0.0, (seconds - points[count]) / (len(rows) * columns))
-    log.info("step cost (tokens -> ms): %s; %.2f us per cached token read",
-             {k: round(1000 * v, 1) for k, v in points.items()}, 1e6 * per_context_token)
+    log.info("step cost (tokens -> ms): %s; %.2f us per cached token read; linear layers as W @ x^T at %s tokens",
+             {k: round(1000 * v, 1) for k, v in points.items()}, 1e6 * per_context_token,
+             engine.kernels.transposed_counts() if engine.kernels is not None else "no")
     return StepCostModel(points, per_context_token)
 
 

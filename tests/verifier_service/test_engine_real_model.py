@@ -79,3 +79,15 @@ def test_converted_cache_matches_loading_the_gguf_directly(real_model):
     ids = torch.tensor([chat_prompt_ids(real_model.tokenizer, "Hello")])
     with torch.inference_mode():
         assert torch.equal(real_model.model(ids).logits, direct(ids).logits)
+
+
+@pytest.mark.parametrize("k", [0, 5])
+def test_linear_layers_as_w_times_x_transposed_equal_transformers_generate(real_model, prompts_and_references, k):
+    # Calibration picks that form where this machine runs it faster; force it
+    # everywhere (prefill chunks too) so the exactness check does not depend on the machine.
+    config = EngineConfig(max_batch_size=5, prefill_chunk_tokens=64)
+    engine = SpeculativeEngine(real_model.model, real_model.tokenizer, SessionProposer(NGramDrafter()), config)
+    assert engine.kernels is not None
+    with engine.kernels.forcing(True):
+        results = engine.generate([GenerationRequest(ids, MAX_NEW_TOKENS, num_speculative_tokens=k) for ids, _ in prompts_and_references])
+    assert [r.token_ids for r in results] == [expected for _, expected in prompts_and_references]

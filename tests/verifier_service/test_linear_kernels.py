@@ -1,0 +1,48 @@
+"""Linear layers in two equal forms, chosen per token count (verifier_service.linear_kernels)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from verifier_service.linear_kernels import MEASURED_UP_TO, TransposableLinear, engaged, use_linear_kernels
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8, bias=False))
+
+
+def test_both_forms_compute_the_same_product_and_keep_parameters_and_state_dict():
+    plain = model()
+    swapped = model()
+    keys = list(swapped.state_dict())
+    kernels = use_linear_kernels(swapped)
+    assert all(type(layer) is TransposableLinear for layer in (swapped[0], swapped[2]))
+    assert list(swapped.state_dict()) == keys and isinstance(swapped[0], nn.Linear)
+    assert use_linear_kernels(swapped) is kernels  # idempotent: one policy per model
+    x = torch.randn(3, 5, 16)
+    with engaged(), kernels.forcing(True):
+        transposed = swapped(x)
+    assert transposed.shape == (3, 5, 8)
+    torch.testing.assert_close(transposed, plain(x), rtol=1e-5, atol=1e-6)
+
+
+def test_the_measured_form_is_used_only_where_it_won_and_only_when_engaged(monkeypatch):
+    swapped = model()
+    kernels = use_linear_kernels(swapped)
+    calls = []
+    import verifier_service.linear_kernels as module
+
+    real = module.linear_transposed
+    monkeypatch.setattr(module, "linear_transposed", lambda *args: calls.append(args[0].shape) or real(*args))
+    kernels.choose({1: False, 2: True, 4: False, 8: True})
+    assert [kernels.transposed(rows) for rows in (1, 2, 3, 4, 7, 8, MEASURED_UP_TO, MEASURED_UP_TO + 1)] == [
+        False, True, True, False, False, True, True, False,
+    ]
+    swapped(torch.randn(2, 16))  # not engaged: F.linear, whatever was measured
+    assert calls == []
+    with engaged():
+        swapped(torch.randn(2, 16))
+        swapped(torch.randn(4, 16))
+    assert len(calls) == 2  # both layers at 2 rows; none at 4

@@ -699,7 +699,7 @@ def calibrate_step_cost(engine: SpeculativeEngine, tokens: Sequence[int] = CALIB
     """
     limit = min(engine.cache.capacity, engine.context_length) - 1
     slots = len(engine._slots)
-    points, transposed = {}, {}
+    points, forms = {}, {}
     with torch.inference_mode():
         for count in tokens:
             if count > limit * slots:
@@ -714,10 +714,11 @@ def calibrate_step_cost(engine: SpeculativeEngine, tokens: Sequence[int] = CALIB
             for form in (False, True):
                 with engine.kernels.forcing(form):
                     timed[form] = _best_time(engine, repeats, rows, [], list(range(count)))
-            transposed[count] = timed[True] < timed[False]
-            points[count] = min(timed.values())
+            forms[count] = (timed[False], timed[True])
         if engine.kernels is not None:
-            engine.kernels.choose(transposed)
+            engine.kernels.choose(forms)
+            for count, (linear, transposed) in forms.items():  # the step costs under the forms chosen
+                points[count] = transposed if engine.kernels.transposed(count) else linear
         # The same steps over full slots, less their tokens' own cost: what attention's cache reads cost.
         count, columns = min(2 * slots, max(points)), min(limit - 2, CALIBRATION_COLUMNS)
         per_context_token = 0.0
@@ -725,9 +726,9 @@ def calibrate_step_cost(engine: SpeculativeEngine, tokens: Sequence[int] = CALIB
             rows = _spread(count, slots, cached=columns)
             seconds = _best_time(engine, 2, rows, [], list(range(count)))
             per_context_token = max(0.0, (seconds - points[count]) / (len(rows) * columns))
-    log.info("step cost (tokens -> ms): %s; %.2f us per cached token read; linear layers as W @ x^T at %s tokens",
+    log.info("step cost (tokens -> ms): %s; %.2f us per cached token read; linear layers as W @ x^T %s tokens",
              {k: round(1000 * v, 1) for k, v in points.items()}, 1e6 * per_context_token,
-             engine.kernels.transposed_counts() if engine.kernels is not None else "no")
+             f"up to {engine.kernels.up_to}" if engine.kernels is not None else "no")
     return StepCostModel(points, per_context_token)
 
 

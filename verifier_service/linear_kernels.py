@@ -10,9 +10,9 @@ product taken as W @ x^T does not: measured on one 2-core AVX2 machine with
 SmolLM2-135M, a whole 5-token step took 223 ms as x @ W^T and 127 ms as
 W @ x^T, against 130 ms for one token. Which form wins depends on the BLAS
 library, the CPU and the shapes, so ``calibrate_step_cost`` times whole steps
-both ways at each token count up to ``MEASURED_UP_TO`` and keeps the faster;
-larger steps (long prefill chunks), untimed counts' neighbours aside, use
-``F.linear``. GPUs keep ``F.linear``.
+both ways at each token count up to ``MEASURED_UP_TO``, and W @ x^T is used
+up to the count that saves the most time in all (``LinearKernels.choose``);
+larger steps (long prefill chunks) use ``F.linear``, and so do GPUs.
 
 Both forms compute the same dot products; only the order of the float
 additions inside each may differ, as between any two BLAS kernels (and as
@@ -24,7 +24,6 @@ runs unchanged.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import threading
 
@@ -51,20 +50,28 @@ def engaged():
 
 
 class LinearKernels:
-    """Which form each token count uses; shared by all of a model's linear layers."""
+    """Which form each token count uses; shared by all of a model's linear layers.
+
+    One threshold: W @ x^T up to ``up_to`` tokens, F.linear above. The physics
+    is one crossover (packing the weights costs more, relatively, the fewer
+    rows share it), and a single threshold chosen by the total time saved is
+    robust to the noise of timing each count once or twice, where a choice
+    per count would follow the noise.
+    """
 
     def __init__(self) -> None:
-        self._measured: list[int] = []  # token counts timed, ascending
-        self._transposed: set[int] = set()  # those where W @ x^T won
+        self.up_to = 0  # F.linear everywhere until measured
         self._forced: bool | None = None
 
-    def choose(self, transposed_counts: dict[int, bool]) -> None:
-        """Record the measured winner per token count ({count: W @ x^T won})."""
-        self._measured = sorted(count for count in transposed_counts if count <= MEASURED_UP_TO)
-        self._transposed = {count for count in self._measured if transposed_counts[count]}
-
-    def transposed_counts(self) -> list[int]:
-        return sorted(self._transposed)
+    def choose(self, timings: dict[int, tuple[float, float]]) -> None:
+        """From {token count: (seconds as x @ W^T, seconds as W @ x^T)}: the threshold
+        (0: none) under which the measured steps would have taken least time in all."""
+        best, saved, self.up_to = 0.0, 0.0, 0
+        for count in sorted(count for count in timings if count <= MEASURED_UP_TO):
+            linear, transposed = timings[count]
+            saved += linear - transposed
+            if saved > best:
+                best, self.up_to = saved, count
 
     @contextlib.contextmanager
     def forcing(self, transposed: bool):
@@ -78,10 +85,7 @@ class LinearKernels:
     def transposed(self, rows: int) -> bool:
         if self._forced is not None:
             return self._forced
-        if rows > MEASURED_UP_TO:
-            return False
-        index = bisect.bisect_right(self._measured, rows) - 1  # the nearest count timed at or below
-        return index >= 0 and self._measured[index] in self._transposed
+        return rows <= self.up_to
 
 
 class TransposableLinear(nn.Linear):

@@ -36,10 +36,13 @@ def test_the_measured_form_is_used_only_where_it_won_and_only_when_engaged(monke
 
     real = module.linear_transposed
     monkeypatch.setattr(module, "linear_transposed", lambda *args: calls.append(args[0].shape) or real(*args))
-    kernels.choose({1: False, 2: True, 4: False, 8: True})
-    assert [kernels.transposed(rows) for rows in (1, 2, 3, 4, 7, 8, MEASURED_UP_TO, MEASURED_UP_TO + 1)] == [
-        False, True, True, False, False, True, True, False,
-    ]
+    # Noisy timings: the threshold follows the total time saved, not each count's winner.
+    kernels.choose({1: (1.0, 1.01), 2: (1.6, 1.0), 3: (1.5, 1.6), 4: (1.7, 1.1), 8: (1.2, 1.3), 16: (2.0, 2.5), MEASURED_UP_TO + 1: (9, 1)})
+    assert kernels.up_to == 4
+    assert [kernels.transposed(rows) for rows in (1, 2, 3, 4, 5, 8, MEASURED_UP_TO + 1)] == [True, True, True, True, False, False, False]
+    kernels.choose({1: (1.0, 1.2), 2: (1.0, 1.1)})
+    assert kernels.up_to == 0 and not kernels.transposed(1)  # never saves: F.linear everywhere
+    kernels.choose({2: (1.6, 1.0)})
     swapped(torch.randn(2, 16))  # not engaged: F.linear, whatever was measured
     assert calls == []
     with engaged():

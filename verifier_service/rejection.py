@@ -53,16 +53,22 @@ def _splitmix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
+# Temperatures below this decode greedily (vLLM's rule too): the limit of
+# sampling as T -> 0 is the argmax, and logits / T for a T near float32's
+# smallest values overflows to inf and softmax to NaN.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # below MIN_SAMPLING_TEMPERATURE (0 included) means greedy
     top_k: int = 0  # 0 means no top-k filter
     top_p: float = 1.0  # 1.0 means no nucleus filter
     seed: int | None = None  # None: the engine draws a fresh one per request
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     def validate(self) -> None:
         if not (self.temperature >= 0.0 and self.temperature < float("inf")):

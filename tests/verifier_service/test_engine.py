@@ -533,3 +533,16 @@ def test_each_slot_holds_exactly_its_sequences_keys_through_joins_leaves_and_rol
             torch.testing.assert_close(
                 engine.cache.values[layer][sequence.slot, :, :cached], reference.cache.values[layer][0, :, :cached]
             )
+
+
+def test_a_temperature_near_zero_decodes_greedily_beside_a_greedy_request(tiny_model, tiny_tokenizer):
+    # T = 1e-44 (a float32 subnormal) passes validation (finite, >= 0); sampled, logits / T
+    # overflowed, softmax gave NaN and torch.multinomial raised inside the step, failing
+    # every request in the batch.
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, None, step_cost=StepCostModel.linear(1.0, 0.1))
+    prompt = [5, 9, 13, 2, 7]
+    greedy, tiny = engine.generate([
+        GenerationRequest(prompt, 12),
+        GenerationRequest(prompt, 12, SamplingParams(temperature=1e-44, seed=1)),
+    ])
+    assert tiny.token_ids == greedy.token_ids and len(greedy.token_ids) == 12

@@ -284,8 +284,24 @@ def test_sampling_params_validate_accepts_boundary_values(params):
     params.validate()
 
 
-def test_sampling_params_greedy_means_temperature_zero():
+def test_sampling_params_greedy_means_temperature_below_the_sampling_floor():
     assert (SamplingParams().greedy, SamplingParams(temperature=0.1).greedy) == (True, False)
+    # 3.3e-38 is a valid float32 temperature; sampled, logits / T overflowed and softmax gave NaN.
+    assert SamplingParams(temperature=3.3e-38).greedy and SamplingParams(temperature=9.9e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1e-5),  # the smallest sampled temperature
+    SamplingParams(temperature=1e30),  # everything equally likely
+    SamplingParams(temperature=1.0, top_p=1e-30),  # the top token alone
+    SamplingParams(temperature=1.0, top_k=4_000_000_000),  # more than the vocabulary: no filter
+])
+def test_warp_probs_stays_a_distribution_at_extreme_but_valid_values(params):
+    logits = torch.tensor([[30.0, 29.0, -40.0, 0.0], [88.0, 88.0, -88.0, 1e4]])
+    probs = warp_probs(logits, params)
+    assert torch.isfinite(probs).all() and (probs >= 0).all()
+    torch.testing.assert_close(probs.sum(dim=-1), torch.ones(2))
 
 
 # --- rejection_sample (general rule, draft distribution q) ------------------------

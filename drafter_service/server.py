@@ -485,13 +485,11 @@ class ObservationWriter(threading.Thread):
 
     def _commit_table(self, chunks: list[tuple[_Pending, int]]) -> None:
         """Store one table's chunks; each item gets its outcome or its own error."""
+        if self.disk.check():
+            self._refuse(chunks)
+            return
         try:
-            if self.disk.check():
-                raise DiskFull(self.disk.refusal())
             self._apply(chunks)
-        except DiskFull as full:
-            for item, _ in chunks:
-                item.error = full
         except StoreFull as full:  # those without room answer a retryable error; the rest are stored
             for (item, _), applied in zip(chunks, full.results):
                 if applied is None:
@@ -501,8 +499,7 @@ class ObservationWriter(threading.Thread):
         except Exception as error:
             if self.disk.check():  # the commit ran out of disk (LMDB: EIO or ENOSPC); nothing was written
                 log.error("observation commit failed for want of disk space: %s", error)
-                for item, _ in chunks:
-                    item.error = DiskFull(self.disk.refusal())
+                self._refuse(chunks)
                 return
             for chunk in chunks:  # one item's fault must not fail the others' callers: each alone
                 try:
@@ -510,6 +507,12 @@ class ObservationWriter(threading.Thread):
                 except Exception as error:  # reported to its caller, never kills the writer
                     log.exception("observation commit failed")
                     chunk[0].error = error
+
+    def _refuse(self, chunks: list[tuple[_Pending, int]]) -> None:
+        """Nothing of ``chunks`` is written: the disk is full (their callers retry)."""
+        full = DiskFull(self.disk.refusal())
+        for item, _ in chunks:
+            item.error = full
 
     @staticmethod
     def _apply(chunks: list[tuple[_Pending, int]]) -> None:

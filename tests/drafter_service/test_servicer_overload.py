@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import random
 import time
+from contextlib import contextmanager
 
 import grpc
 import pytest
 
-from drafter_service.server import DrafterConfig, DrafterServicer, ObservationWriter, StoreRegistry
+from drafter_service.server import CHUNK_TOKENS, DrafterConfig, DrafterServicer, ObservationWriter, StoreRegistry, _Pending
+from drafter_service.store import LMDBNGramStore, StoreConfig, StoreFull
 from specdec.v1 import drafter_pb2 as pb
 
 VOCABULARY = "00112233445566aa"
@@ -36,6 +39,20 @@ class FakeContext:
     def abort(self, code, details):
         self.code, self.details = code, details
         raise Aborted(details)
+
+
+@contextmanager
+def started_writer(tmp_path, **settings):
+    """A registry on tmp_path/db and its writer thread, running; stopped and closed after."""
+    config = DrafterConfig(db=str(tmp_path / "db"), **settings)
+    stores = StoreRegistry(config)
+    writer = ObservationWriter(config.max_pending_observations, stores.disk)
+    writer.start()
+    try:
+        yield config, stores, writer
+    finally:
+        writer.stop()
+        stores.close()
 
 
 @pytest.fixture
@@ -70,8 +87,6 @@ def test_session_limit_is_resource_exhausted_and_opens_nothing(servicer):
 def test_one_bad_item_in_a_write_group_fails_only_its_own_caller(tmp_path):
     # The writer commits what several callers queued in one transaction; an item
     # the store refuses (here an observe id past LMDB's key size) must not fail the rest.
-    from drafter_service.server import _Pending
-
     config = DrafterConfig(db=str(tmp_path / "db"))
     stores = StoreRegistry(config)
     try:
@@ -94,27 +109,21 @@ def test_sequences_without_room_answer_unavailable_and_a_retry_stores_only_those
     # The store refuses the second sequence once (StoreFull: a reader pinning pages);
     # Observe must not answer OK (the client would drop it), and the retry under the
     # same id stores it without counting the first twice.
-    from drafter_service.store import LMDBNGramStore, StoreFull
+    with started_writer(tmp_path) as (config, stores, writer):
+        servicer = DrafterServicer(config, stores, writer)
+        apply, full_once = LMDBNGramStore.apply, [True]
 
-    config = DrafterConfig(db=str(tmp_path / "db"))
-    stores = StoreRegistry(config)
-    writer = ObservationWriter(config.max_pending_observations, stores.disk)
-    writer.start()
-    servicer = DrafterServicer(config, stores, writer)
-    apply, full_once = LMDBNGramStore.apply, [True]
+        def apply_with_no_room_once(store, batch):
+            if full_once and len(batch) == 2:
+                full_once.clear()
+                results = apply(store, batch[:1])
+                raise StoreFull("no room", results + [None])
+            return apply(store, batch)
 
-    def apply_with_no_room_once(store, batch):
-        if full_once and len(batch) == 2:
-            full_once.clear()
-            results = apply(store, batch[:1])
-            raise StoreFull("no room", results + [None])
-        return apply(store, batch)
-
-    monkeypatch.setattr(LMDBNGramStore, "apply", apply_with_no_room_once)
-    request = pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="o", sequences=[
-        pb.TokenSequence(tokens=[5, 6, 7, 8]), pb.TokenSequence(tokens=[9, 10, 11, 12]),
-    ])
-    try:
+        monkeypatch.setattr(LMDBNGramStore, "apply", apply_with_no_room_once)
+        request = pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="o", sequences=[
+            pb.TokenSequence(tokens=[5, 6, 7, 8]), pb.TokenSequence(tokens=[9, 10, 11, 12]),
+        ])
         context = FakeContext()
         with pytest.raises(Aborted):
             servicer.Observe(request, context)
@@ -124,20 +133,13 @@ def test_sequences_without_room_answer_unavailable_and_a_retry_stores_only_those
         assert (response.applied_sequences, response.duplicate_sequences) == (1, 1)
         table = stores.get(VOCABULARY)
         assert table.continuations((5, 6, 7)) == {8: 1} and table.continuations((9, 10, 11)) == {12: 1}
-    finally:
-        writer.stop()
-        stores.close()
 
 
 def test_below_min_free_space_writes_are_refused_drafts_served_and_the_refusal_clears(tmp_path):
     # Any real disk is "full" under a threshold larger than itself; the tmpfs test
     # (tests/e2e/test_drafter_disk_full.py) fills a real one.
-    config = DrafterConfig(db=str(tmp_path / "db"), min_free_mb=1 << 40)
-    stores = StoreRegistry(config)
-    writer = ObservationWriter(config.max_pending_observations, stores.disk)
-    writer.start()
-    servicer = DrafterServicer(config, stores, writer)
-    try:
+    with started_writer(tmp_path, min_free_mb=1 << 40) as (config, stores, writer):
+        servicer = DrafterServicer(config, stores, writer)
         assert servicer.registry.get_sample_value("specdec_drafter_disk_full") == 1
         request = pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="o", sequences=[pb.TokenSequence(tokens=[1, 2, 3, 4])])
         context = FakeContext()
@@ -152,9 +154,6 @@ def test_below_min_free_space_writes_are_refused_drafts_served_and_the_refusal_c
         assert servicer.registry.get_sample_value("specdec_drafter_disk_free_bytes") > 0
         assert servicer.Observe(request, FakeContext()).applied_sequences == 1
         assert stores.find(VOCABULARY).best((1, 2, 3))[0] == 4
-    finally:
-        writer.stop()
-        stores.close()
 
 
 def test_one_caller_cannot_take_every_session(tmp_path):
@@ -191,11 +190,6 @@ def test_one_caller_cannot_take_every_session(tmp_path):
 
 def test_a_long_observation_is_stored_in_chunks_exactly_as_whole(tmp_path):
     # Chunks carry the n_max tokens before them: no n-gram lost at a boundary, none counted twice.
-    import random
-
-    from drafter_service.server import CHUNK_TOKENS, _Pending
-    from drafter_service.store import LMDBNGramStore, StoreConfig
-
     rng = random.Random(5)
     tokens = [rng.randrange(50) for _ in range(3 * CHUNK_TOKENS + 123)]  # small alphabet: many repeats
     namespace = bytes.fromhex(VOCABULARY)
@@ -216,15 +210,7 @@ def test_a_long_observation_is_stored_in_chunks_exactly_as_whole(tmp_path):
 def test_small_observations_do_not_wait_for_a_long_one(tmp_path):
     # A 128K-token Observe takes ~4.5 s to commit in one transaction here; small
     # ones queued behind it used to wait that long. Now they wait one chunk's commit.
-    import random
-
-    from drafter_service.server import _Pending
-
-    config = DrafterConfig(db=str(tmp_path / "db"))
-    stores = StoreRegistry(config)
-    writer = ObservationWriter(config.max_pending_observations, stores.disk)
-    writer.start()
-    try:
+    with started_writer(tmp_path) as (config, stores, writer):
         store = stores.get(VOCABULARY)
         rng = random.Random(1)
         long = _Pending(store, "long/0", [rng.randrange(100, 40_000) for _ in range(config.max_tokens_per_call)])
@@ -240,21 +226,11 @@ def test_small_observations_do_not_wait_for_a_long_one(tmp_path):
         assert long.done.wait(120) and long.error is None and long.applied
         assert all(item.applied and item.error is None for item in small)
         assert store.best(tuple(long.tokens[-4:-1]))[0] == long.tokens[-1]
-    finally:
-        writer.stop()
-        stores.close()
 
 
 def test_a_long_observation_whose_caller_gave_up_stops_and_a_retry_stores_only_the_rest(tmp_path):
-    import random
 
-    from drafter_service.server import CHUNK_TOKENS, _Pending
-
-    config = DrafterConfig(db=str(tmp_path / "db"))
-    stores = StoreRegistry(config)
-    writer = ObservationWriter(config.max_pending_observations, stores.disk)
-    writer.start()
-    try:
+    with started_writer(tmp_path) as (config, stores, writer):
         store = stores.get(VOCABULARY)
         rng = random.Random(2)
         tokens = [rng.randrange(100, 40_000) for _ in range(8 * CHUNK_TOKENS)]
@@ -273,6 +249,3 @@ def test_a_long_observation_whose_caller_gave_up_stops_and_a_retry_stores_only_t
         assert again.done.wait(60) and again.error is None and not again.applied
         assert store.stats()["entries"] == before
         assert store.best(tuple(tokens[-4:-1]))[0] == tokens[-1]
-    finally:
-        writer.stop()
-        stores.close()

@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 FINISH_STOP = "stop"  # EOS token or a stop string
 FINISH_LENGTH = "length"  # max_new_tokens reached
 FINISH_CANCELLED = "cancelled"  # the caller gave up (cancel, deadline)
+FINISH_ERROR = "error"  # a failure that belonged to this sequence alone (StepOutcome.error says which)
 
 # Token counts whose forward-pass cost is measured at start-up: every count
 # up to 16 (where CPU GEMM kernels change, so padding can pay), then a
@@ -185,6 +186,7 @@ class _Sequence:
     stops: StopStringMatcher | None = None
     finish_reason: str | None = None
     stop_text: str | None = None  # output text cut before the stop string that ended it
+    error: Exception | None = None  # why it ended, when finish_reason is FINISH_ERROR
 
     @property
     def decoding(self) -> bool:
@@ -206,6 +208,7 @@ class StepOutcome:
     accepted: int = 0  # of those, accepted
     first: bool = False  # the step finished its prefill: ``tokens`` is its first token
     result: GenerationResult | None = None  # set when the sequence finished
+    error: Exception | None = None  # set instead when it failed (tokens streamed before stay valid)
 
 
 @dataclass
@@ -288,6 +291,9 @@ class SpeculativeEngine:
                 index, request = waiting.pop()
                 index_of[self.add(request)] = index
             for outcome in self.step():
+                if outcome.error is not None:
+                    self.abort_all()
+                    raise outcome.error
                 if outcome.result is not None and outcome.sequence in index_of:
                     results[index_of[outcome.sequence]] = outcome.result
         return [results[index] for index in range(len(requests))]
@@ -352,10 +358,31 @@ class SpeculativeEngine:
         dropped = [sequence for sequence in self._slots if sequence is not None]
         self._slots = [None] * len(self._slots)
         self._decoding, self._prefilling = 0, []
-        ended = [(seq.session_id, seq.tokens) for seq in dropped if seq.proposed]
-        if ended:
-            self.proposer.close(ended)
+        self._close_sessions(dropped)
         return dropped
+
+    def _fail(self, sequence: _Sequence, error: Exception) -> None:
+        """End one sequence with ``error``; its slot frees at the end of the step, and its batch goes on."""
+        log.error("request %r failed (its batch goes on)", sequence.request.request_id, exc_info=error)
+        sequence.finish_reason, sequence.error = FINISH_ERROR, error
+
+    def _alone(self, sequence: _Sequence, work: Callable, *args):
+        """``work(*args)``: work that belongs to ``sequence`` alone. If it raises, that
+        sequence fails (``_fail``) and this returns None; no other sequence is touched."""
+        try:
+            return work(*args)
+        except Exception as error:
+            self._fail(sequence, error)
+            return None
+
+    def _close_sessions(self, ended: list[_Sequence]) -> None:
+        """Tell the proposer these sequences ended. Drafting is an optimisation: its failure is logged, never raised."""
+        sessions = [(seq.session_id, seq.tokens) for seq in ended if seq.proposed]
+        if sessions:
+            try:
+                self.proposer.close(sessions)
+            except Exception:
+                log.exception("closing %d drafter sessions failed", len(sessions))
 
     # -- stages --------------------------------------------------------------
 
@@ -372,7 +399,12 @@ class SpeculativeEngine:
             requests.append(DraftRequest(
                 sequence.session_id, sequence.tokens, self._draft_budget(sequence), sequence.verified, sequence.accepted
             ))
-        for row, request, draft in zip(asking, requests, self.proposer.propose(requests)):
+        try:
+            drafts = self.proposer.propose(requests)
+        except Exception:  # drafts are an optimisation: the step goes on without them
+            log.exception("the proposer failed; this step verifies no drafts")
+            return rows
+        for row, request, draft in zip(asking, requests, drafts):
             tokens = self._usable_prefix(draft.tokens[: request.k])
             row.draft = tokens
             evidence = draft.evidence[: len(tokens)] if draft.evidence else [None] * len(tokens)
@@ -443,8 +475,40 @@ class SpeculativeEngine:
                 keep.append(position - 1)
         return self._forward([(row.sequence.cached, query) for row, query in zip(rows, queries)], segments, keep, pad=True)
 
-    def accept(self, rows: list[_Row], logits: torch.Tensor) -> list[tuple[int, int]]:
-        """(num_accepted, next_token) per row; greedy rows from one argmax over the whole pass."""
+    def _score(self, rows: list[_Row], chunks: list[tuple[_Sequence, int, int]]):
+        """``verify``, or, if that packed pass raises, each sequence's part in a pass of its own,
+        failing only the sequences whose own pass raises (the cache is safe to redo: a
+        pass writes only columns past each sequence's length until it returns).
+
+        Returns (rows, chunks, logits, packed): the rows and chunks that were
+        scored, their logits laid out as ``verify``'s, and whether one pass did it.
+        """
+        try:
+            return rows, chunks, self.verify(rows, chunks), True
+        except Exception:
+            log.exception("a pass of %d rows and %d prefill chunks failed; scoring each sequence alone", len(rows), len(chunks))
+        scored_rows, scored_chunks, parts = [], [], []
+        for row in rows:
+            sequence = row.sequence
+            query = [sequence.tokens[-1], *row.draft[: row.verify]]
+            logits = self._alone(sequence, self._forward, [], [(sequence.slot, sequence.cached, query)], list(range(len(query))))
+            if logits is not None:
+                scored_rows.append(row)
+                parts.append(logits)
+        for chunk in chunks:
+            sequence, first, length = chunk
+            prompt = sequence.request.prompt_ids
+            keep = [length - 1] if first + length == len(prompt) else []
+            logits = self._alone(sequence, self._forward, [], [(sequence.slot, first, prompt[first : first + length])], keep)
+            if logits is not None:
+                scored_chunks.append(chunk)
+                parts.append(logits)
+        logits = torch.cat(parts) if parts else torch.empty((0, self.vocab_size), device=self.device)
+        return scored_rows, scored_chunks, logits, False
+
+    def accept(self, rows: list[_Row], logits: torch.Tensor) -> list[tuple[int, int] | None]:
+        """(num_accepted, next_token) per row, or None for a row whose sampling failed
+        (that sequence alone fails); greedy rows from one argmax over the whole pass."""
         choices = logits.argmax(dim=-1).tolist() if any(row.sequence.request.sampling.greedy for row in rows) else None
         decisions, start = [], 0
         for row in rows:
@@ -453,7 +517,7 @@ class SpeculativeEngine:
             if row.sequence.request.sampling.greedy:
                 decisions.append(accept_greedy(choices[start : start + width], draft))
             else:
-                decisions.append(self._sample(row.sequence, logits[start : start + width], draft))
+                decisions.append(self._alone(row.sequence, self._sample, row.sequence, logits[start : start + width], draft))
             start += width
         return decisions
 
@@ -471,7 +535,7 @@ class SpeculativeEngine:
             span.set_attribute("specdec.draft_tokens", sum(row.verify for row in rows))
         started = time.perf_counter()
         with self.stage_spans("specdec.score", {"specdec.batch_size": len(rows)}) as span:
-            logits = self.verify(rows, chunks)
+            rows, chunks, logits, packed = self._score(rows, chunks)
             tokens = len(rows) + sum(row.verify for row in rows) + sum(length for _, _, length in chunks)
             span.set_attribute("specdec.width", 1 + max((row.verify for row in rows), default=0))
             span.set_attribute("specdec.tokens_scored", tokens)
@@ -479,9 +543,14 @@ class SpeculativeEngine:
             decoded = sum(row.verify + 1 for row in rows)
             decisions = self.accept(rows, logits[:decoded])
             span.set_attribute("specdec.accepted", sum(count for count, _ in decisions))
-        self.step_cost.observe(tokens + self.step_cost.padding(tokens), _cache_reads(rows, chunks), time.perf_counter() - started)
-        for row, (count, token) in zip(rows, decisions):
-            outcomes.append(self._commit(row, count, token))
+        if packed:  # a step scored piecemeal says nothing about a packed step's cost
+            self.step_cost.observe(tokens + self.step_cost.padding(tokens), _cache_reads(rows, chunks), time.perf_counter() - started)
+        for row, decision in zip(rows, decisions):
+            if decision is None:  # its sampling failed
+                continue
+            outcome = self._alone(row.sequence, self._commit, row, *decision)
+            if outcome is not None:
+                outcomes.append(outcome)
         outcomes += self._finish_prefills(chunks, logits[decoded:])
         self.acceptance.age()
         return outcomes + self._retire()
@@ -552,11 +621,15 @@ class SpeculativeEngine:
         done = [sequence for sequence, _, _ in chunks if sequence.prefilled == len(sequence.request.prompt_ids)]
         outcomes = []
         for sequence, row_logits in zip(done, logits):
+            sampled = self._alone(sequence, self._sample, sequence, row_logits[None], [])
+            if sampled is None:  # failed, still in the prefilling list: _retire frees its slot
+                continue
             self._prefilling.remove(sequence)
             sequence.stats.target_forward_passes += 1
-            _, token = self._sample(sequence, row_logits[None], draft=[])
             self._start_decoding(sequence)
-            outcomes.append(StepOutcome(sequence, self._emit(sequence, [token]), first=True))
+            emitted = self._alone(sequence, self._emit, sequence, [sampled[1]])
+            if emitted is not None:
+                outcomes.append(StepOutcome(sequence, emitted, first=True))
         return outcomes
 
     def _start_decoding(self, sequence: _Sequence) -> None:
@@ -578,11 +651,9 @@ class SpeculativeEngine:
         finished = [seq for seq in self._slots if seq is not None and seq.finish_reason is not None]
         if not finished:
             return []
-        ended = [(seq.session_id, seq.tokens) for seq in finished if seq.proposed]
-        if ended:
-            self.proposer.close(ended)
+        self._close_sessions(finished)
         for sequence in finished:
-            if sequence.decoding and sequence.slot < self._decoding:
+            if sequence.slot < self._decoding:  # slots [0, _decoding) hold exactly the decoding sequences
                 last = self._slots[self._decoding - 1]
                 if last is not sequence:  # the last decoding row fills the gap
                     self.cache.move(last.slot, sequence.slot, last.cached)
@@ -593,7 +664,11 @@ class SpeculativeEngine:
                 self._slots[sequence.slot] = None
                 if sequence in self._prefilling:
                     self._prefilling.remove(sequence)
-        return [StepOutcome(sequence, [], result=self._result(sequence)) for sequence in finished]
+        return [
+            StepOutcome(sequence, [], error=sequence.error) if sequence.error is not None
+            else StepOutcome(sequence, [], result=self._result(sequence))
+            for sequence in finished
+        ]
 
     def _speculates(self, sequence: _Sequence) -> bool:
         return self.proposer is not None and sequence.request.num_speculative_tokens != 0

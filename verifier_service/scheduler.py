@@ -11,8 +11,11 @@ Bounds: at most ``max_batch_size`` sequences run at once and at most
 ``max_queued`` wait; beyond that ``submit`` raises ``QueueFull`` at once
 (the service answers RESOURCE_EXHAUSTED), so overload never piles up latency.
 
-A failure inside a step (a bug, out of memory) fails the requests of that
-batch with an error and resets the batch; the loop, and the process, go on.
+A failure that belongs to one request (its sampling, its stop strings, its
+part of the forward pass: see ``SpeculativeEngine._score``) fails that
+request only, with the error. A failure of the step as a whole (a bug in the
+batch bookkeeping) fails the requests of that batch and resets it; the loop,
+and the process, go on.
 
 What happens is reported to a ``SchedulerObserver`` (tracing and metrics in
 the service; nothing by default), so this module needs neither.
@@ -217,7 +220,10 @@ class Scheduler:
                 stepped.append(handle)
                 rows.append(RowStep(outcome.verified, outcome.accepted, len(outcome.tokens)))
             self._deliver(handle, outcome.tokens)
-            if outcome.result is not None:
+            if outcome.error is not None:
+                handle.events.put(("error", outcome.error))
+                self._running.remove(handle)
+            elif outcome.result is not None:
                 handle.events.put(("done", outcome.result))
                 self._running.remove(handle)
         self.observer.stepped(stepped, seconds, rows)

@@ -39,6 +39,11 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
                         help="KV cache positions per request, prompt + max_new_tokens (default: the model's context, at most 4096)")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=int(env("prefill_chunk_tokens", defaults.prefill_chunk_tokens)),
                         help="prompt tokens one step may prefill alongside the running sequences")
+    parser.add_argument("--stop-strings-limit", type=int, default=int(env("stop_strings_limit", defaults.stop_strings_limit)),
+                        help="stop strings one request may give")
+    parser.add_argument("--stop-string-length-limit", type=int,
+                        default=int(env("stop_string_length_limit", defaults.stop_string_length_limit)),
+                        help="characters per stop string")
     parser.add_argument("--grace", type=float, default=float(env("grace", defaults.grace_s)), help="seconds SIGTERM gives in-flight requests")
     parser.add_argument("--no-calibrate", action="store_true", default=env("no_calibrate", "") == "1",
                         help="skip the start-up step-cost measurement (tests, tiny models)")
@@ -48,7 +53,8 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
                         help="PEM client certificate for a drafter that requires one (with --drafter-tls-key and --drafter-tls-ca)")
     parser.add_argument("--drafter-tls-key", default=env("drafter_tls_key", None))
     args = parser.parse_args(argv)
-    for name in ("max_batch_size", "max_queued", "max_new_tokens_limit", "max_sequence_tokens", "prefill_chunk_tokens"):
+    for name in ("max_batch_size", "max_queued", "max_new_tokens_limit", "max_sequence_tokens", "prefill_chunk_tokens",
+                 "stop_strings_limit", "stop_string_length_limit"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     serving = serving_options(parser, args)
@@ -60,7 +66,8 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         port=args.port, host=args.host, model=args.model, device=args.device, dtype=args.dtype, drafter=args.drafter,
         drafter_timeout_s=args.drafter_timeout, max_batch_size=args.max_batch_size, max_queued=args.max_queued,
         max_new_tokens_limit=args.max_new_tokens_limit, max_sequence_tokens=args.max_sequence_tokens,
-        prefill_chunk_tokens=args.prefill_chunk_tokens, grace_s=args.grace, calibrate=not args.no_calibrate,
+        prefill_chunk_tokens=args.prefill_chunk_tokens, stop_strings_limit=args.stop_strings_limit,
+        stop_string_length_limit=args.stop_string_length_limit, grace_s=args.grace, calibrate=not args.no_calibrate,
         drafter_tls_ca=args.drafter_tls_ca, drafter_tls_cert=args.drafter_tls_cert, drafter_tls_key=args.drafter_tls_key, **serving,
     )
 

@@ -85,7 +85,10 @@ class VerifierConfig:
     # context, at most 4096. Memory: max_batch_size x this x the model's bytes per token.
     max_sequence_tokens: int | None = EngineConfig.max_sequence_tokens
     prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens  # see EngineConfig
-    stop_strings_limit: int = 16  # each stop string costs a decode per emitted token
+    # Stop strings per request, and characters per stop string: each is searched
+    # for in every new piece of output, and streaming holds back up to its length.
+    stop_strings_limit: int = 16
+    stop_string_length_limit: int = 256
     grace_s: float = 10.0  # SIGTERM: time in-flight requests get to finish
     calibrate: bool = True  # measure step cost at start-up (False: a flat cost, refined by real steps)
     tls_cert: str | None = None
@@ -242,8 +245,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise BadRequest(f"temperature must be >= 0 (0 = greedy), got {request.temperature}")
         if not 0 <= request.top_p <= 1:
             raise BadRequest(f"top_p must be in [0, 1] (0 or 1 = off), got {request.top_p}")
-        if len(request.stop) > config.stop_strings_limit or any(not stop for stop in request.stop):
-            raise BadRequest(f"stop takes at most {config.stop_strings_limit} non-empty strings")
+        if len(request.stop) > config.stop_strings_limit:
+            raise BadRequest(f"stop takes at most {config.stop_strings_limit} strings (--stop-strings-limit), got {len(request.stop)}")
+        for index, stop in enumerate(request.stop):
+            if not stop:
+                raise BadRequest(f"stop[{index}] is empty; stop strings must be non-empty")
+            if len(stop) > config.stop_string_length_limit:
+                raise BadRequest(
+                    f"stop[{index}] is {len(stop)} characters; at most {config.stop_string_length_limit} "
+                    "(--stop-string-length-limit)"
+                )
         if request.HasField("num_speculative_tokens") and request.num_speculative_tokens > config.max_speculative_tokens:
             raise BadRequest(
                 f"num_speculative_tokens must be in [0, {config.max_speculative_tokens}] (unset = adaptive), "
@@ -272,43 +283,57 @@ class IncrementalText:
     Holds back a trailing partial UTF-8 character (decoded as U+FFFD) and any
     tail that could be the start of a stop string, since the final text ends
     before the stop string. ``finish`` sends the rest of the final text.
-    Decoding is incremental (``text.IncrementalDecoder``), so a long stream
-    costs linear, not quadratic, time.
+    Decoding is incremental (``text.IncrementalDecoder``) and stop strings are
+    sought only in the text not yet sent (the held tail, shorter than the
+    longest stop string, plus the new piece), so a long stream costs linear,
+    not quadratic, time.
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
         self.stop = stop
         self.decoder = IncrementalDecoder(tokenizer)
-        self.text = ""  # decoded so far
-        self.sent = ""  # the prefix of text already streamed
+        self.held = ""  # decoded, not yet sent
+        self._sent: list[str] = []  # the deltas sent, in order
+
+    @property
+    def sent(self) -> str:
+        """The prefix of the text already streamed."""
+        return "".join(self._sent)
 
     def push(self, tokens: list[int]) -> str:
-        self.text += self.decoder.push(tokens)
-        text, safe = self.text, len(self.text)
+        text = self.held + self.decoder.push(tokens)
         # The final text ends before the first stop string: never send one, nor a
-        # tail that may yet become one. None can start inside what was sent.
+        # tail that may yet become one. None can start inside what was sent
+        # (that would have been held), so only the unsent text is searched.
+        safe = len(text)
         for stop in self.stop:
-            found = text.find(stop, len(self.sent))
+            found = text.find(stop)
             if found >= 0:
                 safe = min(safe, found)
         safe -= max((_stop_prefix_at_end(text[:safe], stop) for stop in self.stop), default=0)
-        if safe <= len(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent) : safe], text[:safe]
+        delta, self.held = text[:safe], text[safe:]
+        if delta:
+            self._sent.append(delta)
         return delta
 
     def finish(self, final_text: str) -> str:
-        if not final_text.startswith(self.sent):  # cannot happen for prefix-stable tokenizers
+        sent = self.sent
+        if not final_text.startswith(sent):  # cannot happen for prefix-stable tokenizers
             log.warning("streamed text is not a prefix of the final text")
             return ""
-        return final_text[len(self.sent) :]
+        return final_text[len(sent) :]
 
 
 def _stop_prefix_at_end(text: str, stop: str) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of ``stop``: ("ab<", "<end>") -> 1."""
-    for length in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:length]):
-            return length
+    """Length of the longest tail of ``text`` that is a proper prefix of ``stop``: ("ab<", "<end>") -> 1.
+
+    Only tails that start with ``stop``'s first character are compared.
+    """
+    start = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while start >= 0:
+        if stop.startswith(text[start:]):
+            return len(text) - start
+        start = text.find(stop[0], start + 1)
     return 0
 
 

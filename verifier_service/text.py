@@ -42,15 +42,23 @@ class StopStringMatcher:
         assert stops and all(stops), "stop strings must be non-empty"
         self.stops = stops
         self.decoder = IncrementalDecoder(tokenizer)
-        self.text = ""
+        self._pieces: list[str] = []  # the text so far, as decoded (joined only at a match)
+        self._length = 0
         self._reach = max(map(len, stops)) - 1  # how far back a new match can start
+        self._tail = ""  # the text's last _reach characters
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
 
     def push(self, token: int) -> str | None:
         """The text before the first stop string once one has appeared, else None."""
         new = self.decoder.push([token])
         if not new:
             return None
-        start = max(0, len(self.text) - self._reach)
-        self.text += new
-        found = [position for position in (self.text.find(stop, start) for stop in self.stops) if position >= 0]
-        return self.text[: min(found)] if found else None
+        window, offset = self._tail + new, self._length - len(self._tail)
+        self._pieces.append(new)
+        self._length += len(new)
+        self._tail = window[-self._reach :] if self._reach else ""
+        found = [position for position in (window.find(stop) for stop in self.stops) if position >= 0]
+        return self.text[: offset + min(found)] if found else None

@@ -558,9 +558,11 @@ BAD_INPUTS = [
     ("chat with token ids", {"prompt_token_ids": [5, 6], "chat": True, "max_new_tokens": 4},
      INVALID, "chat applies to a text prompt; prompt_token_ids are used as given"),
     ("empty stop string", {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "stop": ["t7", ""]},
-     INVALID, "stop takes at most 16 non-empty strings"),
+     INVALID, "stop[1] is empty; stop strings must be non-empty"),
     ("17 stop strings", {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "stop": [f"t{i}" for i in range(17)]},
-     INVALID, "stop takes at most 16 non-empty strings"),
+     INVALID, "stop takes at most 16 strings (--stop-strings-limit), got 17"),
+    ("a 257-character stop string", {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "stop": ["t7", "é" * 257]},
+     INVALID, "stop[1] is 257 characters; at most 256 (--stop-string-length-limit)"),
 ]
 
 

@@ -177,3 +177,25 @@ def test_each_push_decodes_a_short_window_not_the_whole_stream(tiny_tokenizer):
     deltas = stream(Counting(), (), [[token] for token in tokens], tiny_tokenizer.decode(tokens))
     assert "".join(deltas) == tiny_tokenizer.decode(tokens)
     assert max(windows) <= 2  # the previous push's token and the new one
+
+
+def test_each_push_searches_only_the_text_not_yet_sent(tiny_tokenizer, monkeypatch):
+    """Stop strings are sought in the held tail plus the new piece, never in what was
+    streamed before: a 2,000-token stream with a 200-character stop string that never
+    appears hands the prefix check at most 199 + one piece's characters per push."""
+    from verifier_service import server
+
+    seen = []
+    real = server._stop_prefix_at_end
+
+    def recording(text, stop):
+        seen.append(len(text))
+        return real(text, stop)
+
+    monkeypatch.setattr(server, "_stop_prefix_at_end", recording)
+    tokens = [3 + i % 50 for i in range(2000)]
+    stop = "t3 " * 66 + "xy"  # 200 characters; its prefixes keep appearing in the stream
+    deltas = stream(tiny_tokenizer, (stop,), [[token] for token in tokens], tiny_tokenizer.decode(tokens))
+    assert "".join(deltas) == tiny_tokenizer.decode(tokens)
+    longest_piece = max(len(tiny_tokenizer.decode([token])) + 1 for token in set(tokens))
+    assert len(seen) == 2000 and max(seen) <= len(stop) - 1 + longest_piece

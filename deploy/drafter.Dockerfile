@@ -2,7 +2,7 @@
 # The drafter: n-gram tables in LMDB under /data, no model and no torch.
 #
 #   docker build -f deploy/drafter.Dockerfile -t specdec-drafter .
-#   docker run -p 50051:50051 -p 9101:9101 -v drafter-data:/data specdec-drafter
+#   docker run -p 127.0.0.1:50051:50051 -p 127.0.0.1:9101:9101 -v drafter-data:/data specdec-drafter
 #
 # Build context: the repository root (see .dockerignore).
 FROM python:3.11-slim
@@ -44,14 +44,17 @@ WORKDIR /home/specdec
 ENV SPECDEC_DRAFTER_HOST=0.0.0.0 \
     SPECDEC_DRAFTER_PORT=50051 \
     SPECDEC_DRAFTER_DB=/data/drafter \
-    SPECDEC_DRAFTER_METRICS_PORT=9101
-# gRPC (specdec.v1.Drafter, grpc.health.v1, reflection); Prometheus /metrics.
-EXPOSE 50051 9101
+    SPECDEC_DRAFTER_METRICS_PORT=9101 \
+    SPECDEC_DRAFTER_HEALTH_PORT=50061
+# gRPC (specdec.v1.Drafter, grpc.health.v1, reflection); Prometheus /metrics;
+# the health port (plaintext grpc.health.v1 on threads of its own: it answers
+# however busy the service port is, and tells only SERVING or NOT_SERVING).
+EXPOSE 50051 9101 50061
 
 # SERVING once the tables are open; NOT_SERVING again while draining on SIGTERM.
 # --timeout is above specdec.healthcheck's own 5 s deadline, so it can say why.
 HEALTHCHECK --interval=10s --timeout=10s --start-period=30s --retries=3 \
-    CMD ["python", "-m", "specdec.healthcheck", "127.0.0.1:50051"]
+    CMD ["python", "-m", "specdec.healthcheck", "127.0.0.1:50061"]
 
 # Exec form: the service is PID 1 and gets SIGTERM itself (it drains, then exits 0).
 ENTRYPOINT ["python", "-m", "drafter_service"]

@@ -16,7 +16,8 @@
 #                     (Debian's docker-compose; it cannot read `!reset`)
 #   compose-schema    both compose files against the compose-spec JSON schema
 #                     that Compose v1 bundles
-#   k8s               deploy/k8s/*.yaml: only apps/v1, v1 and policy/v1 kinds,
+#   k8s               deploy/k8s/*.yaml: only apps/v1, v1, policy/v1 and
+#                     networking.k8s.io/v1 kinds,
 #                     then kubernetes-validate --strict against Kubernetes
 #                     1.31 and 1.37 (warnings count as failures: an unknown
 #                     kind is only a warning there)
@@ -173,7 +174,7 @@ import sys
 import yaml
 
 ALLOWED = {("v1", "Namespace"), ("v1", "ConfigMap"), ("v1", "Service"), ("apps/v1", "StatefulSet"),
-           ("apps/v1", "Deployment"), ("policy/v1", "PodDisruptionBudget")}
+           ("apps/v1", "Deployment"), ("policy/v1", "PodDisruptionBudget"), ("networking.k8s.io/v1", "NetworkPolicy")}
 bad = 0
 for path in sys.argv[1:]:
     with open(path) as f:

@@ -81,16 +81,19 @@ WORKDIR /home/specdec
 ENV SPECDEC_VERIFIER_HOST=0.0.0.0 \
     SPECDEC_VERIFIER_PORT=50052 \
     SPECDEC_VERIFIER_METRICS_PORT=9102 \
+    SPECDEC_VERIFIER_HEALTH_PORT=50062 \
     SPECDEC_CACHE_DIR=/cache \
     HF_HOME=/cache/huggingface
-# gRPC (specdec.v1.Verifier, grpc.health.v1, reflection); Prometheus /metrics.
-EXPOSE 50052 9102
+# gRPC (specdec.v1.Verifier, grpc.health.v1, reflection); Prometheus /metrics;
+# the health port (plaintext grpc.health.v1 outside the request limit: a busy
+# verifier still answers its probes; it tells only SERVING or NOT_SERVING).
+EXPOSE 50052 9102 50062
 
 # NOT_SERVING while the model loads, the step cost is measured and a warm-up
 # request runs (minutes on a CPU or for a large model): failures in the start
 # period do not count, the first success ends it.
 HEALTHCHECK --interval=15s --timeout=10s --start-period=600s --retries=3 \
-    CMD ["python", "-m", "specdec.healthcheck", "127.0.0.1:50052"]
+    CMD ["python", "-m", "specdec.healthcheck", "127.0.0.1:50062"]
 
 # Exec form: the service is PID 1 and gets SIGTERM itself (it drains, then exits 0).
 ENTRYPOINT ["python", "-m", "verifier_service"]

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         drafter = create_server(config)
     except DirectoryLocked as locked:
         sys.exit(f"drafter: {locked}")
-    announce("drafter", config.host, drafter.port, drafter.metrics_port, f"db {config.db}")
+    announce("drafter", config.host, drafter.port, drafter.metrics_port, f"db {config.db}", drafter.health_port)
     if drafter.admin_port is not None:
         print(f"drafter admin on {config.admin_host}:{drafter.admin_port} (Stats, Backup)", flush=True)
     stopping.wait()

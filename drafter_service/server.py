@@ -110,6 +110,8 @@ class DrafterConfig:
     # Prometheus /metrics port (0: a free one; None: not served, the default
     # for in-process servers; the command line serves on DEFAULT_METRICS_PORT).
     metrics_port: int | None = None
+    # Plaintext gRPC health Check outside the worker pool (serving.serve_health); None: not served.
+    health_port: int | None = None
     # PEM certificate and key: serve over TLS when both are set.
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -996,7 +998,9 @@ class DrafterServer:
     metrics_port: int | None = None  # where /metrics is served; None: not served
     admin_server: grpc.Server | None = None  # Stats and Backup, when --admin-port is set
     admin_port: int | None = None
+    health_port: int | None = None  # where the health-only server listens; None: not served
     _metrics_server: object = None
+    _health_server: grpc.Server | None = None
     _stop_janitor: threading.Event = field(default_factory=threading.Event)
 
     def start_janitor(self) -> None:
@@ -1027,6 +1031,8 @@ class DrafterServer:
             stopped.wait()
         self.writer.stop()
         self.stores.close()
+        if self._health_server is not None:
+            self._health_server.stop(0).wait()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         self.servicer.tracing.shutdown()
@@ -1059,6 +1065,8 @@ def create_server(config: DrafterConfig) -> DrafterServer:
     if admin_server is not None:
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, admin_server)
     drafter = DrafterServer(server, port, servicer, health_servicer, stores, writer, admin_server=admin_server, admin_port=admin_port)
+    if config.health_port is not None:
+        drafter._health_server, drafter.health_port = serving.serve_health(health_servicer, config.host, config.health_port)
     if config.metrics_port is not None:
         drafter._metrics_server, drafter.metrics_port = telemetry.start_metrics_server(servicer.registry, config.host, config.metrics_port)
     writer.start()

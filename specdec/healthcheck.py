@@ -2,7 +2,9 @@
 
 Exit 0 when gRPC health says SERVING; exit 1 with the reason on stderr otherwise.
 For container health checks (Docker's HEALTHCHECK runs a command; Kubernetes
-probes gRPC health natively). A service serving TLS is checked over TLS:
+probes gRPC health natively). The images check the plaintext health port
+(``--health-port``), which needs none of the TLS flags. A service port
+serving TLS is checked over TLS:
 ``--tls-ca`` (the CA that signed its certificate, or the certificate itself
 when self-signed), a client certificate when it requires one (mutual TLS),
 and ``--tls-server-name`` when the certificate names the service rather than

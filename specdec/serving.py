@@ -1,5 +1,5 @@
-"""What both services share: binding a port (optionally with TLS), opening a
-channel to a peer, and reading flags' defaults from environment variables."""
+"""What both services share: binding a port (optionally with TLS), the health
+port, opening a channel to a peer, and reading flags' defaults from environment variables."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import logging
 import os
 import signal
 import threading
+from concurrent import futures
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 # Both services cap messages alike: a long prompt plus its output as uint32
 # ids is well under 1 MB; 8 MB leaves room and still bounds a hostile client.
@@ -45,6 +47,28 @@ def bind(server: grpc.Server, host: str, port: int, tls_cert: str | None = None,
     return bound
 
 
+# Threads of the health port: a Check takes microseconds, and a Watch holds none.
+HEALTH_WORKERS = 4
+
+
+def serve_health(source: health.HealthServicer, host: str, port: int) -> tuple[grpc.Server, int]:
+    """A second, plaintext gRPC server with only the health service (``source``, the
+    service port's own, so both say the same), on threads of its own; returns it
+    started, and its port.
+
+    The service port's health shares that port's limits (the verifier's
+    ``maximum_concurrent_rpcs``, the drafter's worker threads), so a busy
+    service would fail its liveness probe and be restarted for being busy.
+    Kubernetes' gRPC probes speak neither TLS nor client certificates, so
+    this port is plaintext; it tells only SERVING or NOT_SERVING.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=HEALTH_WORKERS, thread_name_prefix="health"))
+    health_pb2_grpc.add_HealthServicer_to_server(source, server)
+    bound = bind(server, host, port)
+    server.start()
+    return server, bound
+
+
 def channel(target: str, tls_ca: str | None = None, options: list[tuple[str, object]] = (),
             tls_cert: str | None = None, tls_key: str | None = None) -> grpc.Channel:
     """A channel to a peer service: TLS, trusting ``tls_ca``, when one is given, presenting
@@ -70,9 +94,12 @@ def env_default(prefix: str, name: str, default):
 
 
 def add_serving_flags(parser: argparse.ArgumentParser, env_prefix: str, default_metrics_port: int) -> None:
-    """The flags every service has: its /metrics port and its TLS certificate and key."""
+    """The flags every service has: its /metrics and health ports and its TLS certificate and key."""
     parser.add_argument("--metrics-port", type=int, default=int(env_default(env_prefix, "metrics_port", default_metrics_port)),
                         help="Prometheus /metrics port (0: a free one, -1: off)")
+    parser.add_argument("--health-port", type=int, default=int(env_default(env_prefix, "health_port", -1)),
+                        help="plaintext gRPC health service on threads of its own, answered at any load: for liveness and "
+                             "readiness probes (0: a free one; default -1: off, health on the service port only)")
     parser.add_argument("--tls-cert", default=env_default(env_prefix, "tls_cert", None), help="PEM certificate: serve over TLS (with --tls-key)")
     parser.add_argument("--tls-key", default=env_default(env_prefix, "tls_key", None))
     parser.add_argument("--tls-client-ca", default=env_default(env_prefix, "tls_client_ca", None),
@@ -88,6 +115,7 @@ def serving_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     return {
         "tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
         "metrics_port": None if args.metrics_port < 0 else args.metrics_port,
+        "health_port": None if args.health_port < 0 else args.health_port,
     }
 
 
@@ -106,8 +134,10 @@ def stop_on_signals() -> threading.Event:
     return stopping
 
 
-def announce(name: str, host: str, port: int, metrics_port: int | None, detail: str) -> None:
-    """The lines supervisors and tests read: the gRPC port first, then the metrics port."""
+def announce(name: str, host: str, port: int, metrics_port: int | None, detail: str, health_port: int | None = None) -> None:
+    """The lines supervisors and tests read: the gRPC port first, then the metrics and health ports."""
     print(f"{name} listening on {host}:{port} ({detail})", flush=True)
     if metrics_port is not None:
         print(f"{name} metrics on {host}:{metrics_port}", flush=True)
+    if health_port is not None:
+        print(f"{name} health on {host}:{health_port}", flush=True)

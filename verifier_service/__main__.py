@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     stopping = stop_on_signals()
     verifier = create_server(config)
     # Health answers NOT_SERVING from here on while the model loads.
-    announce("verifier", config.host, verifier.port, verifier.metrics_port, f"model {config.model}")
+    announce("verifier", config.host, verifier.port, verifier.metrics_port, f"model {config.model}", verifier.health_port)
     failed = threading.Event()
 
     def load() -> None:

@@ -102,6 +102,8 @@ class VerifierConfig:
     # Prometheus /metrics port (0: a free one; None: not served, the default
     # for in-process servers; the command line serves on DEFAULT_METRICS_PORT).
     metrics_port: int | None = None
+    # Plaintext gRPC health Check outside the request limit (serving.serve_health); None: not served.
+    health_port: int | None = None
 
 
 class BadRequest(Exception):
@@ -345,7 +347,9 @@ class VerifierServer:
     health: health.HealthServicer
     drafter: RemoteDrafter | None = None
     metrics_port: int | None = None  # where /metrics is served; None: not served
+    health_port: int | None = None  # where the health-only server listens; None: not served
     _metrics_server: object = None
+    _health_server: grpc.Server | None = None
 
     def load(self) -> None:
         """Load the model, calibrate and warm up, start the scheduler, then report SERVING."""
@@ -389,6 +393,8 @@ class VerifierServer:
         if self.servicer.scheduler is not None:
             drained = self.servicer.scheduler.stop(grace)
         self.server.stop(1.0).wait()
+        if self._health_server is not None:
+            self._health_server.stop(0).wait()
         if self.drafter is not None:
             self.drafter.stop()
         if self._metrics_server is not None:
@@ -417,6 +423,8 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key, config.tls_client_ca)
     server.start()
     verifier = VerifierServer(server, port, servicer, health_servicer)
+    if config.health_port is not None:
+        verifier._health_server, verifier.health_port = serving.serve_health(health_servicer, config.host, config.health_port)
     if config.metrics_port is not None:
         verifier._metrics_server, verifier.metrics_port = telemetry.start_metrics_server(
             metrics.registry, config.host, config.metrics_port

@@ -218,12 +218,20 @@ def test_compose_services_send_traces_to_jaeger(validated):
         assert environment["OTEL_SERVICE_NAME"] == f"specdec-{name}"
         assert environment["OTEL_TRACES_EXPORTER"] == "otlp"
     assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
-    assert {port["target"] for port in services["jaeger"]["ports"]} == {16686, 4317}
 
 
-def test_compose_health_checks_ask_grpc_health_on_each_service_port(validated):
+def test_compose_publishes_no_drafter_or_trace_input_port_and_the_rest_on_localhost_only(validated):
     services = resolved(validated)["services"]
-    for name, port in (("drafter", 50051), ("verifier", 50052)):
+    assert "ports" not in services["drafter"]  # the verifier dials drafter:50051 over the compose network
+    published = {name: {port["target"]: port.get("host_ip") for port in service.get("ports", [])} for name, service in services.items()}
+    assert published == {
+        "drafter": {}, "verifier": {50052: "127.0.0.1"}, "jaeger": {16686: "127.0.0.1"}, "prometheus": {9090: "127.0.0.1"},
+    }
+
+
+def test_compose_health_checks_ask_grpc_health_on_each_health_port(validated):
+    services = resolved(validated)["services"]
+    for name, port in (("drafter", 50061), ("verifier", 50062)):
         assert services[name]["healthcheck"]["test"] == ["CMD", "python", "-m", "specdec.healthcheck", f"127.0.0.1:{port}"]
     # Model load, step-cost measurement and warm-up come before SERVING.
     assert seconds(services["verifier"]["healthcheck"]["start_period"]) >= 300
@@ -269,11 +277,11 @@ def env_of(commands: list) -> dict[str, str]:
     return values
 
 
-@pytest.mark.parametrize(("name", "service", "port", "metrics_port", "volume"), [
-    ("drafter.Dockerfile", "drafter_service", 50051, 9101, "/data"),
-    ("verifier.Dockerfile", "verifier_service", 50052, 9102, "/cache"),
+@pytest.mark.parametrize(("name", "service", "port", "metrics_port", "health_port", "volume"), [
+    ("drafter.Dockerfile", "drafter_service", 50051, 9101, 50061, "/data"),
+    ("verifier.Dockerfile", "verifier_service", 50052, 9102, 50062, "/cache"),
 ])
-def test_dockerfile_runs_the_service_as_non_root_with_health_check(name, service, port, metrics_port, volume):
+def test_dockerfile_runs_the_service_as_non_root_with_health_check(name, service, port, metrics_port, health_port, volume):
     commands = dockerfile_commands(name)
     user = instruction(commands, "USER")[-1].value[0]
     # Numeric, so Kubernetes' runAsNonRoot can check it; not root.
@@ -281,14 +289,15 @@ def test_dockerfile_runs_the_service_as_non_root_with_health_check(name, service
     assert instruction(commands, "ENTRYPOINT")[-1].json  # exec form: the service is PID 1 and gets SIGTERM
     assert list(instruction(commands, "ENTRYPOINT")[-1].value) == ["python", "-m", service]
     healthcheck = instruction(commands, "HEALTHCHECK")[-1]
-    assert list(healthcheck.value) == ["CMD", "python", "-m", "specdec.healthcheck", f"127.0.0.1:{port}"]
-    assert sorted(instruction(commands, "EXPOSE")[-1].value) == sorted([str(port), str(metrics_port)])
+    assert list(healthcheck.value) == ["CMD", "python", "-m", "specdec.healthcheck", f"127.0.0.1:{health_port}"]
+    assert sorted(instruction(commands, "EXPOSE")[-1].value) == sorted([str(port), str(metrics_port), str(health_port)])
     assert list(instruction(commands, "VOLUME")[-1].value) == [volume]
     prefix = "SPECDEC_DRAFTER_" if service == "drafter_service" else "SPECDEC_VERIFIER_"
     environment = env_of(commands)
     assert environment[prefix + "HOST"] == "0.0.0.0"
     assert environment[prefix + "PORT"] == str(port)
     assert environment[prefix + "METRICS_PORT"] == str(metrics_port)
+    assert environment[prefix + "HEALTH_PORT"] == str(health_port)
 
 
 def test_healthcheck_module_the_images_run_exists():
@@ -434,15 +443,24 @@ def test_k8s_drafter_is_one_stateful_replica_with_its_own_volume():
     assert headless["spec"]["clusterIP"] == "None"
 
 
-@pytest.mark.parametrize(("kind", "name", "port"), [("StatefulSet", "drafter", 50051), ("Deployment", "verifier", 50052)])
-def test_k8s_workloads_probe_grpc_health_and_run_as_non_root(kind, name, port):
+@pytest.mark.parametrize(("kind", "name", "health_port"), [("StatefulSet", "drafter", 50061), ("Deployment", "verifier", 50062)])
+def test_k8s_workloads_probe_grpc_health_and_run_as_non_root(kind, name, health_port):
     workload = k8s_objects()[(kind, name)]
     container = only_container(workload)
+    # The probes ask the health port, which the service opens from its environment.
+    prefix = "SPECDEC_DRAFTER_" if name == "drafter" else "SPECDEC_VERIFIER_"
+    assert env_value(container, prefix + "HEALTH_PORT") == str(health_port)
+    assert {"name": "health", "containerPort": health_port} in container["ports"]
     for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"] == {"port": port}, probe
+        assert container[probe]["grpc"] == {"port": health_port}, probe
     pod_security = workload["spec"]["template"]["spec"]["securityContext"]
     assert pod_security["runAsNonRoot"] is True and pod_security["runAsUser"] != 0
-    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    # Nothing to escalate to, no capabilities, nothing written outside its volumes.
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+    }
+    mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
+    assert "/tmp" in mounts
     assert {"cpu", "memory"} <= set(container["resources"]["requests"])
     assert "memory" in container["resources"]["limits"]
     assert env_value(container, "OTEL_SERVICE_NAME") == f"specdec-{name}"
@@ -461,7 +479,7 @@ def test_k8s_verifier_gets_a_gpu_time_to_load_and_the_drafter_service():
     assert verifier["spec"]["replicas"] == 2
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     startup = container["startupProbe"]
-    assert startup["grpc"] == {"port": 50052}
+    assert startup["grpc"] == {"port": 50062}
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300  # model load before liveness counts
     mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
     assert "/cache" in mounts and env_value(container, "SPECDEC_CACHE_DIR") == "/cache"
@@ -477,6 +495,45 @@ def test_k8s_verifier_gets_a_gpu_time_to_load_and_the_drafter_service():
     budget = objects[("PodDisruptionBudget", "verifier")]
     assert budget["spec"]["selector"]["matchLabels"].items() <= verifier["spec"]["template"]["metadata"]["labels"].items()
 
+
+
+def policy_peers(policy: dict, direction: str) -> dict[int, list]:
+    """{port: the peers ("from" / "to" lists, [] = anyone) allowed on it} for ``direction`` ("ingress" or "egress")."""
+    peers: dict[int, list] = {}
+    key = "from" if direction == "ingress" else "to"
+    for rule in policy["spec"].get(direction, []):
+        for port in rule["ports"]:
+            peers.setdefault(port["port"], []).extend(rule.get(key, []) or [{"anyone": True}])
+    return peers
+
+
+def test_k8s_network_policies_let_only_verifiers_reach_the_drafter():
+    objects = k8s_objects()
+    deny = objects[("NetworkPolicy", "default-deny")]
+    assert deny["spec"] == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}  # what is not allowed is refused
+    labels = {name: objects[(kind, name)]["spec"]["template"]["metadata"]["labels"]
+              for kind, name in (("StatefulSet", "drafter"), ("Deployment", "verifier"))}
+    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    collector = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}}]
+    drafter, verifier = objects[("NetworkPolicy", "drafter")], objects[("NetworkPolicy", "verifier")]
+    assert drafter["spec"]["podSelector"]["matchLabels"].items() <= labels["drafter"].items()
+    assert verifier["spec"]["podSelector"]["matchLabels"].items() <= labels["verifier"].items()
+    assert policy_peers(drafter, "ingress") == {
+        50051: [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": labels["verifier"]["app.kubernetes.io/name"]}}}],
+        9101: monitoring,
+        50061: [{"anyone": True}],  # kubelet's probes; it says only SERVING or not
+    }
+    assert policy_peers(verifier, "ingress") == {50052: [{"anyone": True}], 50062: [{"anyone": True}], 9102: monitoring}
+    # Out: DNS, the drafter (verifiers only), and OTLP to the collector's namespace only.
+    assert policy_peers(drafter, "egress").keys() == {53, 4317}
+    assert policy_peers(verifier, "egress").keys() == {53, 4317, 50051}
+    for policy in (drafter, verifier):
+        assert policy_peers(policy, "egress")[4317] == collector
+    assert policy_peers(verifier, "egress")[50051] == [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": labels["drafter"]["app.kubernetes.io/name"]}}}
+    ]
+    configmap = objects[("ConfigMap", "specdec-telemetry")]
+    assert configmap["data"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
 
 def test_k8s_configmap_points_traces_at_a_collector():
     data = k8s_objects()[("ConfigMap", "specdec-telemetry")]["data"]

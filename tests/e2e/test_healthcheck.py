@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
-from processes import free_port, running
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from processes import free_port, running, wait_until_serving
 
 
 def healthcheck(*args: str) -> subprocess.CompletedProcess:
@@ -21,3 +26,67 @@ def test_healthcheck_passes_on_a_serving_drafter_and_fails_on_nothing(tmp_path):
     nothing = healthcheck(f"127.0.0.1:{free_port()}")
     assert nothing.returncode == 1 and "UNAVAILABLE" in nothing.stderr
     assert healthcheck().returncode == 2  # usage
+
+
+# -- the health port answers whatever the service port's load -------------------------------
+
+HEALTH = health_pb2.HealthCheckRequest()
+
+
+def fill_with_idle_streams(service, refused) -> tuple[list, threading.Event]:
+    """Open reflection streams on the service port and leave them idle after one
+    exchange (each holds a worker thread and an RPC slot, as a slow Generate would)
+    until a health Check there fails as ``refused(error)`` says it must."""
+    health = health_pb2_grpc.HealthStub(service.channel)
+    reflection = reflection_pb2_grpc.ServerReflectionStub(service.channel)
+    release, streams = threading.Event(), []
+
+    def one_request_then_idle():
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+        release.wait()
+
+    for _ in range(64):
+        try:
+            health.Check(HEALTH, timeout=2)
+        except grpc.RpcError as error:
+            assert refused(error), f"{error.code().name}: {error.details()}"
+            return streams, release
+        streams.append(reflection.ServerReflectionInfo(one_request_then_idle(), timeout=120))
+        next(streams[-1])  # answered: its handler now waits for the next request, holding its slot
+    pytest.fail("the service port never filled up")
+
+
+def assert_health_port_serves(port: int, service: str) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for name in ("", service):
+            assert stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    assert healthcheck(f"127.0.0.1:{port}").returncode == 0
+
+
+def test_the_verifiers_health_port_answers_while_its_service_port_is_at_the_rpc_limit(tiny_model_dir):
+    health_port = free_port()
+    # RPC limit: --max-batch-size + --max-queued + 8 = 10.
+    with running("verifier_service", "--port", "0", "--metrics-port", "-1", "--model", str(tiny_model_dir), "--no-calibrate",
+                 "--max-batch-size", "1", "--max-queued", "1", "--health-port", str(health_port)) as verifier:
+        wait_until_serving(verifier, "", timeout_s=120)
+        streams, release = fill_with_idle_streams(verifier, lambda error: error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)
+        try:
+            assert len(streams) == 10
+            assert_health_port_serves(health_port, "specdec.v1.Verifier")
+        finally:
+            release.set()
+
+
+def test_the_drafters_health_port_answers_while_its_worker_threads_are_all_busy(tmp_path):
+    health_port = free_port()
+    with running("drafter_service", "--port", "0", "--db", str(tmp_path / "db"), "--metrics-port", "-1",
+                 "--health-port", str(health_port)) as drafter:
+        wait_until_serving(drafter, "", timeout_s=60)
+        # All 16 worker threads taken: a Check on the service port waits past its deadline.
+        streams, release = fill_with_idle_streams(drafter, lambda error: error.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
+        try:
+            assert len(streams) == 16
+            assert_health_port_serves(health_port, "specdec.v1.Drafter")
+        finally:
+            release.set()

@@ -82,21 +82,22 @@ def main(argv: list[str] | None = None) -> None:
     verifier = create_server(config)
     # Health answers NOT_SERVING from here on while the model loads.
     announce("verifier", config.host, verifier.port, verifier.metrics_port, f"model {config.model}", verifier.health_port)
-    failed = threading.Event()
+    failures: list[Exception] = []
 
     def load() -> None:
         try:
             verifier.load()
-        except Exception:  # a bad model path, no memory: say so and exit, never hang NOT_SERVING
+        except Exception as error:  # a bad model path, no memory: say so and exit, never hang NOT_SERVING
             logging.exception("could not load model %s", config.model)
-            failed.set()
+            failures.append(error)
             stopping.set()
 
     threading.Thread(target=load, name="verifier-load", daemon=True).start()
     stopping.wait()
     drained = verifier.stop()
-    if failed.is_set():
-        sys.exit(1)
+    if failures:  # the last line, for whoever reads a failed start: exit 1
+        reason = " ".join(str(failures[0]).split()) or type(failures[0]).__name__
+        sys.exit(f"verifier: cannot serve --model {config.model}: {reason}")
     logging.info("stopped %s", "cleanly" if drained else "after cancelling requests past the grace period")
     sys.exit(0)
 

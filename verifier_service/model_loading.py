@@ -142,9 +142,12 @@ def convert_gguf(gguf_path: Path, destination: Path) -> None:
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Map the default model name to its converted cache folder; pass others through."""
+    """Map the default model name to its converted cache folder; pass others through
+    (a path that is plainly local, absolute or starting with . or ~, must exist)."""
     if name_or_path != DEFAULT_MODEL:
-        return name_or_path
+        if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().exists():
+            raise FileNotFoundError(f"no such directory: {name_or_path}")
+        return str(Path(name_or_path).expanduser()) if name_or_path.startswith("~") else name_or_path
     gguf_path = find_default_gguf()
     destination = cache_root() / "models" / f"{GGUF_FILENAME}-{file_sha256(gguf_path)[:16]}"
     if not (destination / "config.json").is_file():

@@ -9,6 +9,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 TINY_VOCAB = 64
 TINY_EOS = 1
+# Examples per fuzzed service in tests/e2e/test_fuzz.py: bounded in `make test`.
+DEFAULT_FUZZ_EXAMPLES = 60
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-examples", type=int, default=DEFAULT_FUZZ_EXAMPLES,
+                     help=f"examples each fuzz test sends (default {DEFAULT_FUZZ_EXAMPLES}; thousands for a long run)")
 
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -39,6 +39,11 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
                         help="KV cache positions per request, prompt + max_new_tokens (default: the model's context, at most 4096)")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=int(env("prefill_chunk_tokens", defaults.prefill_chunk_tokens)),
                         help="prompt tokens one step may prefill alongside the running sequences")
+    parser.add_argument("--max-speculative-tokens", type=int,
+                        default=int(env("max_speculative_tokens", defaults.max_speculative_tokens)),
+                        help="the most draft tokens a request may ask to verify per step (num_speculative_tokens)")
+    parser.add_argument("--max-message-bytes", type=int, default=int(env("max_message_bytes", defaults.max_message_bytes)),
+                        help="gRPC message size cap, both ways")
     parser.add_argument("--stop-strings-limit", type=int, default=int(env("stop_strings_limit", defaults.stop_strings_limit)),
                         help="stop strings one request may give")
     parser.add_argument("--stop-string-length-limit", type=int,
@@ -54,9 +59,11 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
     parser.add_argument("--drafter-tls-key", default=env("drafter_tls_key", None))
     args = parser.parse_args(argv)
     for name in ("max_batch_size", "max_queued", "max_new_tokens_limit", "max_sequence_tokens", "prefill_chunk_tokens",
-                 "stop_strings_limit", "stop_string_length_limit"):
+                 "stop_strings_limit", "stop_string_length_limit", "max_message_bytes"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_speculative_tokens < 0:
+        parser.error(f"--max-speculative-tokens must be >= 0, got {args.max_speculative_tokens}")
     serving = serving_options(parser, args)
     if bool(args.drafter_tls_cert) != bool(args.drafter_tls_key):
         parser.error("--drafter-tls-cert and --drafter-tls-key go together")
@@ -66,7 +73,8 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         port=args.port, host=args.host, model=args.model, device=args.device, dtype=args.dtype, drafter=args.drafter,
         drafter_timeout_s=args.drafter_timeout, max_batch_size=args.max_batch_size, max_queued=args.max_queued,
         max_new_tokens_limit=args.max_new_tokens_limit, max_sequence_tokens=args.max_sequence_tokens,
-        prefill_chunk_tokens=args.prefill_chunk_tokens, stop_strings_limit=args.stop_strings_limit,
+        prefill_chunk_tokens=args.prefill_chunk_tokens, max_speculative_tokens=args.max_speculative_tokens,
+        max_message_bytes=args.max_message_bytes, stop_strings_limit=args.stop_strings_limit,
         stop_string_length_limit=args.stop_string_length_limit, grace_s=args.grace, calibrate=not args.no_calibrate,
         drafter_tls_ca=args.drafter_tls_ca, drafter_tls_cert=args.drafter_tls_cert, drafter_tls_key=args.drafter_tls_key, **serving,
     )

@@ -81,6 +81,8 @@ class VerifierConfig:
     # Longest generation one request may ask for; bounds a request's hold on a batch slot.
     max_new_tokens_limit: int = 4096
     max_speculative_tokens: int = EngineConfig.max_speculative_tokens
+    # gRPC message size cap, both ways (a 4K-token prompt as ids is ~20 KB).
+    max_message_bytes: int = serving.MAX_MESSAGE_BYTES
     # Cache positions per request (prompt + max_new_tokens); None: the model's
     # context, at most 4096. Memory: max_batch_size x this x the model's bytes per token.
     max_sequence_tokens: int | None = EngineConfig.max_sequence_tokens
@@ -408,7 +410,8 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     # One worker per request that may be running or queued, plus health and reflection calls.
     workers = config.max_batch_size + config.max_queued + 8
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers), options=serving.CHANNEL_OPTIONS, maximum_concurrent_rpcs=workers
+        futures.ThreadPoolExecutor(max_workers=workers), maximum_concurrent_rpcs=workers,
+        options=[("grpc.max_receive_message_length", config.max_message_bytes), ("grpc.max_send_message_length", config.max_message_bytes)],
     )
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):

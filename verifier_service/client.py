@@ -2,7 +2,7 @@
 
     python -m verifier_service.client "prompt" [--stream] [--json] [--k K] [--max-new-tokens N]
         [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop STR ...] [--no-chat]
-        [--target HOST:PORT] [--timeout SECONDS] [--tls-ca PATH]
+        [--target HOST:PORT] [--timeout SECONDS] [--tls-ca PATH [--tls-cert PATH --tls-key PATH]]
 
 Prints the generated text on stdout (chunk by chunk with --stream) and a
 one-line summary of the request's statistics on stderr; with --json, one JSON
@@ -11,7 +11,7 @@ object (text, token_ids, finish_reason, stats) on stdout instead, the same for
 tokens per step; --k 0 disables speculation.
 
 Exit status: 0 on success, 2 for INVALID_ARGUMENT (the request itself is
-wrong: fix the flags) or a bad --tls-ca, 1 for every other gRPC error.
+wrong: fix the flags) or unreadable TLS files, 1 for every other gRPC error.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
+from specdec import serving
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 
@@ -64,7 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", default=os.environ.get(TARGET_ENV, DEFAULT_TARGET), help=f"HOST:PORT (${TARGET_ENV})")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="deadline of the call, in seconds")
     parser.add_argument("--tls-ca", type=Path, default=None, help="root certificate (PEM); given: connect with TLS")
-    return parser.parse_args(argv)
+    parser.add_argument("--tls-cert", type=Path, default=None,
+                        help="client certificate (PEM) for a server that requires one (mutual TLS; with --tls-key and --tls-ca)")
+    parser.add_argument("--tls-key", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_cert and not args.tls_ca:
+        parser.error("--tls-cert needs --tls-ca: a client certificate is sent over TLS only")
+    return args
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
@@ -81,11 +90,8 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     return request
 
 
-def open_channel(target: str, tls_ca: Path | None) -> grpc.Channel:
-    if tls_ca is None:
-        return grpc.insecure_channel(target)
-    credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca.read_bytes())
-    return grpc.secure_channel(target, credentials)
+def open_channel(target: str, tls_ca: Path | None, tls_cert: Path | None = None, tls_key: Path | None = None) -> grpc.Channel:
+    return serving.channel(target, tls_ca, tls_cert=tls_cert, tls_key=tls_key)
 
 
 def join_chunks(chunks: Iterable[pb.GenerateChunk], on_text=None) -> pb.GenerateResponse:
@@ -163,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     request = build_request(args)
     try:
-        channel = open_channel(args.target, args.tls_ca)
+        channel = open_channel(args.target, args.tls_ca, args.tls_cert, args.tls_key)
     except OSError as error:
-        print(f"error: cannot read --tls-ca: {error}", file=sys.stderr)
+        print(f"error: cannot read a TLS file: {error}", file=sys.stderr)
         return EXIT_INVALID_ARGUMENT
     with channel:
         try:

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from processes import running
+from processes import free_port, running
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 
@@ -114,6 +114,37 @@ def test_mutual_tls_drafter_serves_only_clients_with_a_certificate(tiny_model_di
                 request = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 5, 6, 7, 5, 6, 7, 5], max_new_tokens=16, num_speculative_tokens=4)
                 response = call_when_serving(rpc.VerifierStub(channel), request)
                 assert response.stats.draft_tokens > 0
+
+
+def test_mutual_tls_end_to_end_with_the_cli_client_and_a_plaintext_health_port(tiny_model_dir, tmp_path, certificate,
+                                                                              client_certificate):
+    """The README's set-up: the drafter serves only verifiers, the verifier only clients,
+    each with a certificate; the probes ask the plaintext health port."""
+    cert, key = (str(path) for path in certificate)
+    client_cert, client_key = (str(path) for path in client_certificate)
+    mutual = ["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", client_cert]
+    health_port = free_port()
+    with running("drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(tmp_path / "db"), *mutual) as drafter:
+        with running("verifier_service", "--port", "0", "--metrics-port", "-1", "--model", str(tiny_model_dir), "--no-calibrate",
+                     "--drafter", drafter.address, "--drafter-tls-ca", cert, "--drafter-tls-cert", client_cert,
+                     "--drafter-tls-key", client_key, "--health-port", str(health_port), *mutual) as verifier:
+            deadline = time.monotonic() + 120
+            while healthcheck(f"127.0.0.1:{health_port}").returncode != 0:  # plaintext, no certificate: SERVING once loaded
+                assert time.monotonic() < deadline, "the health port never said SERVING"
+                time.sleep(0.5)
+
+            def cli(*tls: str) -> subprocess.CompletedProcess:
+                return subprocess.run(
+                    [sys.executable, "-m", "verifier_service.client", "--target", verifier.address, *tls,
+                     "--no-chat", "--max-new-tokens", "8", "--k", "4", "--json", "t5 t6 t7 t5 t6 t7 t5 t6 t7"],
+                    capture_output=True, text=True, timeout=120,
+                )
+
+            answered = cli("--tls-ca", cert, "--tls-cert", client_cert, "--tls-key", client_key)
+            assert answered.returncode == 0, answered.stderr
+            assert '"finish_reason": "length"' in answered.stdout
+            refused = cli("--tls-ca", cert)  # TLS, but no client certificate
+            assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
 
 
 def test_healthcheck_of_a_tls_server_checks_over_tls(tmp_path):

@@ -224,4 +224,4 @@ def test_timeout_is_the_calls_deadline(verifier, capsys):
 def test_unreadable_tls_ca_exits_2(tmp_path, capsys):
     code = client.main(["p", "--target", "127.0.0.1:1", "--tls-ca", str(tmp_path / "missing.pem")])
     assert code == 2
-    assert capsys.readouterr().err.startswith("error: cannot read --tls-ca: ")
+    assert capsys.readouterr().err.startswith("error: cannot read a TLS file: ")

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import grpc
 import pytest
@@ -182,6 +183,25 @@ def assert_serving(service: ServiceProcess) -> None:
     assert response.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def refusal(outcomes: Counter, error: grpc.RpcError, allowed: set, what: str) -> None:
+    """Count a failed call, which must be one of the ``allowed`` refusals and say why."""
+    assert error.code() in allowed, f"{error.code().name}: {error.details()} for {what}"
+    assert error.details(), "a refusal must say why"
+    outcomes[error.code().name] += 1
+
+
+def fuzz_beside(service: ServiceProcess, canary: Canary, fuzz, outcomes: Counter) -> None:
+    """Run the hypothesis test ``fuzz`` while ``canary`` runs, then check what every fuzz run must leave."""
+    try:
+        fuzz()
+    finally:
+        canary.stop()
+    assert canary.wrong == [], canary.wrong[:3]
+    assert canary.answers > 0
+    assert_serving(service)
+    assert outcomes["OK"] > 0 and outcomes["INVALID_ARGUMENT"] > 0, outcomes  # both sides were explored
+
+
 def fuzz_settings(request) -> settings:
     return settings(
         max_examples=request.config.getoption("--fuzz-examples"), deadline=None, derandomize=False,
@@ -228,7 +248,7 @@ def test_fuzzed_generate_requests_never_fail_internally_nor_disturb_a_neighbour(
     expected = reference_greedy(tiny_model, CANARY_PROMPT, CANARY_TOKENS, eos)
     canary = Canary(lambda: list(stub.Generate(pb.GenerateRequest(
         prompt_token_ids=CANARY_PROMPT, max_new_tokens=CANARY_TOKENS, num_speculative_tokens=4), timeout=CALL_TIMEOUT_S).token_ids), expected)
-    outcomes = {}
+    outcomes = Counter()
 
     @fuzz_settings(request)
     @given(generation=generate_requests(), streamed=st.booleans())
@@ -242,22 +262,13 @@ def test_fuzzed_generate_requests_never_fail_internally_nor_disturb_a_neighbour(
                 response = stub.Generate(generation, timeout=CALL_TIMEOUT_S)
                 tokens, finish_reason = list(response.token_ids), response.finish_reason
         except grpc.RpcError as error:
-            assert error.code() in VERIFIER_REFUSALS, f"{error.code().name}: {error.details()} for {generation}"
-            assert error.details(), "a refusal must say why"
-            outcomes[error.code().name] = outcomes.get(error.code().name, 0) + 1
+            refusal(outcomes, error, VERIFIER_REFUSALS, generation)
             return
         assert finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
         assert 1 <= len(tokens) <= generation.max_new_tokens and all(0 <= t < 64 for t in tokens)
-        outcomes["OK"] = outcomes.get("OK", 0) + 1
+        outcomes["OK"] += 1
 
-    try:
-        one()
-    finally:
-        canary.stop()
-    assert canary.wrong == [], canary.wrong[:3]
-    assert canary.answers > 0
-    assert_serving(verifier)
-    assert outcomes.get("OK", 0) > 0 and outcomes.get("INVALID_ARGUMENT", 0) > 0, outcomes  # both sides were explored
+    fuzz_beside(verifier, canary, one, outcomes)
 
 
 def test_fuzzed_drafter_calls_never_fail_internally_nor_disturb_a_neighbour(drafter, request):
@@ -273,7 +284,7 @@ def test_fuzzed_drafter_calls_never_fail_internally_nor_disturb_a_neighbour(draf
         return list(draft.tokens)
 
     canary = Canary(canary_call, [5, 6, 7, 8])
-    outcomes = {}
+    outcomes = Counter()
 
     @fuzz_settings(request)
     @given(call=drafter_calls())
@@ -282,20 +293,11 @@ def test_fuzzed_drafter_calls_never_fail_internally_nor_disturb_a_neighbour(draf
         try:
             getattr(stub, method)(message, timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as error:
-            assert error.code() in DRAFTER_REFUSALS, f"{method}: {error.code().name}: {error.details()}"
-            assert error.details(), "a refusal must say why"
-            outcomes[error.code().name] = outcomes.get(error.code().name, 0) + 1
+            refusal(outcomes, error, DRAFTER_REFUSALS, f"{method}({message})")
             return
-        outcomes["OK"] = outcomes.get("OK", 0) + 1
+        outcomes["OK"] += 1
 
-    try:
-        one()
-    finally:
-        canary.stop()
-    assert canary.wrong == [], canary.wrong[:3]
-    assert canary.answers > 0
-    assert_serving(drafter)
-    assert outcomes.get("OK", 0) > 0 and outcomes.get("INVALID_ARGUMENT", 0) > 0, outcomes
+    fuzz_beside(drafter, canary, one, outcomes)
     # What the fuzzer stored is a sound table: stop the drafter and check every one on disk.
     drafter.terminate()
     result = subprocess.run([sys.executable, "-m", "drafter_service.check", "--db", str(drafter.db)], capture_output=True, text=True,

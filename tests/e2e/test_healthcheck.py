@@ -64,29 +64,29 @@ def assert_health_port_serves(port: int, service: str) -> None:
     assert healthcheck(f"127.0.0.1:{port}").returncode == 0
 
 
+def assert_health_port_answers_when_full(service, health_port: int, full_at: int, refused: grpc.StatusCode, name: str) -> None:
+    """Fill ``service``'s port (``full_at`` idle streams, then a Check there fails with
+    ``refused``) and check that the health port still says SERVING."""
+    wait_until_serving(service, "", timeout_s=120)
+    streams, release = fill_with_idle_streams(service, lambda error: error.code() == refused)
+    try:
+        assert len(streams) == full_at
+        assert_health_port_serves(health_port, name)
+    finally:
+        release.set()
+
+
 def test_the_verifiers_health_port_answers_while_its_service_port_is_at_the_rpc_limit(tiny_model_dir):
     health_port = free_port()
-    # RPC limit: --max-batch-size + --max-queued + 8 = 10.
     with running("verifier_service", "--port", "0", "--metrics-port", "-1", "--model", str(tiny_model_dir), "--no-calibrate",
                  "--max-batch-size", "1", "--max-queued", "1", "--health-port", str(health_port)) as verifier:
-        wait_until_serving(verifier, "", timeout_s=120)
-        streams, release = fill_with_idle_streams(verifier, lambda error: error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)
-        try:
-            assert len(streams) == 10
-            assert_health_port_serves(health_port, "specdec.v1.Verifier")
-        finally:
-            release.set()
+        # RPC limit: --max-batch-size + --max-queued + 8 = 10; past it, RESOURCE_EXHAUSTED.
+        assert_health_port_answers_when_full(verifier, health_port, 10, grpc.StatusCode.RESOURCE_EXHAUSTED, "specdec.v1.Verifier")
 
 
 def test_the_drafters_health_port_answers_while_its_worker_threads_are_all_busy(tmp_path):
     health_port = free_port()
     with running("drafter_service", "--port", "0", "--db", str(tmp_path / "db"), "--metrics-port", "-1",
                  "--health-port", str(health_port)) as drafter:
-        wait_until_serving(drafter, "", timeout_s=60)
         # All 16 worker threads taken: a Check on the service port waits past its deadline.
-        streams, release = fill_with_idle_streams(drafter, lambda error: error.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
-        try:
-            assert len(streams) == 16
-            assert_health_port_serves(health_port, "specdec.v1.Drafter")
-        finally:
-            release.set()
+        assert_health_port_answers_when_full(drafter, health_port, 16, grpc.StatusCode.DEADLINE_EXCEEDED, "specdec.v1.Drafter")

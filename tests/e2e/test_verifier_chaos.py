@@ -3,14 +3,12 @@ cut off without a reset and refused. Every stream finishes with the tokens of pl
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import pytest
 from faulty_link import FaultyLink
 from processes import ServiceProcess, free_port, wait_until_serving
 
@@ -24,16 +22,6 @@ CALL_TIMEOUT_S = 600
 PHASE_S = 1.0  # how long each fault lasts
 # Prompts whose continuations repeat themselves, so a live drafter has drafts to give.
 PROMPTS = [[3 + i, 9, 3 + i, 9, 3 + i, 9, 20 + i] for i in range(STREAMS)]
-
-
-@pytest.fixture(scope="module")
-def long_model_dir(tmp_path_factory, tiny_model, tiny_tokenizer):
-    directory = tmp_path_factory.mktemp("tiny-model-chaos")
-    model = copy.deepcopy(tiny_model)
-    model.config.max_position_embeddings = CONTEXT
-    model.save_pretrained(directory)
-    tiny_tokenizer.save_pretrained(directory)
-    return directory
 
 
 def drafter_process(db, port: int) -> ServiceProcess:
@@ -73,14 +61,14 @@ class Stream:
             self.done.set()
 
 
-def test_streams_keep_exact_tokens_through_kill_restart_slow_and_unreachable_drafter(tmp_path, long_model_dir):
+def test_streams_keep_exact_tokens_through_kill_restart_slow_and_unreachable_drafter(tmp_path, long_tiny_model_dir):
     db, drafter_port = tmp_path / "db", free_port()
     drafter = drafter_process(db, drafter_port)
     link = FaultyLink(drafter_port, delay_s=1.0)
     verifier = None
     try:
         verifier = ServiceProcess(
-            "verifier_service", "--port", "0", "--metrics-port", "-1", "--model", str(long_model_dir), "--no-calibrate",
+            "verifier_service", "--port", "0", "--metrics-port", "-1", "--model", str(long_tiny_model_dir), "--no-calibrate",
             "--drafter", f"127.0.0.1:{link.port}", "--drafter-timeout", "0.3",
             "--max-new-tokens-limit", str(TOKENS), "--max-sequence-tokens", str(CONTEXT),
             env={**os.environ},

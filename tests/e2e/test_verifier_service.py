@@ -12,7 +12,6 @@ enough to be cancelled, time out or hold a batch slot on purpose.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import signal
@@ -43,7 +42,6 @@ REAL_STARTUP_S = 600  # the first load converts the GGUF checkpoint (once per ca
 CALL_TIMEOUT_S = 120  # every call that should complete gets a deadline this long
 # Context of the "long" copy of the tiny model: requests of tens of thousands
 # of tokens, which run for a minute and are cancelled long before they end.
-LONG_CONTEXT = 1 << 16
 LONG_RUNNING_TOKENS = 60_000
 MAX_NEW_TOKENS_LIMIT = 400  # the shared tiny server's --max-new-tokens-limit (below its 512-token context)
 # Prompts whose greedy continuations cycle without EOS (checked by the tests that rely on it).
@@ -52,18 +50,8 @@ PROMPTS = [[5, 9, 14, 20], [7, 33, 21, 40, 12], [11, 22, 33, 44], [50, 3, 17, 29
 LONG_PROMPT = PROMPTS[0]
 
 
-# -- models on disk (tiny_model_dir comes from tests/e2e/conftest.py) ----------------------
-
-
-@pytest.fixture(scope="session")
-def long_tiny_model_dir(tmp_path_factory, tiny_model, tiny_tokenizer) -> Path:
-    """The same weights with a 64k context: Llama's rotary positions do not depend on the limit."""
-    directory = tmp_path_factory.mktemp("tiny-model-long")
-    model = copy.deepcopy(tiny_model)
-    model.config.max_position_embeddings = LONG_CONTEXT
-    model.save_pretrained(directory)
-    tiny_tokenizer.save_pretrained(directory)
-    return directory
+# Models on disk (tiny_model_dir, and long_tiny_model_dir) come from tests/e2e/conftest.py.
+LONG_CONTEXT = 1 << 16  # long_tiny_model_dir's
 
 
 @pytest.fixture(scope="session")

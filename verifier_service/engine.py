@@ -162,6 +162,10 @@ class EngineConfig:
     # Cache positions per slot: the longest prompt + max_new_tokens a request
     # may have. None: the model's context, at most DEFAULT_MAX_SEQUENCE_TOKENS.
     max_sequence_tokens: int | None = None
+    # What one request may ask for (the service's flags of the same names).
+    max_new_tokens_limit: int = 4096
+    stop_strings_limit: int = 16
+    stop_string_length_limit: int = 256
     # Prompt tokens one step may prefill. Larger chunks use the GEMMs better
     # (per-token cost falls ~2x from 64 to 256 tokens on CPU) but stall the
     # running sequences longer; 256 costs them about a 2-3 decode steps' time.
@@ -314,24 +318,36 @@ class SpeculativeEngine:
         return self._slots.count(None)
 
     def validate(self, request: GenerationRequest) -> None:
+        """Every rule a request must meet, in one place: a ValueError whose message names
+        the field (and the flag that sets its limit) and is fit to show the client."""
+        config = self.config
         if not request.prompt_ids:
-            raise ValueError("prompt is empty")
+            raise ValueError("prompt is empty: set prompt (text) or prompt_token_ids")
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if request.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        if not 1 <= request.max_new_tokens <= config.max_new_tokens_limit:
+            raise ValueError(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {request.max_new_tokens}")
         needed = len(request.prompt_ids) + request.max_new_tokens
         if needed > self.cache.capacity:
             raise ValueError(
                 f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) needs {needed} "
                 f"cache positions; this server holds at most {self.cache.capacity} per request"
             )
-        if request.num_speculative_tokens is not None and not 0 <= request.num_speculative_tokens <= self.config.max_speculative_tokens:
+        if request.num_speculative_tokens is not None and not 0 <= request.num_speculative_tokens <= config.max_speculative_tokens:
             raise ValueError(
-                f"num_speculative_tokens must be in [0, {self.config.max_speculative_tokens}], "
+                f"num_speculative_tokens must be in [0, {config.max_speculative_tokens}] (unset = adaptive), "
                 f"got {request.num_speculative_tokens}"
             )
+        if len(request.stop) > config.stop_strings_limit:
+            raise ValueError(f"stop takes at most {config.stop_strings_limit} strings (--stop-strings-limit), got {len(request.stop)}")
+        for index, stop in enumerate(request.stop):
+            if not stop:
+                raise ValueError(f"stop[{index}] is empty; stop strings must be non-empty")
+            if len(stop) > config.stop_string_length_limit:
+                raise ValueError(
+                    f"stop[{index}] is {len(stop)} characters; at most {config.stop_string_length_limit} (--stop-string-length-limit)"
+                )
         request.sampling.validate()
 
     def add(self, request: GenerationRequest) -> _Sequence:

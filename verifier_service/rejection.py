@@ -63,7 +63,7 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 class SamplingParams:
     temperature: float = 0.0  # below MIN_SAMPLING_TEMPERATURE (0 included) means greedy
     top_k: int = 0  # 0 means no top-k filter
-    top_p: float = 1.0  # 1.0 means no nucleus filter
+    top_p: float = 1.0  # 0 or 1 means no nucleus filter (0: proto3's unset value)
     seed: int | None = None  # None: the engine draws a fresh one per request
 
     @property
@@ -71,10 +71,13 @@ class SamplingParams:
         return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     def validate(self) -> None:
-        if not (self.temperature >= 0.0 and self.temperature < float("inf")):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        """The one place these rules live; the service sends their messages to clients as they are."""
+        if not 0.0 <= self.temperature < float("inf"):  # NaN fails too
+            raise ValueError(
+                f"temperature must be a finite number >= 0 (below {MIN_SAMPLING_TEMPERATURE:g} = greedy), got {self.temperature}"
+            )
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1] (0 or 1 = off), got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
@@ -90,7 +93,7 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if 0 < params.top_k < scores.shape[-1]:
         kth_largest = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth_largest, float("-inf"))
-    if params.top_p < 1.0:
+    if 0.0 < params.top_p < 1.0:
         sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
         # Drop the low tail whose mass is <= 1 - top_p; the top token always stays.

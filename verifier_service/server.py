@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 from concurrent import futures
@@ -79,7 +78,7 @@ class VerifierConfig:
     max_batch_size: int = SchedulerConfig.max_batch_size
     max_queued: int = SchedulerConfig.max_queued
     # Longest generation one request may ask for; bounds a request's hold on a batch slot.
-    max_new_tokens_limit: int = 4096
+    max_new_tokens_limit: int = EngineConfig.max_new_tokens_limit
     max_speculative_tokens: int = EngineConfig.max_speculative_tokens
     # gRPC message size cap, both ways (a 4K-token prompt as ids is ~20 KB).
     max_message_bytes: int = serving.MAX_MESSAGE_BYTES
@@ -89,8 +88,8 @@ class VerifierConfig:
     prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens  # see EngineConfig
     # Stop strings per request, and characters per stop string: each is searched
     # for in every new piece of output, and streaming holds back up to its length.
-    stop_strings_limit: int = 16
-    stop_string_length_limit: int = 256
+    stop_strings_limit: int = EngineConfig.stop_strings_limit
+    stop_string_length_limit: int = EngineConfig.stop_string_length_limit
     grace_s: float = 10.0  # SIGTERM: time in-flight requests get to finish
     calibrate: bool = True  # measure step cost at start-up (False: a flat cost, refined by real steps)
     tls_cert: str | None = None
@@ -106,10 +105,6 @@ class VerifierConfig:
     metrics_port: int | None = None
     # Plaintext gRPC health Check outside the request limit (serving.serve_health); None: not served.
     health_port: int | None = None
-
-
-class BadRequest(Exception):
-    pass
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -186,7 +181,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         try:
             generation = self._generation_request(request)
             self.engine.validate(generation)
-        except (BadRequest, ValueError) as error:
+        except ValueError as error:  # the engine's rules and the proto's shape: the client's to fix
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         span.set_attributes({"specdec.max_new_tokens": generation.max_new_tokens, "specdec.greedy": generation.sampling.greedy,
                              "specdec.k_requested": -1 if generation.num_speculative_tokens is None else generation.num_speculative_tokens})
@@ -231,39 +226,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         )
 
     def _generation_request(self, request) -> GenerationRequest:
-        config = self.config
+        """The proto as a GenerationRequest: only what the proto's shape decides (which prompt
+        field, chat) is checked here; every other rule is the engine's ``validate``."""
         has_ids = len(request.prompt_token_ids) > 0
         if request.prompt and has_ids:
-            raise BadRequest("set either prompt or prompt_token_ids, not both")
+            raise ValueError("set either prompt or prompt_token_ids, not both")
         if not request.prompt and not has_ids:
-            raise BadRequest("prompt is empty: set prompt (text) or prompt_token_ids")
+            raise ValueError("prompt is empty: set prompt (text) or prompt_token_ids")
         if has_ids and request.chat:
-            raise BadRequest("chat applies to a text prompt; prompt_token_ids are used as given")
-        if not 1 <= request.max_new_tokens <= config.max_new_tokens_limit:
-            raise BadRequest(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {request.max_new_tokens}")
-        for name in ("temperature", "top_p"):
-            value = getattr(request, name)
-            if not math.isfinite(value):
-                raise BadRequest(f"{name} must be a finite number, got {value}")
-        if request.temperature < 0:
-            raise BadRequest(f"temperature must be >= 0 (0 = greedy), got {request.temperature}")
-        if not 0 <= request.top_p <= 1:
-            raise BadRequest(f"top_p must be in [0, 1] (0 or 1 = off), got {request.top_p}")
-        if len(request.stop) > config.stop_strings_limit:
-            raise BadRequest(f"stop takes at most {config.stop_strings_limit} strings (--stop-strings-limit), got {len(request.stop)}")
-        for index, stop in enumerate(request.stop):
-            if not stop:
-                raise BadRequest(f"stop[{index}] is empty; stop strings must be non-empty")
-            if len(stop) > config.stop_string_length_limit:
-                raise BadRequest(
-                    f"stop[{index}] is {len(stop)} characters; at most {config.stop_string_length_limit} "
-                    "(--stop-string-length-limit)"
-                )
-        if request.HasField("num_speculative_tokens") and request.num_speculative_tokens > config.max_speculative_tokens:
-            raise BadRequest(
-                f"num_speculative_tokens must be in [0, {config.max_speculative_tokens}] (unset = adaptive), "
-                f"got {request.num_speculative_tokens}"
-            )
+            raise ValueError("chat applies to a text prompt; prompt_token_ids are used as given")
         tokenizer = self.engine.tokenizer
         if has_ids:
             prompt_ids = list(request.prompt_token_ids)
@@ -274,7 +245,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         sampling = SamplingParams(
             temperature=float(request.temperature),
             top_k=request.top_k,
-            top_p=float(request.top_p) if 0 < request.top_p < 1 else 1.0,
+            top_p=float(request.top_p),
             seed=request.seed if request.HasField("seed") else None,
         )
         k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
@@ -373,6 +344,8 @@ class VerifierServer:
         observer = ServiceObserver(self.servicer.tracing, self.servicer.metrics)
         engine_config = EngineConfig(
             max_speculative_tokens=config.max_speculative_tokens, max_batch_size=config.max_batch_size,
+            max_new_tokens_limit=config.max_new_tokens_limit, stop_strings_limit=config.stop_strings_limit,
+            stop_string_length_limit=config.stop_string_length_limit,
             max_sequence_tokens=config.max_sequence_tokens, prefill_chunk_tokens=config.prefill_chunk_tokens,
         )
         engine = SpeculativeEngine(loaded.model, loaded.tokenizer, self.drafter, engine_config, step_cost, observer.stage_spans)

@@ -256,14 +256,13 @@ def test_warp_probs_refuses_greedy_params():
 @pytest.mark.parametrize(
     "params, message",
     [
-        (SamplingParams(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
-        (SamplingParams(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
-        (SamplingParams(temperature=float("-inf")), "temperature must be a finite number >= 0, got -inf"),
-        (SamplingParams(temperature=-0.5), "temperature must be a finite number >= 0, got -0.5"),
-        (SamplingParams(temperature=1.0, top_p=float("nan")), r"top_p must be in \(0, 1\], got nan"),
-        (SamplingParams(temperature=1.0, top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
-        (SamplingParams(temperature=1.0, top_p=-0.1), r"top_p must be in \(0, 1\], got -0.1"),
-        (SamplingParams(temperature=1.0, top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+        (SamplingParams(temperature=float("nan")), r"temperature must be a finite number >= 0 \(below 1e-05 = greedy\), got nan"),
+        (SamplingParams(temperature=float("inf")), r"temperature must be a finite number >= 0 \(below 1e-05 = greedy\), got inf"),
+        (SamplingParams(temperature=float("-inf")), r"temperature must be a finite number >= 0 \(below 1e-05 = greedy\), got -inf"),
+        (SamplingParams(temperature=-0.5), r"temperature must be a finite number >= 0 \(below 1e-05 = greedy\), got -0.5"),
+        (SamplingParams(temperature=1.0, top_p=float("nan")), r"top_p must be in \[0, 1\] \(0 or 1 = off\), got nan"),
+        (SamplingParams(temperature=1.0, top_p=-0.1), r"top_p must be in \[0, 1\] \(0 or 1 = off\), got -0.1"),
+        (SamplingParams(temperature=1.0, top_p=1.5), r"top_p must be in \[0, 1\] \(0 or 1 = off\), got 1.5"),
         (SamplingParams(temperature=1.0, top_k=-1), "top_k must be >= 0, got -1"),
     ],
 )
@@ -278,10 +277,18 @@ def test_sampling_params_validate_rejects(params, message):
         SamplingParams(),  # greedy defaults
         SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=3),
         SamplingParams(temperature=1e-3, top_p=1e-9),  # tiny but legal values
+        SamplingParams(temperature=1.0, top_p=0.0),  # 0 = off (proto3's unset value)
     ],
 )
 def test_sampling_params_validate_accepts_boundary_values(params):
     params.validate()
+
+
+def test_top_p_zero_means_no_nucleus_filter():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    unfiltered = warp_probs(logits, SamplingParams(temperature=1.0, top_p=1.0))
+    torch.testing.assert_close(warp_probs(logits, SamplingParams(temperature=1.0, top_p=0.0)), unfiltered)
+    assert (unfiltered > 0).all()
 
 
 def test_sampling_params_greedy_means_temperature_below_the_sampling_floor():

@@ -46,8 +46,7 @@ from bench.workloads import Workload, service_prompts, workloads
 from drafter_service.ngram import NGramDrafter
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import GenerationRequest, SpeculativeEngine
-from verifier_service.model_loading import chat_prompt_ids
-from verifier_service.model_loading import DEFAULT_MODEL, load_model
+from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
 
 SPEC_KS = (1, 2, 3, 5, 8)
 ADAPTIVE = None  # num_speculative_tokens unset: the engine chooses per step

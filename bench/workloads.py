@@ -8,20 +8,19 @@ or summarises the input copies spans a drafter can find in the prompt.
 
 from __future__ import annotations
 
-import inspect
-import textwrap
-from dataclasses import dataclass
-
 import base64
 import calendar
 import colorsys
 import fnmatch
 import glob
 import html
+import inspect
 import pydoc_data.topics
 import shlex
 import statistics
 import string
+import textwrap
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ from pathlib import Path
 import grpc
 import lmdb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from grpc_reflection.v1alpha import reflection
 
 from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, ContextIndex, NGramConfig, NGramSource
 from drafter_service.store import MAX_OBSERVE_ID_BYTES, LMDBNGramStore, StoreConfig, StoreFormatError, StoreFull

@@ -134,11 +134,11 @@ import struct
 import threading
 import time
 from collections import Counter
-from itertools import chain
-from operator import itemgetter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter
 from typing import NamedTuple
 
 import lmdb

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 TINY_VOCAB = 64

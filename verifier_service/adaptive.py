@@ -48,7 +48,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Unverified buckets start at even odds, worth two observations: one
 # accepted or rejected token moves the estimate by a third.

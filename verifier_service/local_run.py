@@ -15,13 +15,13 @@ runs) and an open question.
 from __future__ import annotations
 
 import argparse
+import pydoc_data.topics
 import sys
 import textwrap
 import time
 from pathlib import Path
 
 import grpc
-import pydoc_data.topics
 
 from specdec.processes import DRAFTER_PORT_LINE, VERIFIER_PORT_LINE, start_process, stop_process, wait_for_serving
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc

@@ -16,9 +16,9 @@ from drafter_service.ngram import (
     InMemoryNGramTable,
     NGramConfig,
     NGramDrafter,
+    best_of,
     lookup_longest,
     most_frequent,
-    best_of,
     propose_chain,
 )
 

@@ -21,17 +21,18 @@ import threading
 
 import lmdb
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from drafter_service.ngram import SOURCE_GLOBAL, InMemoryNGramTable, NGramConfig, NGramDrafter
 from drafter_service.store import (
-    StoreFull,
     FILE_BYTES_PER_MAX_BYTE,
     UINT32_MAX,
     LMDBNGramStore,
     StoreConfig,
     StoreFormatError,
+    StoreFull,
     vocabulary_fingerprint,
 )
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import random
 import time
 
-from processes import ServiceProcess, free_port, wait_until_serving
-
 from drafter_service.store import LMDBNGramStore, StoreConfig
 from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
 from verifier_service.drafting import DraftRequest
+
+from processes import ServiceProcess, free_port, wait_until_serving
 
 VOCABULARY = "00112233445566aa"
 SEQUENCES = 16

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from processes import ServiceProcess, wait_until_serving
 
 from drafter_service.store import LMDBNGramStore, StoreConfig
 from specdec.v1 import drafter_pb2 as pb
 from specdec.v1 import drafter_pb2_grpc
+
+from processes import ServiceProcess, wait_until_serving
 
 TABLE_A, TABLE_B, TABLE_C = "00112233445566aa", "00112233445566bb", "00112233445566cc"
 DISK = "6m"

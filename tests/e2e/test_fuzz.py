@@ -30,12 +30,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from processes import ServiceProcess, wait_until_serving
 
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 from verifier_service.engine import reference_greedy
+
+from processes import ServiceProcess, wait_until_serving
 
 CALL_TIMEOUT_S = 60
 MAX_NEW_TOKENS_LIMIT = 40

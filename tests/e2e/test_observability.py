@@ -18,9 +18,10 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from processes import free_port, running, wait_until_serving
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
+
+from processes import free_port, running, wait_until_serving
 
 DEADLINE_S = 60  # upper bound on waiting for exports and scrapes; never a pass/fail threshold
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

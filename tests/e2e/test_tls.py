@@ -11,9 +11,10 @@ import time
 import grpc
 import pytest
 
-from processes import free_port, running
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
+
+from processes import free_port, running
 
 
 def self_signed(directory, name: str, subject_alt_name: str):

@@ -9,11 +9,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from faulty_link import FaultyLink
-from processes import ServiceProcess, free_port, wait_until_serving
 
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
+
+from faulty_link import FaultyLink
+from processes import ServiceProcess, free_port, wait_until_serving
 
 STREAMS = 16
 TOKENS = 1500

@@ -28,13 +28,14 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer
 
-from processes import ServiceProcess, free_port, running, wait_until_serving
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 from specdec.vocabulary import tokenizer_fingerprint
 from verifier_service.engine import reference_greedy
 from verifier_service.model_loading import chat_prompt_ids
+
+from processes import ServiceProcess, free_port, running, wait_until_serving
 
 SERVICE = "specdec.v1.Verifier"
 TINY_STARTUP_S = 120  # guards against a hang, not a speed requirement

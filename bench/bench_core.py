@@ -96,8 +96,7 @@ def run_fresh(engine: SpeculativeEngine, prompt_ids, max_new_tokens, k, repeated
 
 def methods(model, engines: dict, max_new_tokens, workload: Workload) -> dict[str, Callable]:
     table = {
-        method_name(k): (lambda ids, k=k: run_fresh(engines[k], ids, max_new_tokens, k, workload.repeated))
-        for k in (0, ADAPTIVE, *SPEC_KS)
+        method_name(k): (lambda ids, k=k: run_fresh(engines[k], ids, max_new_tokens, k, workload.repeated)) for k in (0, ADAPTIVE, *SPEC_KS)
     }
     table["hf-greedy"] = lambda ids: run_hf(model, ids, max_new_tokens)
     table.update({f"hf-pld-{k}": (lambda ids, k=k: run_hf(model, ids, max_new_tokens, k)) for k in PLD_KS})
@@ -162,12 +161,16 @@ def _print_workload(name, summary):
         extra = ""
         if "tokens_per_forward_pass" in row:
             extra = f"  acc={row['acceptance_rate']:.2f} mal={row['mean_accepted_length']:.2f} tpf={row['tokens_per_forward_pass']:.2f}"
-        print(f"{method:>11}: {row['tokens_per_s']:6.1f} tok/s  x{row['speedup_vs_plain']:.2f} plain  x{row['speedup_vs_hf_greedy']:.2f} hf{extra}")
+        print(
+            f"{method:>11}: {row['tokens_per_s']:6.1f} tok/s  x{row['speedup_vs_plain']:.2f} plain  "
+            f"x{row['speedup_vs_hf_greedy']:.2f} hf{extra}"
+        )
 
 
 def markdown_table(report) -> str:
     lines = [
-        "| workload | plain tok/s | adaptive tok/s | adaptive ×plain | best fixed K ×plain | adaptive / best fixed | ×hf greedy | ×best hf PLD | acceptance | tokens/pass |",
+        "| workload | plain tok/s | adaptive tok/s | adaptive ×plain | best fixed K ×plain | adaptive / best fixed "
+        "| ×hf greedy | ×best hf PLD | acceptance | tokens/pass |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, summary in report.items():
@@ -306,12 +309,19 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     # What padding and adaptive K decide from on this machine: kept as a record, never read back.
     cost = warm_engine.step_cost
-    (args.out / "step_cost.json").write_text(json.dumps({
-        "machine": platform.platform(), "torch_threads": torch.get_num_threads(),
-        "ms_by_tokens": {tokens: round(1000 * seconds, 2) for tokens, seconds in cost.points().items()},
-        "us_per_cached_token_read": round(1e6 * cost.per_context_token, 3),
-        "padding_by_tokens": {tokens: cost.padding(tokens) for tokens in range(1, 33) if cost.padding(tokens)},
-    }, indent=2) + "\n")
+    (args.out / "step_cost.json").write_text(
+        json.dumps(
+            {
+                "machine": platform.platform(),
+                "torch_threads": torch.get_num_threads(),
+                "ms_by_tokens": {tokens: round(1000 * seconds, 2) for tokens, seconds in cost.points().items()},
+                "us_per_cached_token_read": round(1e6 * cost.per_context_token, 3),
+                "padding_by_tokens": {tokens: cost.padding(tokens) for tokens in range(1, 33) if cost.padding(tokens)},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     meta = {
         "model": args.model,
         "max_new_tokens": args.max_new_tokens,

@@ -55,7 +55,8 @@ def corpus_tokens(limit: int) -> list[int]:
 def start(db: Path, *extra: str):
     process = subprocess.Popen(
         [sys.executable, "-m", "drafter_service", "--port", "0", "--db", str(db), *extra],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     line = process.stdout.readline()
     port = int(re.search(r":(\d+) ", line).group(1))
@@ -74,14 +75,20 @@ def propose_requests(tokens: list[int], steps: int, prefix: str):
     request per decoding step carrying each session's 1-3 newly accepted tokens."""
     sessions = [f"{prefix}-{i}" for i in range(BATCH)]
     positions = [i * 2000 + 512 for i in range(BATCH)]
-    yield pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[
-        pb.SequenceUpdate(session_id=s, new_tokens=tokens[p - 512 : p], open=True, num_draft_tokens=K)
-        for s, p in zip(sessions, positions)])
+    yield pb.ProposeRequest(
+        vocabulary=VOCABULARY,
+        sequences=[
+            pb.SequenceUpdate(session_id=s, new_tokens=tokens[p - 512 : p], open=True, num_draft_tokens=K)
+            for s, p in zip(sessions, positions)
+        ],
+    )
     for step in range(steps):
         new = [tokens[p : p + 1 + step % 3] for p in positions]
         positions = [p + len(n) for p, n in zip(positions, new)]
-        yield pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[
-            pb.SequenceUpdate(session_id=s, new_tokens=n, num_draft_tokens=K) for s, n in zip(sessions, new)])
+        yield pb.ProposeRequest(
+            vocabulary=VOCABULARY,
+            sequences=[pb.SequenceUpdate(session_id=s, new_tokens=n, num_draft_tokens=K) for s, n in zip(sessions, new)],
+        )
 
 
 def time_steps(call, requests) -> tuple[list[float], object]:
@@ -153,15 +160,20 @@ def bench_cold_start(db: Path, table_bytes: int, tokens: list[int]) -> dict:
     started = time.perf_counter()
     process, channel, stub = start(db, "--max-bytes", str(max_bytes))
     ready = time.perf_counter() - started
-    request = pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[
-        pb.SequenceUpdate(session_id="cold", new_tokens=tokens[:64], open=True, num_draft_tokens=K)])
+    request = pb.ProposeRequest(
+        vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="cold", new_tokens=tokens[:64], open=True, num_draft_tokens=K)]
+    )
     started = time.perf_counter()
     stub.Propose(request, timeout=30)
     first = time.perf_counter() - started
     process.terminate()
     process.wait(timeout=60)
-    return {"table_file_bytes": file_bytes, "fill_seconds": round(fill_seconds, 1),
-            "restart_to_ready_s": round(ready, 3), "first_propose_ms": round(1000 * first, 3)}
+    return {
+        "table_file_bytes": file_bytes,
+        "fill_seconds": round(fill_seconds, 1),
+        "restart_to_ready_s": round(ready, 3),
+        "first_propose_ms": round(1000 * first, 3),
+    }
 
 
 def median_run(runs: list[dict], measure) -> dict:

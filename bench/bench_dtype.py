@@ -86,8 +86,11 @@ def main(argv=None) -> None:
     report = {dtype: measure(dtype, args.model, args.max_new_tokens) for dtype in args.dtypes}
     cpu = torch.device("cpu")
     meta = {
-        "model": args.model, "max_new_tokens": args.max_new_tokens, "machine": platform.platform(),
-        "native_bfloat16": has_fast_bfloat16(cpu), "auto_picks": str(resolve_dtype("auto", cpu)),
+        "model": args.model,
+        "max_new_tokens": args.max_new_tokens,
+        "machine": platform.platform(),
+        "native_bfloat16": has_fast_bfloat16(cpu),
+        "auto_picks": str(resolve_dtype("auto", cpu)),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "dtype.json").write_text(json.dumps({"meta": meta, "dtypes": report}, indent=2) + "\n")

@@ -42,7 +42,10 @@ def llama_cpp(draft: bool):
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     return Llama(
-        model_path=str(find_default_gguf()), n_ctx=4096, n_threads=os.cpu_count(), verbose=False,
+        model_path=str(find_default_gguf()),
+        n_ctx=4096,
+        n_threads=os.cpu_count(),
+        verbose=False,
         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PLD_TOKENS) if draft else None,
     )
 

@@ -104,8 +104,12 @@ class Phase:
         ms = [1000 * s for s in self.latencies_s]
         errors = {name: count for name, count in self.outcomes.items() if name not in ("OK", REFUSED.name)}
         return {
-            "phase": self.name, "clients": self.clients, "seconds": self.seconds,
-            "completed": self.outcomes["OK"], "refused": self.outcomes[REFUSED.name], "errors": errors,
+            "phase": self.name,
+            "clients": self.clients,
+            "seconds": self.seconds,
+            "completed": self.outcomes["OK"],
+            "refused": self.outcomes[REFUSED.name],
+            "errors": errors,
             "p50_ms": round(percentile(ms, 0.5), 1) if ms else None,
             "p99_ms": round(percentile(ms, 0.99), 1) if ms else None,
         }
@@ -123,13 +127,17 @@ def main(argv: list[str] | None = None) -> None:
     prompts = service_prompts("grounded") + service_prompts("open_ended")
     with tempfile.TemporaryDirectory(prefix="bench-load-") as scratch:
         drafter_port = free_port()
-        drafter, _ = start_process("drafter", ["drafter_service", "--port", str(drafter_port), "--metrics-port", "-1",
-                                               "--db", str(Path(scratch) / "db")], DRAFTER_PORT_LINE)
+        drafter, _ = start_process(
+            "drafter",
+            ["drafter_service", "--port", str(drafter_port), "--metrics-port", "-1", "--db", str(Path(scratch) / "db")],
+            DRAFTER_PORT_LINE,
+        )
         verifier = None
         try:
             wait_for_serving(f"127.0.0.1:{drafter_port}")
             verifier, verifier_port = start_process(
-                "verifier", ["verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", f"127.0.0.1:{drafter_port}"],
+                "verifier",
+                ["verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", f"127.0.0.1:{drafter_port}"],
                 VERIFIER_PORT_LINE,
             )
             wait_for_serving(f"127.0.0.1:{verifier_port}")
@@ -139,8 +147,9 @@ def main(argv: list[str] | None = None) -> None:
 
             def generate(client: int, n: int) -> None:
                 prompt = prompts[(client + n * 7) % len(prompts)]
-                verifier_stub.Generate(pb.GenerateRequest(prompt=prompt, chat=True, max_new_tokens=args.max_new_tokens),
-                                       timeout=REQUEST_TIMEOUT_S)
+                verifier_stub.Generate(
+                    pb.GenerateRequest(prompt=prompt, chat=True, max_new_tokens=args.max_new_tokens), timeout=REQUEST_TIMEOUT_S
+                )
 
             # The default model's tokenizer names the drafter's table, as the verifier's does.
             vocabulary = tokenizer_fingerprint(AutoTokenizer.from_pretrained(resolve_model_path(DEFAULT_MODEL)))
@@ -152,15 +161,20 @@ def main(argv: list[str] | None = None) -> None:
                 if n % 3 == 2:
                     drafter_stub.CloseSessions(drafter_pb2.CloseSessionsRequest(vocabulary=vocabulary, session_ids=[session]), timeout=10)
                     return
-                update = drafter_pb2.SequenceUpdate(session_id=session, new_tokens=tokens if n % 3 == 0 else [tokens[0]],
-                                                    open=n % 3 == 0, num_draft_tokens=8)
+                update = drafter_pb2.SequenceUpdate(
+                    session_id=session, new_tokens=tokens if n % 3 == 0 else [tokens[0]], open=n % 3 == 0, num_draft_tokens=8
+                )
                 drafter_stub.Propose(drafter_pb2.ProposeRequest(vocabulary=vocabulary, sequences=[update]), timeout=10)
 
             def observe(client: int, n: int) -> None:
-                drafter_stub.Observe(drafter_pb2.ObserveRequest(
-                    vocabulary=vocabulary, observe_id=f"load-{client}-{n}",
-                    sequences=[drafter_pb2.TokenSequence(tokens=contexts[(client + n) % len(contexts)][:600])],
-                ), timeout=30)
+                drafter_stub.Observe(
+                    drafter_pb2.ObserveRequest(
+                        vocabulary=vocabulary,
+                        observe_id=f"load-{client}-{n}",
+                        sequences=[drafter_pb2.TokenSequence(tokens=contexts[(client + n) % len(contexts)][:600])],
+                    ),
+                    timeout=30,
+                )
 
             generate(0, 0)  # warm-up
             phases = [
@@ -195,9 +209,11 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|---:|---:|---|---:|---:|---|---|---|")
     for r in results:
         before, after = r["memory_mb_before"], r["memory_mb_after"]
-        print(f"| {r['phase']} | {r['clients']} | {r['completed']} | {r['refused']} | {r['errors'] or 0} | {r['p50_ms']:.0f} "
-              f"| {r['p99_ms']:.0f} | {before['verifier']['anon']} → {after['verifier']['anon']} "
-              f"| {before['drafter']['anon']} → {after['drafter']['anon']} | {before['drafter']['file']} → {after['drafter']['file']} |")
+        print(
+            f"| {r['phase']} | {r['clients']} | {r['completed']} | {r['refused']} | {r['errors'] or 0} | {r['p50_ms']:.0f} "
+            f"| {r['p99_ms']:.0f} | {before['verifier']['anon']} → {after['verifier']['anon']} "
+            f"| {before['drafter']['anon']} → {after['drafter']['anon']} | {before['drafter']['file']} → {after['drafter']['file']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -215,7 +215,8 @@ class Drafter:
         self.generation += 1
         db = self.root / f"db-{self.generation}"
         self.process, _ = start_process(
-            "drafter", ["drafter_service", "--port", str(self.port), "--metrics-port", "-1", "--db", str(db)], DRAFTER_PORT_LINE)
+            "drafter", ["drafter_service", "--port", str(self.port), "--metrics-port", "-1", "--db", str(db)], DRAFTER_PORT_LINE
+        )
         wait_for_serving(f"127.0.0.1:{self.port}")
 
     def stop(self) -> None:
@@ -260,8 +261,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             drafter.restart_empty()
             verifier, verifier_port = start_process(
-                "verifier", ["verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", f"127.0.0.1:{drafter.port}"],
-                VERIFIER_PORT_LINE)
+                "verifier",
+                ["verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", f"127.0.0.1:{drafter.port}"],
+                VERIFIER_PORT_LINE,
+            )
             wait_for_serving(f"127.0.0.1:{verifier_port}")
             cells = run_benchmark(f"127.0.0.1:{verifier_port}", verifier.pid, drafter, args)
         finally:
@@ -269,8 +272,13 @@ def main(argv: list[str] | None = None) -> None:
                 stop_process(verifier)
             drafter.stop()
     report = {
-        "config": {"clients": args.clients, "max_new_tokens": args.max_new_tokens,
-                   "requests_per_client": args.requests_per_client, "greedy": True, "chat": True},
+        "config": {
+            "clients": args.clients,
+            "max_new_tokens": args.max_new_tokens,
+            "requests_per_client": args.requests_per_client,
+            "greedy": True,
+            "chat": True,
+        },
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "cells": cells,
     }

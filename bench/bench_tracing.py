@@ -57,11 +57,15 @@ def run_config(name: str, endpoint: str | None, db: Path, prompts, args) -> dict
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_SERVICE_NAME="specdec-verifier")
     metrics_port = free_port()
     drafter, drafter_port = start_process(
-        "drafter", ["drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(db)], DRAFTER_PORT_LINE)
+        "drafter", ["drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(db)], DRAFTER_PORT_LINE
+    )
     try:
         process, port = start_process(
-            "verifier", ["verifier_service", "--port", "0", "--metrics-port", str(metrics_port), "--drafter", f"127.0.0.1:{drafter_port}"],
-            VERIFIER_PORT_LINE, env=env)
+            "verifier",
+            ["verifier_service", "--port", "0", "--metrics-port", str(metrics_port), "--drafter", f"127.0.0.1:{drafter_port}"],
+            VERIFIER_PORT_LINE,
+            env=env,
+        )
     except BaseException:
         stop_process(drafter)
         raise
@@ -103,7 +107,12 @@ def main(argv: list[str] | None = None) -> None:
                     runs.append(run_config(name, endpoints[name], Path(tmp) / f"db-{name}-{round_}", prompts, args))
         finally:
             collector.stop(0)
-    report = {"requests_per_run": args.requests, "max_new_tokens": args.max_new_tokens, "spans_received_live": receiver.spans, "configs": {}}
+    report = {
+        "requests_per_run": args.requests,
+        "max_new_tokens": args.max_new_tokens,
+        "spans_received_live": receiver.spans,
+        "configs": {},
+    }
     for name in CONFIGS:
         latencies = [s for run in runs if run["config"] == name for s in run["latencies_s"]]
         report["configs"][name] = {

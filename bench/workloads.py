@@ -48,8 +48,7 @@ def workloads() -> list[Workload]:
         Workload(
             "repetitive",
             (
-                "Repeat the following sentence ten times, one per line: "
-                "The quick brown fox jumps over the lazy dog.",
+                "Repeat the following sentence ten times, one per line: " "The quick brown fox jumps over the lazy dog.",
                 "Write the list of the days of the week three times, one list per line.",
             ),
             grounded=False,
@@ -57,11 +56,9 @@ def workloads() -> list[Workload]:
         Workload(
             "code_edit",
             (
-                "Rewrite this Python function with the parameter `data` renamed to `values`. "
-                "Output only the code.\n\n" + code_a,
+                "Rewrite this Python function with the parameter `data` renamed to `values`. " "Output only the code.\n\n" + code_a,
                 "Add type hints to this Python function. Output only the code.\n\n" + code_b,
-                "Rewrite this Python function with the parameter `predicate` renamed to `keep`. "
-                "Output only the code.\n\n" + code_c,
+                "Rewrite this Python function with the parameter `predicate` renamed to `keep`. " "Output only the code.\n\n" + code_c,
             ),
             grounded=True,
         ),
@@ -98,27 +95,86 @@ def workloads() -> list[Workload]:
 # request must be new: a repeated prompt would be drafted from its earlier
 # answer and flatter speculation.
 SERVICE_FUNCTIONS = (
-    statistics.median, statistics.median_low, statistics.median_high, statistics.mode, shlex.join, shlex.quote,
-    textwrap.indent, textwrap.shorten, textwrap.fill, fnmatch.fnmatch, fnmatch.filter, string.capwords,
-    calendar.isleap, calendar.leapdays, colorsys.rgb_to_hsv, colorsys.hsv_to_rgb, colorsys.rgb_to_hls,
-    colorsys.hls_to_rgb, glob.escape, html.escape, base64.urlsafe_b64encode,
+    statistics.median,
+    statistics.median_low,
+    statistics.median_high,
+    statistics.mode,
+    shlex.join,
+    shlex.quote,
+    textwrap.indent,
+    textwrap.shorten,
+    textwrap.fill,
+    fnmatch.fnmatch,
+    fnmatch.filter,
+    string.capwords,
+    calendar.isleap,
+    calendar.leapdays,
+    colorsys.rgb_to_hsv,
+    colorsys.hsv_to_rgb,
+    colorsys.rgb_to_hls,
+    colorsys.hls_to_rgb,
+    glob.escape,
+    html.escape,
+    base64.urlsafe_b64encode,
 )
 SERVICE_DOC_TOPICS = (
-    "assert", "pass", "break", "continue", "return", "del", "global", "if", "while", "for", "try", "with",
-    "import", "raise", "lambda", "nonlocal", "yield", "assignment", "augassign", "booleans", "comparisons",
+    "assert",
+    "pass",
+    "break",
+    "continue",
+    "return",
+    "del",
+    "global",
+    "if",
+    "while",
+    "for",
+    "try",
+    "with",
+    "import",
+    "raise",
+    "lambda",
+    "nonlocal",
+    "yield",
+    "assignment",
+    "augassign",
+    "booleans",
+    "comparisons",
 )
 SERVICE_SUBJECTS = (
-    "a lighthouse keeper", "a lost robot", "a baker in Lisbon", "a retired astronaut", "a stubborn goat",
-    "a night-shift nurse", "a chess prodigy", "a clockmaker", "a city fox", "a shy dragon", "a beekeeper",
-    "a tram driver", "a violin maker", "a desert botanist", "a deep-sea diver", "a village librarian",
+    "a lighthouse keeper",
+    "a lost robot",
+    "a baker in Lisbon",
+    "a retired astronaut",
+    "a stubborn goat",
+    "a night-shift nurse",
+    "a chess prodigy",
+    "a clockmaker",
+    "a city fox",
+    "a shy dragon",
+    "a beekeeper",
+    "a tram driver",
+    "a violin maker",
+    "a desert botanist",
+    "a deep-sea diver",
+    "a village librarian",
 )
 SERVICE_QUESTIONS = (
-    "Explain why the sky is blue", "Explain how a rainbow forms", "Explain why we have seasons",
-    "Explain how bees make honey", "Explain why the sea is salty", "Explain how a fridge keeps food cold",
-    "Explain why leaves change colour in autumn", "Explain how airplanes stay in the air",
-    "Explain why ice floats", "Explain how the moon causes tides", "Explain why cats purr",
-    "Explain how a compass works", "Explain why bread rises", "Explain how volcanoes erupt",
-    "Explain why we dream", "Explain how soap cleans hands",
+    "Explain why the sky is blue",
+    "Explain how a rainbow forms",
+    "Explain why we have seasons",
+    "Explain how bees make honey",
+    "Explain why the sea is salty",
+    "Explain how a fridge keeps food cold",
+    "Explain why leaves change colour in autumn",
+    "Explain how airplanes stay in the air",
+    "Explain why ice floats",
+    "Explain how the moon causes tides",
+    "Explain why cats purr",
+    "Explain how a compass works",
+    "Explain why bread rises",
+    "Explain how volcanoes erupt",
+    "Explain why we dream",
+    "Explain how soap cleans hands",
 )
 
 
@@ -128,11 +184,14 @@ def service_prompts(kind: str) -> tuple[str, ...]:
     if kind == "grounded":
         code = [
             "Rewrite this Python function with its first parameter renamed to `value`. Output only the code.\n\n"
-            + _function_source(function) for function in SERVICE_FUNCTIONS
+            + _function_source(function)
+            for function in SERVICE_FUNCTIONS
         ]
         docs = [
-            "Here is documentation from the Python reference:\n\n" + _doc_paragraphs(topic, 3)
-            + "\n\nQuote its first two sentences word for word." for topic in SERVICE_DOC_TOPICS
+            "Here is documentation from the Python reference:\n\n"
+            + _doc_paragraphs(topic, 3)
+            + "\n\nQuote its first two sentences word for word."
+            for topic in SERVICE_DOC_TOPICS
         ]
         return tuple(prompt for pair in zip(code, docs) for prompt in pair)
     if kind == "open_ended":

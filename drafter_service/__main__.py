@@ -30,17 +30,22 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
     parser.add_argument("--session-idle-timeout", type=float, default=float(env("session_idle_timeout", defaults.session_idle_timeout_s)))
     for name, help_text in LIMITS:
         parser.add_argument(
-            "--" + name.replace("_", "-"), type=int, default=int(env(name, getattr(defaults, name))),
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=int(env(name, getattr(defaults, name))),
             help=f"{help_text} ({ENV_PREFIX}{name.upper()}; default {getattr(defaults, name)})",
         )
     parser.add_argument(
-        "--admin-port", type=int, default=_optional_int(env("admin_port", defaults.admin_port)),
+        "--admin-port",
+        type=int,
+        default=_optional_int(env("admin_port", defaults.admin_port)),
         help="serve Stats and Backup on this port only (0: a free one), on --admin-host (SPECDEC_DRAFTER_ADMIN_PORT; "
-             "default: on the main port)",
+        "default: on the main port)",
     )
     parser.add_argument("--admin-host", default=env("admin_host", defaults.admin_host), help="address of the admin port")
     parser.add_argument(
-        "--backup-dir", default=env("backup_dir", defaults.backup_dir),
+        "--backup-dir",
+        default=env("backup_dir", defaults.backup_dir),
         help="directory the Backup RPC writes into, outside --db (SPECDEC_DRAFTER_BACKUP_DIR; default: Backup refused)",
     )
     add_serving_flags(parser, ENV_PREFIX, DEFAULT_METRICS_PORT)
@@ -54,9 +59,16 @@ def parse_config(argv: list[str] | None = None) -> DrafterConfig:
         parser.error(f"--max-bytes must be at least 65536, got {args.max_bytes}")
     try:
         return DrafterConfig(
-            port=args.port, host=args.host, db=args.db, max_bytes=args.max_bytes, ngram=ngram,
-            grace_s=args.grace, session_idle_timeout_s=args.session_idle_timeout, backup_dir=args.backup_dir or None,
-            admin_port=args.admin_port, admin_host=args.admin_host,
+            port=args.port,
+            host=args.host,
+            db=args.db,
+            max_bytes=args.max_bytes,
+            ngram=ngram,
+            grace_s=args.grace,
+            session_idle_timeout_s=args.session_idle_timeout,
+            backup_dir=args.backup_dir or None,
+            admin_port=args.admin_port,
+            admin_host=args.admin_host,
             **{name: getattr(args, name) for name, _ in LIMITS},
             **serving,
         )

@@ -48,8 +48,11 @@ def check_table(path: Path) -> tuple[str | None, int, int | None]:
             meta = env.open_db(b"meta", txn=txn, create=False)
             version = txn.get(_META_VERSION, db=meta)
             if version not in (bytes((FORMAT_VERSION,)), bytes((MIGRATED_FORMAT_VERSION,))):
-                return (f"format version {version!r}; this code reads {MIGRATED_FORMAT_VERSION} (migrating it) "
-                        f"and {FORMAT_VERSION}"), 0, None
+                return (
+                    (f"format version {version!r}; this code reads {MIGRATED_FORMAT_VERSION} (migrating it) " f"and {FORMAT_VERSION}"),
+                    0,
+                    None,
+                )
             ngrams = env.open_db(b"ngrams", txn=txn, create=False)
             coldness = env.open_db(b"coldness", txn=txn, create=False)
             records = 0
@@ -80,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         if entry.is_dir() and VOCABULARY_PATTERN.fullmatch(entry.name):
             problem, records, version = check_table(entry)
             if problem is None and version != FORMAT_VERSION:
-                print(f"{entry.name}: ok, format {version}: the drafter migrates it to {FORMAT_VERSION} when it opens it "
-                      f"(its observe ids are dropped), {records} n-grams")
+                print(
+                    f"{entry.name}: ok, format {version}: the drafter migrates it to {FORMAT_VERSION} when it opens it "
+                    f"(its observe ids are dropped), {records} n-grams"
+                )
             elif problem is None:
                 print(f"{entry.name}: ok, format {FORMAT_VERSION} (current), {records} n-grams")
             else:

@@ -257,9 +257,7 @@ class NGramDrafter:
 
     def __init__(self, config: NGramConfig | None = None, global_table: NGramSource | None = None) -> None:
         self.config = config or NGramConfig()
-        self.global_table = global_table if global_table is not None else InMemoryNGramTable(
-            self.config.n_min, self.config.n_max
-        )
+        self.global_table = global_table if global_table is not None else InMemoryNGramTable(self.config.n_min, self.config.n_max)
         self._sessions: dict[str, ContextIndex] = {}
 
     def open(self, session_id: str, prompt_ids: Sequence[int]) -> None:

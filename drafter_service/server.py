@@ -251,7 +251,9 @@ class StoreRegistry:
             if not (existing.is_dir() and VOCABULARY_PATTERN.fullmatch(existing.name)):
                 continue
             if _half_made(existing):
-                log.warning("table %s was never completed (its creation was cut short, a full disk?): removed, it held nothing", existing.name)
+                log.warning(
+                    "table %s was never completed (its creation was cut short, a full disk?): removed, it held nothing", existing.name
+                )
                 shutil.rmtree(existing)
                 continue
             try:
@@ -265,8 +267,13 @@ class StoreRegistry:
         aside = table.with_name(f"{table.name}.quarantined-{time.strftime('%Y%m%dT%H%M%S')}")
         table.rename(aside)
         self.quarantined.append(aside.name)
-        log.error("table %s cannot be served (%s); moved aside to %s, serving the others. "
-                  "python -m drafter_service.check --db %s says more", table.name, error, aside.name, self.root)
+        log.error(
+            "table %s cannot be served (%s); moved aside to %s, serving the others. " "python -m drafter_service.check --db %s says more",
+            table.name,
+            error,
+            aside.name,
+            self.root,
+        )
 
     def find(self, vocabulary: str) -> LMDBNGramStore | None:
         return self._stores.get(vocabulary)
@@ -565,7 +572,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.registry = CollectorRegistry()
         self.registry.register(_DrafterCollector(self))
         self.propose_seconds = Histogram(
-            "specdec_drafter_propose_seconds", "Server-side Propose latency", registry=self.registry,
+            "specdec_drafter_propose_seconds",
+            "Server-side Propose latency",
+            registry=self.registry,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
         )
         self.sessions: dict[str, _Session] = {}
@@ -573,8 +582,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.lock = threading.Lock()
         self.counters = dict.fromkeys(
             (
-                "propose_calls", "proposed_tokens", "context_hits", "global_hits", "misses", "observed_tokens",
-                "context_verified", "context_accepted", "global_verified", "global_accepted",
+                "propose_calls",
+                "proposed_tokens",
+                "context_hits",
+                "global_hits",
+                "misses",
+                "observed_tokens",
+                "context_verified",
+                "context_accepted",
+                "global_verified",
+                "global_accepted",
             ),
             0,
         )
@@ -799,15 +816,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.stores.disk.refusal())
         store = self._table(request.vocabulary, context)
         items = [
-            _Pending(store, f"{request.observe_id}/{index}", list(sequence.tokens))
-            for index, sequence in enumerate(request.sequences)
+            _Pending(store, f"{request.observe_id}/{index}", list(sequence.tokens)) for index, sequence in enumerate(request.sequences)
         ]
         self._commit(items, context)
         with self.lock:
             self.counters["observed_tokens"] += sum(len(item.tokens) for item in items if item.applied)
         applied = sum(item.applied for item in items)
         return drafter_pb2.ObserveResponse(
-            applied=bool(applied) or not items, applied_sequences=applied, duplicate_sequences=len(items) - applied,
+            applied=bool(applied) or not items,
+            applied_sequences=applied,
+            duplicate_sequences=len(items) - applied,
         )
 
     def CloseSessions(self, request, context):
@@ -855,7 +873,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 context.abort(
                     grpc.StatusCode.UNAVAILABLE,
                     f"{sum(item.error is not None for item in items)} of {len(items)} sequences were not stored: the table has "
-                    "no room now (a long-lived reader holds old pages); retry with the same observe_id, the stored ones are not counted twice",
+                    "no room now (a long-lived reader holds old pages); retry with the same observe_id, "
+                    "the stored ones are not counted twice",
                 )
             if item.error is not None:
                 context.abort(grpc.StatusCode.INTERNAL, f"could not store the observation: {item.error}")
@@ -893,7 +912,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 f"destination must be a plain name of 1-128 letters, digits, '.', '_' or '-' (not starting with "
                 f"'.', '_' or '-'), got {request.destination[:200]!r}; the backup goes into the drafter's backup directory",
             )
-            _check(self.stores.find(request.vocabulary) is not None, f"no table for vocabulary {request.vocabulary}", grpc.StatusCode.NOT_FOUND)
+            _check(
+                self.stores.find(request.vocabulary) is not None, f"no table for vocabulary {request.vocabulary}", grpc.StatusCode.NOT_FOUND
+            )
         except InvalidRequest as invalid:
             context.abort(invalid.code, str(invalid))
         destination = Path(self.config.backup_dir) / request.destination
@@ -937,13 +958,22 @@ class _DrafterCollector:
             ("observed_tokens", "Tokens observed into the global table"),
         ):
             yield _counter(prefix + name, help_text, {(): counters[name]})
-        yield _counter(prefix + "proposed_tokens", "Draft tokens proposed, by source",
-                       {("context",): counters["context_hits"], ("global",): counters["global_hits"]}, ["source"])
+        yield _counter(
+            prefix + "proposed_tokens",
+            "Draft tokens proposed, by source",
+            {("context",): counters["context_hits"], ("global",): counters["global_hits"]},
+            ["source"],
+        )
         for verdict in ("verified", "accepted"):
-            yield _counter(prefix + f"{verdict}_tokens", f"Draft tokens the verifier reported {verdict}, by source",
-                           {(source,): counters[f"{source}_{verdict}"] for source in ("context", "global")}, ["source"])
-        yield _counter(prefix + "dropped_spans", "Trace spans dropped (collector down or queue full)",
-                       {(): self.servicer.tracing.dropped_spans})
+            yield _counter(
+                prefix + f"{verdict}_tokens",
+                f"Draft tokens the verifier reported {verdict}, by source",
+                {(source,): counters[f"{source}_{verdict}"] for source in ("context", "global")},
+                ["source"],
+            )
+        yield _counter(
+            prefix + "dropped_spans", "Trace spans dropped (collector down or queue full)", {(): self.servicer.tracing.dropped_spans}
+        )
         quarantined = GaugeMetricFamily(prefix + "quarantined_tables", "Tables moved aside at start-up as unservable")
         quarantined.add_metric([], len(self.servicer.stores.quarantined))
         yield quarantined
@@ -1054,7 +1084,9 @@ def create_server(config: DrafterConfig) -> DrafterServer:
         port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key, config.tls_client_ca)
         if config.admin_port is not None:
             admin_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=options)
-            admin_port = serving.bind(admin_server, config.admin_host, config.admin_port, config.tls_cert, config.tls_key, config.tls_client_ca)
+            admin_port = serving.bind(
+                admin_server, config.admin_host, config.admin_port, config.tls_cert, config.tls_key, config.tls_client_ca
+            )
     except BaseException:
         stores.close()
         raise

@@ -321,9 +321,7 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         if len(self.namespace) != NAMESPACE_BYTES:
-            raise ValueError(
-                f"namespace must be {NAMESPACE_BYTES} bytes (vocabulary_fingerprint), got {len(self.namespace)}"
-            )
+            raise ValueError(f"namespace must be {NAMESPACE_BYTES} bytes (vocabulary_fingerprint), got {len(self.namespace)}")
         if not 1 <= self.n_min <= self.n_max <= MAX_N:
             raise ValueError(f"need 1 <= n_min <= n_max <= {MAX_N}, got n_min={self.n_min}, n_max={self.n_max}")
         if self.max_continuations > MAX_CONTINUATIONS:
@@ -335,8 +333,7 @@ class StoreConfig:
             raise ValueError("decay_shift_per_epoch and dedup_window_hours must be >= 0")
         if not 0.0 < self.low_water_fraction <= self.high_water_fraction <= 1.0:
             raise ValueError(
-                f"need 0 < low_water_fraction <= high_water_fraction <= 1, "
-                f"got {self.low_water_fraction}, {self.high_water_fraction}"
+                f"need 0 < low_water_fraction <= high_water_fraction <= 1, " f"got {self.low_water_fraction}, {self.high_water_fraction}"
             )
         if self.map_size is not None and self.map_size < self.max_bytes:
             raise ValueError(f"map_size {self.map_size} is below max_bytes {self.max_bytes}")
@@ -518,9 +515,7 @@ class LMDBNGramStore:
         self.config = config
         self._write_lock = threading.Lock()
         # n -> (key prefix, packer for n tokens): built once, used by every lookup.
-        self._key_packers = {
-            n: (config.namespace + bytes((n,)), struct.Struct(f">{n}I")) for n in range(config.n_min, config.n_max + 1)
-        }
+        self._key_packers = {n: (config.namespace + bytes((n,)), struct.Struct(f">{n}I")) for n in range(config.n_min, config.n_max + 1)}
         os.makedirs(config.path, exist_ok=True)
         problem = file_problem(config.path)
         if problem is not None:
@@ -663,12 +658,15 @@ class LMDBNGramStore:
                 dropped += 1
             self._write_meta(txn, meta)
             txn.put(_META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
-            log.warning("%s: migrated store format %d to %d (dropped %d observe ids kept by epoch)",
-                        self.config.path, MIGRATED_FORMAT_VERSION, FORMAT_VERSION, dropped)
-        elif version != bytes((FORMAT_VERSION,)):
-            raise StoreFormatError(
-                f"{self.config.path} has store format version {version[0]}; this code reads version {FORMAT_VERSION}"
+            log.warning(
+                "%s: migrated store format %d to %d (dropped %d observe ids kept by epoch)",
+                self.config.path,
+                MIGRATED_FORMAT_VERSION,
+                FORMAT_VERSION,
+                dropped,
             )
+        elif version != bytes((FORMAT_VERSION,)):
+            raise StoreFormatError(f"{self.config.path} has store format version {version[0]}; this code reads version {FORMAT_VERSION}")
 
     def _read_meta(self, txn: lmdb.Transaction) -> _Meta:
         def get(key: bytes, layout: struct.Struct) -> int:
@@ -712,7 +710,9 @@ class LMDBNGramStore:
         if len(observations) == 1:
             log.error(
                 "an observation of %d tokens does not fit in the %d-byte map now; refused (a long-lived reader keeps "
-                "freed pages from reuse, or the observation is too large)", len(observations[0].tokens), self.config.map_size_bytes,
+                "freed pages from reuse, or the observation is too large)",
+                len(observations[0].tokens),
+                self.config.map_size_bytes,
             )
             raise StoreFull("the table has no room for this observation now", [None])
         results: list[bool | None] = []
@@ -843,9 +843,7 @@ class LMDBNGramStore:
             if removed < chunk:
                 return
 
-    def _evict(
-        self, txn: lmdb.Transaction, meta: _Meta, target_bytes: int, limit: int, ceiling_bytes: int | None
-    ) -> int:
+    def _evict(self, txn: lmdb.Transaction, meta: _Meta, target_bytes: int, limit: int, ceiling_bytes: int | None) -> int:
         """Evict coldest-first while above ``target_bytes``: ``limit`` records, more while above the ceiling."""
 
         def more() -> bool:

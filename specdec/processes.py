@@ -98,5 +98,3 @@ def wait_for_serving(target: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{target} not SERVING after {timeout_s} s")
             time.sleep(0.5)
-
-

@@ -23,8 +23,9 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def bind(server: grpc.Server, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None,
-         tls_client_ca: str | None = None) -> int:
+def bind(
+    server: grpc.Server, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None
+) -> int:
     """Add the listening port (TLS when a certificate and key are given; mutual TLS,
     requiring a client certificate that ``tls_client_ca`` signed, when that is given too);
     returns the bound port."""
@@ -69,8 +70,9 @@ def serve_health(source: health.HealthServicer, host: str, port: int) -> tuple[g
     return server, bound
 
 
-def channel(target: str, tls_ca: str | None = None, options: list[tuple[str, object]] = (),
-            tls_cert: str | None = None, tls_key: str | None = None) -> grpc.Channel:
+def channel(
+    target: str, tls_ca: str | None = None, options: list[tuple[str, object]] = (), tls_cert: str | None = None, tls_key: str | None = None
+) -> grpc.Channel:
     """A channel to a peer service: TLS, trusting ``tls_ca``, when one is given, presenting
     the client certificate ``tls_cert``/``tls_key`` when given (mutual TLS); ``options`` add to CHANNEL_OPTIONS."""
     options = CHANNEL_OPTIONS + list(options)
@@ -95,15 +97,28 @@ def env_default(prefix: str, name: str, default):
 
 def add_serving_flags(parser: argparse.ArgumentParser, env_prefix: str, default_metrics_port: int) -> None:
     """The flags every service has: its /metrics and health ports and its TLS certificate and key."""
-    parser.add_argument("--metrics-port", type=int, default=int(env_default(env_prefix, "metrics_port", default_metrics_port)),
-                        help="Prometheus /metrics port (0: a free one, -1: off)")
-    parser.add_argument("--health-port", type=int, default=int(env_default(env_prefix, "health_port", -1)),
-                        help="plaintext gRPC health service on threads of its own, answered at any load: for liveness and "
-                             "readiness probes (0: a free one; default -1: off, health on the service port only)")
-    parser.add_argument("--tls-cert", default=env_default(env_prefix, "tls_cert", None), help="PEM certificate: serve over TLS (with --tls-key)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env_default(env_prefix, "metrics_port", default_metrics_port)),
+        help="Prometheus /metrics port (0: a free one, -1: off)",
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=int(env_default(env_prefix, "health_port", -1)),
+        help="plaintext gRPC health service on threads of its own, answered at any load: for liveness and "
+        "readiness probes (0: a free one; default -1: off, health on the service port only)",
+    )
+    parser.add_argument(
+        "--tls-cert", default=env_default(env_prefix, "tls_cert", None), help="PEM certificate: serve over TLS (with --tls-key)"
+    )
     parser.add_argument("--tls-key", default=env_default(env_prefix, "tls_key", None))
-    parser.add_argument("--tls-client-ca", default=env_default(env_prefix, "tls_client_ca", None),
-                        help="PEM CA: require client certificates it signed (mutual TLS; needs --tls-cert)")
+    parser.add_argument(
+        "--tls-client-ca",
+        default=env_default(env_prefix, "tls_client_ca", None),
+        help="PEM CA: require client certificates it signed (mutual TLS; needs --tls-cert)",
+    )
 
 
 def serving_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
@@ -113,7 +128,9 @@ def serving_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.tls_client_ca and not args.tls_cert:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key: client certificates are checked over TLS only")
     return {
-        "tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_client_ca": args.tls_client_ca,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "tls_client_ca": args.tls_client_ca,
         "metrics_port": None if args.metrics_port < 0 else args.metrics_port,
         "health_port": None if args.health_port < 0 else args.health_port,
     }

@@ -14,8 +14,12 @@ DEFAULT_FUZZ_EXAMPLES = 60
 
 
 def pytest_addoption(parser):
-    parser.addoption("--fuzz-examples", type=int, default=DEFAULT_FUZZ_EXAMPLES,
-                     help=f"examples each fuzz test sends (default {DEFAULT_FUZZ_EXAMPLES}; thousands for a long run)")
+    parser.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=DEFAULT_FUZZ_EXAMPLES,
+        help=f"examples each fuzz test sends (default {DEFAULT_FUZZ_EXAMPLES}; thousands for a long run)",
+    )
 
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -59,14 +59,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
     parser.add_argument("--seed", type=non_negative_int, default=None, help="makes sampling reproducible")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--k", type=non_negative_int, default=None,
-                        help="draft tokens per step; 0 disables speculation; omitted: the server chooses")
+    parser.add_argument(
+        "--k", type=non_negative_int, default=None, help="draft tokens per step; 0 disables speculation; omitted: the server chooses"
+    )
     parser.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as raw text, without the chat template")
     parser.add_argument("--target", default=os.environ.get(TARGET_ENV, DEFAULT_TARGET), help=f"HOST:PORT (${TARGET_ENV})")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="deadline of the call, in seconds")
     parser.add_argument("--tls-ca", type=Path, default=None, help="root certificate (PEM); given: connect with TLS")
-    parser.add_argument("--tls-cert", type=Path, default=None,
-                        help="client certificate (PEM) for a server that requires one (mutual TLS; with --tls-key and --tls-ca)")
+    parser.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=None,
+        help="client certificate (PEM) for a server that requires one (mutual TLS; with --tls-key and --tls-ca)",
+    )
     parser.add_argument("--tls-key", type=Path, default=None)
     args = parser.parse_args(argv)
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -78,8 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     request = pb.GenerateRequest(
-        prompt=args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, stop=args.stop,
+        prompt=args.prompt,
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop,
     )
     # Optional fields are assigned only when given: unset means "server's choice"
     # for num_speculative_tokens, which is not the same as 0 (no speculation).

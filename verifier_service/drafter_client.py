@@ -129,11 +129,13 @@ class RemoteDrafter:
                 if session_id in self._sent:
                     self._closing.append(self._session(session_id))
                     del self._sent[session_id]
-                self._observations.append(drafter_pb2.ObserveRequest(
-                    vocabulary=self.config.vocabulary,
-                    observe_id=f"{self._instance}-{uuid.uuid4().hex}",
-                    sequences=[drafter_pb2.TokenSequence(tokens=tokens)],
-                ))
+                self._observations.append(
+                    drafter_pb2.ObserveRequest(
+                        vocabulary=self.config.vocabulary,
+                        observe_id=f"{self._instance}-{uuid.uuid4().hex}",
+                        sequences=[drafter_pb2.TokenSequence(tokens=tokens)],
+                    )
+                )
                 while len(self._observations) > self.config.max_pending_observations:
                     self._observations.popleft()
                     self.dropped_observations += 1
@@ -238,6 +240,6 @@ def _draft(message: drafter_pb2.SequenceDraft) -> ProposedDraft:
     columns = (message.sources, message.match_lengths, message.counts, message.totals)
     if any(len(column) != len(tokens) for column in columns):
         return ProposedDraft(tokens)
-    return ProposedDraft(tokens, [
-        DraftEvidence(_SOURCES.get(source, ""), match, count, total) for source, match, count, total in zip(*columns)
-    ])
+    return ProposedDraft(
+        tokens, [DraftEvidence(_SOURCES.get(source, ""), match, count, total) for source, match, count, total in zip(*columns)]
+    )

@@ -412,9 +412,9 @@ class SpeculativeEngine:
         for row in asking:
             sequence = row.sequence
             sequence.proposed = row.asked = True
-            requests.append(DraftRequest(
-                sequence.session_id, sequence.tokens, self._draft_budget(sequence), sequence.verified, sequence.accepted
-            ))
+            requests.append(
+                DraftRequest(sequence.session_id, sequence.tokens, self._draft_budget(sequence), sequence.verified, sequence.accepted)
+            )
         try:
             drafts = self.proposer.propose(requests)
         except Exception:  # drafts are an optimisation: the step goes on without them
@@ -446,7 +446,11 @@ class SpeculativeEngine:
             return
         context = _cache_reads(rows, [])
         plan = plan_verification(
-            survivals, base_tokens, base_expected, lambda tokens: self.step_cost.cheapest(tokens, context), prefill_tokens,
+            survivals,
+            base_tokens,
+            base_expected,
+            lambda tokens: self.step_cost.cheapest(tokens, context),
+            prefill_tokens,
         )
         for row, count in zip(adaptive, plan.counts):
             row.verify = count
@@ -573,8 +577,9 @@ class SpeculativeEngine:
 
     # -- helpers -------------------------------------------------------------
 
-    def _forward(self, decode_rows: list[tuple[int, list[int]]], segments: list[tuple[int, int, list[int]]],
-                 keep: list[int], pad: bool = False) -> torch.Tensor:
+    def _forward(
+        self, decode_rows: list[tuple[int, list[int]]], segments: list[tuple[int, int, list[int]]], keep: list[int], pad: bool = False
+    ) -> torch.Tensor:
         """Run the model over one packed step and return the logits of the ``keep`` positions [kept, vocab].
 
         decode_rows: (cached length, query tokens) for slots 0, 1, ...;
@@ -681,7 +686,8 @@ class SpeculativeEngine:
                 if sequence in self._prefilling:
                     self._prefilling.remove(sequence)
         return [
-            StepOutcome(sequence, [], error=sequence.error) if sequence.error is not None
+            StepOutcome(sequence, [], error=sequence.error)
+            if sequence.error is not None
             else StepOutcome(sequence, [], result=self._result(sequence))
             for sequence in finished
         ]
@@ -817,9 +823,12 @@ def calibrate_step_cost(engine: SpeculativeEngine, tokens: Sequence[int] = CALIB
             rows = _spread(count, slots, cached=columns)
             seconds = _best_time(engine, 2, rows, [], list(range(count)))
             per_context_token = max(0.0, (seconds - points[count]) / (len(rows) * columns))
-    log.info("step cost (tokens -> ms): %s; %.2f us per cached token read; linear layers as W @ x^T %s tokens",
-             {k: round(1000 * v, 1) for k, v in points.items()}, 1e6 * per_context_token,
-             f"up to {engine.kernels.up_to}" if engine.kernels is not None else "no")
+    log.info(
+        "step cost (tokens -> ms): %s; %.2f us per cached token read; linear layers as W @ x^T %s tokens",
+        {k: round(1000 * v, 1) for k, v in points.items()},
+        1e6 * per_context_token,
+        f"up to {engine.kernels.up_to}" if engine.kernels is not None else "no",
+    )
     return StepCostModel(points, per_context_token)
 
 

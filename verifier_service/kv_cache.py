@@ -277,8 +277,11 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
         queries = query[0][:, step.gather]  # [heads, rows, width, dim]
         queries = queries.permute(1, 0, 2, 3).reshape(rows, kv_heads, groups * width, dim)
         attended = F.scaled_dot_product_attention(
-            queries, keys[:rows, :, : step.columns], values[:rows, :, : step.columns],
-            attn_mask=step.decode_mask(groups, window), scale=scale,
+            queries,
+            keys[:rows, :, : step.columns],
+            values[:rows, :, : step.columns],
+            attn_mask=step.decode_mask(groups, window),
+            scale=scale,
         )  # [rows, kv_heads, groups * width, dim]
         attended = attended.view(rows, heads, width, dim)
         output[: step.decode_tokens] = attended[step.scatter_rows, :, step.scatter_queries]
@@ -287,8 +290,12 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
         mask = step.segment_mask(segment, window)
         attended = F.scaled_dot_product_attention(
             query[:, :, segment.start : segment.start + segment.length],
-            keys[segment.slot : segment.slot + 1, :, :end], values[segment.slot : segment.slot + 1, :, :end],
-            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=groups > 1,
+            keys[segment.slot : segment.slot + 1, :, :end],
+            values[segment.slot : segment.slot + 1, :, :end],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=groups > 1,
         )  # [1, heads, length, dim]
         output[segment.start : segment.start + segment.length] = attended[0].transpose(0, 1)
     return output[None], None

@@ -28,7 +28,8 @@ from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 
 SAMPLE_DOC = "\n\n".join(pydoc_data.topics.topics["assert"].split("\n\n")[:4])
 SAMPLE_PROMPTS = (
-    "Here is documentation from the Python reference:\n\n" + SAMPLE_DOC
+    "Here is documentation from the Python reference:\n\n"
+    + SAMPLE_DOC
     + "\n\nQuote the sentences that explain the extended form, word for word.",
     "What is speculative decoding in language models? Answer in two sentences.",
 )
@@ -62,9 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     processes = []
     try:
-        drafter, drafter_port = start_process("drafter", ["drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(args.data / "drafter")], DRAFTER_PORT_LINE)
+        drafter, drafter_port = start_process(
+            "drafter", ["drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(args.data / "drafter")], DRAFTER_PORT_LINE
+        )
         processes.append(drafter)
-        verifier, verifier_port = start_process("verifier", ["verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", f"127.0.0.1:{drafter_port}"], VERIFIER_PORT_LINE)
+        verifier, verifier_port = start_process(
+            "verifier",
+            ["verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", f"127.0.0.1:{drafter_port}"],
+            VERIFIER_PORT_LINE,
+        )
         processes.append(verifier)
         print(f"drafter on 127.0.0.1:{drafter_port}, verifier on 127.0.0.1:{verifier_port}; waiting for the model...", flush=True)
         wait_for_serving(f"127.0.0.1:{verifier_port}")

@@ -27,18 +27,35 @@ class VerifierMetrics:
         self.requests = Counter(PREFIX + "requests", "Finished requests, by finish reason", ["finish_reason"], registry=registry)
         self.generated_tokens = Counter(PREFIX + "generated_tokens", "Tokens generated", registry=registry)
         # Per sequence, as in a request's stats: a step over 8 sequences counts 8.
-        self.forward_passes = Counter(PREFIX + "forward_passes", "Target forward passes per sequence (prefills and steps)", registry=registry)
+        self.forward_passes = Counter(
+            PREFIX + "forward_passes", "Target forward passes per sequence (prefills and steps)", registry=registry
+        )
         self.draft_tokens = Counter(PREFIX + "draft_tokens", "Draft tokens scored by the target", registry=registry)
         self.accepted_tokens = Counter(PREFIX + "accepted_tokens", "Draft tokens accepted", registry=registry)
-        self.drafted_by_position = Counter(PREFIX + "drafted_by_position", "Draft tokens scored at each draft position (1-based)", ["position"], registry=registry)
-        self.accepted_by_position = Counter(PREFIX + "accepted_by_position", "Draft tokens accepted at each draft position (1-based)", ["position"], registry=registry)
-        self.verified_k = Histogram(PREFIX + "verified_k", "Draft tokens verified per sequence per step (the K chosen)",
-                                    buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16), registry=registry)
-        self.batch_size = Histogram(PREFIX + "batch_size", "Sequences per step", buckets=(1, 2, 4, 8, 12, 16, 24, 32, 64), registry=registry)
-        self.step_seconds = Histogram(PREFIX + "step_seconds", "Time per decoding step (propose, score, accept)", buckets=LATENCY_BUCKETS, registry=registry)
-        self.request_seconds = Histogram(PREFIX + "request_seconds", "Request latency from arrival", buckets=REQUEST_BUCKETS, registry=registry)
-        self.time_to_first_token = Histogram(PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token",
-                                             buckets=REQUEST_BUCKETS, registry=registry)
+        self.drafted_by_position = Counter(
+            PREFIX + "drafted_by_position", "Draft tokens scored at each draft position (1-based)", ["position"], registry=registry
+        )
+        self.accepted_by_position = Counter(
+            PREFIX + "accepted_by_position", "Draft tokens accepted at each draft position (1-based)", ["position"], registry=registry
+        )
+        self.verified_k = Histogram(
+            PREFIX + "verified_k",
+            "Draft tokens verified per sequence per step (the K chosen)",
+            buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16),
+            registry=registry,
+        )
+        self.batch_size = Histogram(
+            PREFIX + "batch_size", "Sequences per step", buckets=(1, 2, 4, 8, 12, 16, 24, 32, 64), registry=registry
+        )
+        self.step_seconds = Histogram(
+            PREFIX + "step_seconds", "Time per decoding step (propose, score, accept)", buckets=LATENCY_BUCKETS, registry=registry
+        )
+        self.request_seconds = Histogram(
+            PREFIX + "request_seconds", "Request latency from arrival", buckets=REQUEST_BUCKETS, registry=registry
+        )
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token", buckets=REQUEST_BUCKETS, registry=registry
+        )
         self.queue_depth = Gauge(PREFIX + "queue_depth", "Requests waiting for a batch slot", registry=registry)
         self.active_sequences = Gauge(PREFIX + "active_sequences", "Sequences in the running batch", registry=registry)
         self._external: dict[str, tuple[str, Callable[[], float]]] = {}

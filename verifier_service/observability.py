@@ -62,7 +62,10 @@ class ServiceObserver:
         link = [Link(batch.get_span_context())]
         for handle, row in zip(handles, rows):
             span = self.tracer.start_span(
-                "specdec.step", context=handle.trace_context, links=link, start_time=batch.start_time,
+                "specdec.step",
+                context=handle.trace_context,
+                links=link,
+                start_time=batch.start_time,
                 attributes={"specdec.k": row.verified, "specdec.accepted": row.accepted, "specdec.tokens": row.emitted},
             )
             span.end(end_time=batch.end_time)

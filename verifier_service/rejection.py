@@ -128,9 +128,7 @@ def position_generator(seed: int, position: int, device: torch.device | str = "c
     return generator
 
 
-def accept_sampled(
-    target_probs: torch.Tensor, draft: list[int], seed: int, first_position: int
-) -> tuple[int, int]:
+def accept_sampled(target_probs: torch.Tensor, draft: list[int], seed: int, first_position: int) -> tuple[int, int]:
     """Modified rejection sampling for a deterministic (point-mass) draft.
 
     target_probs: [k+1, vocab], row i for output position first_position + i.

@@ -119,7 +119,8 @@ class Scheduler:
                 raise ShuttingDown("the verifier is shutting down; retry on another replica")
             if len(self._waiting) >= self.config.max_queued:
                 raise QueueFull(
-                    f"{len(self._running)} requests running and {len(self._waiting)} queued (limit {self.config.max_queued}); retry with backoff"
+                    f"{len(self._running)} requests running and {len(self._waiting)} queued "
+                    f"(limit {self.config.max_queued}); retry with backoff"
                 )
             self._waiting.append(handle)
             self._wake.notify()

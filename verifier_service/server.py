@@ -166,11 +166,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _finished(self, handle: RequestHandle, result: GenerationResult, span) -> verifier_pb2.GenerationStats:
         stats = self._stats(handle, result)
-        span.set_attributes({
-            "specdec.prompt_tokens": stats.prompt_tokens, "specdec.generated_tokens": stats.generated_tokens,
-            "specdec.forward_passes": stats.target_forward_passes, "specdec.draft_tokens": stats.draft_tokens,
-            "specdec.accepted": stats.accepted_tokens, "specdec.finish_reason": result.finish_reason,
-        })
+        span.set_attributes(
+            {
+                "specdec.prompt_tokens": stats.prompt_tokens,
+                "specdec.generated_tokens": stats.generated_tokens,
+                "specdec.forward_passes": stats.target_forward_passes,
+                "specdec.draft_tokens": stats.draft_tokens,
+                "specdec.accepted": stats.accepted_tokens,
+                "specdec.finish_reason": result.finish_reason,
+            }
+        )
         first = None if handle.first_token_at is None else handle.first_token_at - handle.arrived
         self.metrics.record_request(result.finish_reason, stats.total_ms / 1000, first)
         return stats
@@ -183,8 +188,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self.engine.validate(generation)
         except ValueError as error:  # the engine's rules and the proto's shape: the client's to fix
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        span.set_attributes({"specdec.max_new_tokens": generation.max_new_tokens, "specdec.greedy": generation.sampling.greedy,
-                             "specdec.k_requested": -1 if generation.num_speculative_tokens is None else generation.num_speculative_tokens})
+        span.set_attributes(
+            {
+                "specdec.max_new_tokens": generation.max_new_tokens,
+                "specdec.greedy": generation.sampling.greedy,
+                "specdec.k_requested": -1 if generation.num_speculative_tokens is None else generation.num_speculative_tokens,
+            }
+        )
         try:
             handle = self.scheduler.submit(generation, trace.set_span_in_context(span))
         except QueueFull as error:
@@ -333,20 +343,33 @@ class VerifierServer:
         # Uncalibrated: every step costs the same (as on an idle GPU), refined by real step times.
         step_cost = None if config.calibrate else StepCostModel({1: 1.0, 1024: 1.0})
         if config.drafter:
-            self.drafter = RemoteDrafter(DrafterClientConfig(
-                target=config.drafter, vocabulary=tokenizer_fingerprint(loaded.tokenizer),
-                propose_timeout_s=config.drafter_timeout_s, tls_ca=config.drafter_tls_ca, tls_cert=config.drafter_tls_cert, tls_key=config.drafter_tls_key,
-            ))
-            self.servicer.metrics.watch("drafter_fallbacks", "Steps run without drafts because the drafter failed or was backed off",
-                                        lambda: self.drafter.fallbacks)
-            self.servicer.metrics.watch("dropped_observations", "Finished sequences never observed (the drafter was away too long)",
-                                        lambda: self.drafter.dropped_observations)
+            self.drafter = RemoteDrafter(
+                DrafterClientConfig(
+                    target=config.drafter,
+                    vocabulary=tokenizer_fingerprint(loaded.tokenizer),
+                    propose_timeout_s=config.drafter_timeout_s,
+                    tls_ca=config.drafter_tls_ca,
+                    tls_cert=config.drafter_tls_cert,
+                    tls_key=config.drafter_tls_key,
+                )
+            )
+            self.servicer.metrics.watch(
+                "drafter_fallbacks", "Steps run without drafts because the drafter failed or was backed off", lambda: self.drafter.fallbacks
+            )
+            self.servicer.metrics.watch(
+                "dropped_observations",
+                "Finished sequences never observed (the drafter was away too long)",
+                lambda: self.drafter.dropped_observations,
+            )
         observer = ServiceObserver(self.servicer.tracing, self.servicer.metrics)
         engine_config = EngineConfig(
-            max_speculative_tokens=config.max_speculative_tokens, max_batch_size=config.max_batch_size,
-            max_new_tokens_limit=config.max_new_tokens_limit, stop_strings_limit=config.stop_strings_limit,
+            max_speculative_tokens=config.max_speculative_tokens,
+            max_batch_size=config.max_batch_size,
+            max_new_tokens_limit=config.max_new_tokens_limit,
+            stop_strings_limit=config.stop_strings_limit,
             stop_string_length_limit=config.stop_string_length_limit,
-            max_sequence_tokens=config.max_sequence_tokens, prefill_chunk_tokens=config.prefill_chunk_tokens,
+            max_sequence_tokens=config.max_sequence_tokens,
+            prefill_chunk_tokens=config.prefill_chunk_tokens,
         )
         engine = SpeculativeEngine(loaded.model, loaded.tokenizer, self.drafter, engine_config, step_cost, observer.stage_spans)
         engine.generate([GenerationRequest([0, 1, 2, 3], 4, num_speculative_tokens=0)])  # warm-up
@@ -357,8 +380,13 @@ class VerifierServer:
         self.servicer.attach(engine, scheduler)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("model %s (%s) ready on %s in %.1fs", config.model, next(loaded.model.parameters()).dtype, engine.device,
-                 time.perf_counter() - started)
+        log.info(
+            "model %s (%s) ready on %s in %.1fs",
+            config.model,
+            next(loaded.model.parameters()).dtype,
+            engine.device,
+            time.perf_counter() - started,
+        )
 
     def stop(self, grace: float | None = None) -> bool:
         """NOT_SERVING, drain in-flight requests for up to ``grace`` seconds, then stop."""
@@ -383,7 +411,8 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     # One worker per request that may be running or queued, plus health and reflection calls.
     workers = config.max_batch_size + config.max_queued + 8
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers), maximum_concurrent_rpcs=workers,
+        futures.ThreadPoolExecutor(max_workers=workers),
+        maximum_concurrent_rpcs=workers,
         options=[("grpc.max_receive_message_length", config.max_message_bytes), ("grpc.max_send_message_length", config.max_message_bytes)],
     )
     health_servicer = health.HealthServicer()
@@ -402,7 +431,5 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     if config.health_port is not None:
         verifier._health_server, verifier.health_port = serving.serve_health(health_servicer, config.host, config.health_port)
     if config.metrics_port is not None:
-        verifier._metrics_server, verifier.metrics_port = telemetry.start_metrics_server(
-            metrics.registry, config.host, config.metrics_port
-        )
+        verifier._metrics_server, verifier.metrics_port = telemetry.start_metrics_server(metrics.registry, config.host, config.metrics_port)
     return verifier

@@ -65,8 +65,16 @@ KNOWN_METRICS = VERIFIER_METRICS | DRAFTER_METRICS
 
 # What the drafter image installs besides the project itself (--no-deps).
 DRAFTER_IMAGE_DEPENDENCIES = {
-    "grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "lmdb", "numpy",
-    "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-grpc", "prometheus-client",
+    "grpcio",
+    "grpcio-health-checking",
+    "grpcio-reflection",
+    "protobuf",
+    "lmdb",
+    "numpy",
+    "opentelemetry-api",
+    "opentelemetry-sdk",
+    "opentelemetry-exporter-otlp-proto-grpc",
+    "prometheus-client",
 }
 
 
@@ -79,7 +87,11 @@ def require_module(name: str, pip_name: str):
 
 def run_validate(root: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", str(VALIDATE), str(root)], capture_output=True, text=True, timeout=300, check=False,
+        ["bash", str(VALIDATE), str(root)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
         env={**os.environ, "PYTHON": sys.executable, **env},
     )
 
@@ -110,7 +122,13 @@ def test_validate_sh_passes_on_the_deployment_files(validated):
 CORRUPTIONS = [
     ("docker-compose.yml", "    stop_grace_period: 20s\n", "    stop_grace_period: 20s\n    restartt: always\n", "compose-v2", "restartt"),
     ("docker-compose.yml", "    stop_grace_period: 20s\n", "    stop_grace_period: 20s\n    restartt: always\n", "compose-v1", "restartt"),
-    ("docker-compose.yml", "    stop_grace_period: 20s\n", "    stop_grace_period: 20s\n    restartt: always\n", "compose-schema", "restartt"),
+    (
+        "docker-compose.yml",
+        "    stop_grace_period: 20s\n",
+        "    stop_grace_period: 20s\n    restartt: always\n",
+        "compose-schema",
+        "restartt",
+    ),
     # Compose v2 ignores what a !reset node holds; the schema check does not.
     ("docker-compose.cpu.yml", "devices: !reset []", "devices: !reset [{driver: nvidia, cnt: 1}]", "compose-schema", "cnt"),
     ("deploy/k8s/verifier.yaml", "failureThreshold: 60", "failureThreshhold: 60", "k8s-1.31.0", "failureThreshhold"),
@@ -118,9 +136,20 @@ CORRUPTIONS = [
     # kubernetes-validate only warns about an unknown kind; both checks fail on it.
     ("deploy/k8s/drafter.yaml", "kind: StatefulSet\n", "kind: StatefulSett\n", "k8s-kinds", "StatefulSett"),
     ("deploy/k8s/drafter.yaml", "kind: StatefulSet\n", "kind: StatefulSett\n", "k8s-1.31.0", "StatefulSett"),
-    ("deploy/prometheus.yml", "  scrape_interval: 5s\n  evaluation_interval", "  scrape_intervall: 5s\n  evaluation_interval", "prometheus", "scrape_intervall"),
-    ("deploy/grafana/specdec-dashboard.json", "sum(rate(specdec_verifier_generated_tokens_total[$__rate_interval]))",
-     "sum(rate(specdec_verifier_generated_tokens_total[$__rate_interval])", "grafana", "unclosed left parenthesis"),
+    (
+        "deploy/prometheus.yml",
+        "  scrape_interval: 5s\n  evaluation_interval",
+        "  scrape_intervall: 5s\n  evaluation_interval",
+        "prometheus",
+        "scrape_intervall",
+    ),
+    (
+        "deploy/grafana/specdec-dashboard.json",
+        "sum(rate(specdec_verifier_generated_tokens_total[$__rate_interval]))",
+        "sum(rate(specdec_verifier_generated_tokens_total[$__rate_interval])",
+        "grafana",
+        "unclosed left parenthesis",
+    ),
     ("deploy/drafter.Dockerfile", "EXPOSE 50051 9101", "EXPOS 50051 9101", "dockerfiles", "unknown instruction EXPOS"),
 ]
 
@@ -158,8 +187,9 @@ def test_validate_sh_exits_1_on_a_corrupted_copy(corrupted_run):
     assert result.returncode == 1, report(result)
 
 
-@pytest.mark.parametrize(("path", "check", "says"), [(p, c, s) for p, _t, _r, c, s in CORRUPTIONS],
-                         ids=[f"{c}:{s}" for _p, _t, _r, c, s in CORRUPTIONS])
+@pytest.mark.parametrize(
+    ("path", "check", "says"), [(p, c, s) for p, _t, _r, c, s in CORRUPTIONS], ids=[f"{c}:{s}" for _p, _t, _r, c, s in CORRUPTIONS]
+)
 def test_each_check_fails_on_its_corruption(corrupted_run, path, check, says):
     result, sections = corrupted_run
     assert sections.get(check, "").startswith("FAIL"), f"{check} did not fail on the corrupted {path}\n{report(result)}"
@@ -225,7 +255,10 @@ def test_compose_publishes_no_drafter_or_trace_input_port_and_the_rest_on_localh
     assert "ports" not in services["drafter"]  # the verifier dials drafter:50051 over the compose network
     published = {name: {port["target"]: port.get("host_ip") for port in service.get("ports", [])} for name, service in services.items()}
     assert published == {
-        "drafter": {}, "verifier": {50052: "127.0.0.1"}, "jaeger": {16686: "127.0.0.1"}, "prometheus": {9090: "127.0.0.1"},
+        "drafter": {},
+        "verifier": {50052: "127.0.0.1"},
+        "jaeger": {16686: "127.0.0.1"},
+        "prometheus": {9090: "127.0.0.1"},
     }
 
 
@@ -253,8 +286,9 @@ def test_compose_cpu_override_drops_the_gpu_and_builds_the_cpu_variant(validated
     assert cpu["image"] != base["image"]  # the CPU build does not overwrite the CUDA image's tag
     # Everything else is the base file's.
     assert cpu["depends_on"] == base["depends_on"] and cpu["volumes"] == base["volumes"]
-    assert {k: v for k, v in cpu["environment"].items() if k != "SPECDEC_VERIFIER_DEVICE"} == \
-           {k: v for k, v in base["environment"].items() if k != "SPECDEC_VERIFIER_DEVICE"}
+    assert {k: v for k, v in cpu["environment"].items() if k != "SPECDEC_VERIFIER_DEVICE"} == {
+        k: v for k, v in base["environment"].items() if k != "SPECDEC_VERIFIER_DEVICE"
+    }
 
 
 # ---------------------------------------------------------------- Dockerfiles
@@ -277,10 +311,13 @@ def env_of(commands: list) -> dict[str, str]:
     return values
 
 
-@pytest.mark.parametrize(("name", "service", "port", "metrics_port", "health_port", "volume"), [
-    ("drafter.Dockerfile", "drafter_service", 50051, 9101, 50061, "/data"),
-    ("verifier.Dockerfile", "verifier_service", 50052, 9102, 50062, "/cache"),
-])
+@pytest.mark.parametrize(
+    ("name", "service", "port", "metrics_port", "health_port", "volume"),
+    [
+        ("drafter.Dockerfile", "drafter_service", 50051, 9101, 50061, "/data"),
+        ("verifier.Dockerfile", "verifier_service", 50052, 9102, 50062, "/cache"),
+    ],
+)
 def test_dockerfile_runs_the_service_as_non_root_with_health_check(name, service, port, metrics_port, health_port, volume):
     commands = dockerfile_commands(name)
     user = instruction(commands, "USER")[-1].value[0]
@@ -318,13 +355,28 @@ def test_drafter_image_settings():
 
 def test_pinned_requirements_gives_pyproject_versions():
     dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    result = subprocess.run([sys.executable, str(DEPLOY / "pinned_requirements.py"), "--pyproject", str(REPO / "pyproject.toml"),
-                             *sorted(DRAFTER_IMAGE_DEPENDENCIES), "torch"], capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(DEPLOY / "pinned_requirements.py"),
+            "--pyproject",
+            str(REPO / "pyproject.toml"),
+            *sorted(DRAFTER_IMAGE_DEPENDENCIES),
+            "torch",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert set(result.stdout.split()) <= set(dependencies)
     assert len(result.stdout.split()) == len(DRAFTER_IMAGE_DEPENDENCIES) + 1
-    refused = subprocess.run([sys.executable, str(DEPLOY / "pinned_requirements.py"), "--pyproject", str(REPO / "pyproject.toml"), "pytest"],
-                             capture_output=True, text=True, check=False)
+    refused = subprocess.run(
+        [sys.executable, str(DEPLOY / "pinned_requirements.py"), "--pyproject", str(REPO / "pyproject.toml"), "pytest"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert refused.returncode == 2 and "pytest" in refused.stderr  # a dev dependency is not a runtime pin
 
 
@@ -364,8 +416,14 @@ print(len(blocked), "modules blocked, among them", sorted(blocked & {"torch", "t
 
 def test_drafter_imports_only_what_its_image_installs():
     extra = ["specdec.healthcheck"] if (REPO / "specdec" / "healthcheck.py").is_file() else []
-    result = subprocess.run([sys.executable, "-c", DRAFTER_IMPORT_CHECK, json.dumps(sorted(DRAFTER_IMAGE_DEPENDENCIES)), *extra],
-                            capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", DRAFTER_IMPORT_CHECK, json.dumps(sorted(DRAFTER_IMAGE_DEPENDENCIES)), *extra],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     # The check means something only if the verifier's stack was really blocked.
     assert "['tokenizers', 'torch', 'transformers']" in result.stdout, result.stdout
@@ -373,7 +431,7 @@ def test_drafter_imports_only_what_its_image_installs():
 
 def test_verifier_image_has_a_cpu_variant_and_the_project_pins():
     commands = dockerfile_commands("verifier.Dockerfile")
-    global_args = dict(arg.value[0].split("=", 1) for arg in commands[:next(i for i, c in enumerate(commands) if c.cmd.upper() == "FROM")])
+    global_args = dict(arg.value[0].split("=", 1) for arg in commands[: next(i for i, c in enumerate(commands) if c.cmd.upper() == "FROM")])
     assert global_args["VARIANT"] == "cuda"
     stages = {command.value[2]: command.value[0] for command in instruction(commands, "FROM") if len(command.value) == 3}
     assert stages["verifier"] == "torch-${VARIANT}"
@@ -457,7 +515,9 @@ def test_k8s_workloads_probe_grpc_health_and_run_as_non_root(kind, name, health_
     assert pod_security["runAsNonRoot"] is True and pod_security["runAsUser"] != 0
     # Nothing to escalate to, no capabilities, nothing written outside its volumes.
     assert container["securityContext"] == {
-        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
     }
     mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
     assert "/tmp" in mounts
@@ -496,7 +556,6 @@ def test_k8s_verifier_gets_a_gpu_time_to_load_and_the_drafter_service():
     assert budget["spec"]["selector"]["matchLabels"].items() <= verifier["spec"]["template"]["metadata"]["labels"].items()
 
 
-
 def policy_peers(policy: dict, direction: str) -> dict[int, list]:
     """{port: the peers ("from" / "to" lists, [] = anyone) allowed on it} for ``direction`` ("ingress" or "egress")."""
     peers: dict[int, list] = {}
@@ -511,8 +570,10 @@ def test_k8s_network_policies_let_only_verifiers_reach_the_drafter():
     objects = k8s_objects()
     deny = objects[("NetworkPolicy", "default-deny")]
     assert deny["spec"] == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}  # what is not allowed is refused
-    labels = {name: objects[(kind, name)]["spec"]["template"]["metadata"]["labels"]
-              for kind, name in (("StatefulSet", "drafter"), ("Deployment", "verifier"))}
+    labels = {
+        name: objects[(kind, name)]["spec"]["template"]["metadata"]["labels"]
+        for kind, name in (("StatefulSet", "drafter"), ("Deployment", "verifier"))
+    }
     monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
     collector = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}}]
     drafter, verifier = objects[("NetworkPolicy", "drafter")], objects[("NetworkPolicy", "verifier")]
@@ -534,6 +595,7 @@ def test_k8s_network_policies_let_only_verifiers_reach_the_drafter():
     ]
     configmap = objects[("ConfigMap", "specdec-telemetry")]
     assert configmap["data"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+
 
 def test_k8s_configmap_points_traces_at_a_collector():
     data = k8s_objects()[("ConfigMap", "specdec-telemetry")]["data"]
@@ -586,9 +648,19 @@ def test_dashboard_queries_a_templated_prometheus_datasource():
             assert panel["datasource"] == reference, panel["title"]
             assert all(target["datasource"] == reference for target in panel["targets"]), panel["title"]
     titles = {panel["title"] for panel in board["panels"]}
-    for wanted in ("Tokens/s", "Acceptance rate", "Tokens per forward pass", "Acceptance by draft position", "Step latency",
-                   "Batch size", "Time to first token", "Drafter fallbacks", "Drafter table size",
-                   "Drafter hit rate by source", "Drafter acceptance by source"):
+    for wanted in (
+        "Tokens/s",
+        "Acceptance rate",
+        "Tokens per forward pass",
+        "Acceptance by draft position",
+        "Step latency",
+        "Batch size",
+        "Time to first token",
+        "Drafter fallbacks",
+        "Drafter table size",
+        "Drafter hit rate by source",
+        "Drafter acceptance by source",
+    ):
         assert wanted in titles
 
 

@@ -267,9 +267,7 @@ def test_propose_chain_stops_when_no_suffix_matches():
 
 def test_propose_chain_stops_when_global_evidence_is_too_weak():
     global_table = LiteralSource({(1, 2): {3: 2}, (2, 3): {4: 1}})
-    draft = propose_chain(
-        [1, 2], [(SOURCE_GLOBAL, global_table)], k=3, config=NGramConfig(n_min=2, n_max=2, min_global_count=2)
-    )
+    draft = propose_chain([1, 2], [(SOURCE_GLOBAL, global_table)], k=3, config=NGramConfig(n_min=2, n_max=2, min_global_count=2))
     # (1, 2) -> 3 was seen twice: kept. (2, 3) -> 4 only once: the chain stops.
     assert draft == Draft([3], [Evidence(SOURCE_GLOBAL, 2, 2, 2)])
 
@@ -304,9 +302,7 @@ def test_propose_chain_with_k_zero_is_empty():
 def test_propose_chain_with_context_shorter_than_n_min_is_empty(context):
     # (1,) -> 2 is known, but 1-token suffixes are below n_min=2.
     source = LiteralSource({(1,): {2: 4}})
-    assert propose_chain(context, [(SOURCE_CONTEXT, source)], k=3, config=NGramConfig(n_min=2, n_max=3)) == Draft(
-        [], []
-    )
+    assert propose_chain(context, [(SOURCE_CONTEXT, source)], k=3, config=NGramConfig(n_min=2, n_max=3)) == Draft([], [])
 
 
 def test_draft_requires_one_evidence_per_token():
@@ -367,9 +363,7 @@ def test_closed_session_output_is_observed_into_the_global_table():
     drafter.open("b", [7, 1, 2])
     # b's own context has no continuation for (1, 2); the global table gives
     # (1, 2) -> 3, then (2, 3) -> 4; (3, 4) is unknown.
-    assert drafter.propose("b", [], k=3) == Draft(
-        [3, 4], [Evidence(SOURCE_GLOBAL, 2, 1, 1), Evidence(SOURCE_GLOBAL, 2, 1, 1)]
-    )
+    assert drafter.propose("b", [], k=3) == Draft([3, 4], [Evidence(SOURCE_GLOBAL, 2, 1, 1), Evidence(SOURCE_GLOBAL, 2, 1, 1)])
 
 
 def test_close_without_observe_does_not_learn():
@@ -396,9 +390,7 @@ def test_default_min_global_count_needs_two_sessions_to_agree():
     drafter.close("c")
     # Now (1, 2) -> 3 has count 2; then the tail [7, 1, 2, 3] matches the
     # 3-token (1, 2, 3) -> 4 (count 2); nothing ever followed (3, 4).
-    assert drafter.propose("b", [], k=3) == Draft(
-        [3, 4], [Evidence(SOURCE_GLOBAL, 2, 2, 2), Evidence(SOURCE_GLOBAL, 3, 2, 2)]
-    )
+    assert drafter.propose("b", [], k=3) == Draft([3, 4], [Evidence(SOURCE_GLOBAL, 2, 2, 2), Evidence(SOURCE_GLOBAL, 3, 2, 2)])
 
 
 def test_a_long_global_match_is_trusted_after_one_sighting():
@@ -408,9 +400,7 @@ def test_a_long_global_match_is_trusted_after_one_sighting():
     drafter.open("b", [9, 1, 2, 3, 4])
     # (1, 2, 3, 4) -> 5 was seen once, but a 4-token match is trusted; then
     # (2, 3, 4, 5) -> 6 likewise; nothing followed (3, 4, 5, 6) or shorter.
-    assert drafter.propose("b", [], k=3) == Draft(
-        [5, 6], [Evidence(SOURCE_GLOBAL, 4, 1, 1), Evidence(SOURCE_GLOBAL, 4, 1, 1)]
-    )
+    assert drafter.propose("b", [], k=3) == Draft([5, 6], [Evidence(SOURCE_GLOBAL, 4, 1, 1), Evidence(SOURCE_GLOBAL, 4, 1, 1)])
 
 
 def test_sessions_do_not_share_context():

@@ -121,9 +121,14 @@ def test_sequences_without_room_answer_unavailable_and_a_retry_stores_only_those
             return apply(store, batch)
 
         monkeypatch.setattr(LMDBNGramStore, "apply", apply_with_no_room_once)
-        request = pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="o", sequences=[
-            pb.TokenSequence(tokens=[5, 6, 7, 8]), pb.TokenSequence(tokens=[9, 10, 11, 12]),
-        ])
+        request = pb.ObserveRequest(
+            vocabulary=VOCABULARY,
+            observe_id="o",
+            sequences=[
+                pb.TokenSequence(tokens=[5, 6, 7, 8]),
+                pb.TokenSequence(tokens=[9, 10, 11, 12]),
+            ],
+        )
         context = FakeContext()
         with pytest.raises(Aborted):
             servicer.Observe(request, context)
@@ -173,9 +178,12 @@ def test_one_caller_cannot_take_every_session(tmp_path):
         open_sessions("ipv4:10.0.0.7:5000", ["a1", "a2", "a3"])
         with pytest.raises(Aborted):
             context = FakeContext("ipv4:10.0.0.7:5001")  # the same host on a new connection
-            servicer.Propose(pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[
-                pb.SequenceUpdate(session_id=f"a{i}", open=True, new_tokens=[1]) for i in (4, 5)
-            ]), context)
+            servicer.Propose(
+                pb.ProposeRequest(
+                    vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id=f"a{i}", open=True, new_tokens=[1]) for i in (4, 5)]
+                ),
+                context,
+            )
         assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "this caller (ipv4:10.0.0.7) holds 3 open sessions, limit 4" in context.details
         open_sessions("ipv6:[::1]:7000", ["b1", "b2", "b3"])  # another caller is not locked out
@@ -193,8 +201,10 @@ def test_a_long_observation_is_stored_in_chunks_exactly_as_whole(tmp_path):
     rng = random.Random(5)
     tokens = [rng.randrange(50) for _ in range(3 * CHUNK_TOKENS + 123)]  # small alphabet: many repeats
     namespace = bytes.fromhex(VOCABULARY)
-    with LMDBNGramStore(StoreConfig(path=str(tmp_path / "whole"), namespace=namespace)) as whole, \
-            LMDBNGramStore(StoreConfig(path=str(tmp_path / "chunked"), namespace=namespace)) as chunked:
+    with (
+        LMDBNGramStore(StoreConfig(path=str(tmp_path / "whole"), namespace=namespace)) as whole,
+        LMDBNGramStore(StoreConfig(path=str(tmp_path / "chunked"), namespace=namespace)) as chunked,
+    ):
         whole.apply([("o", tokens)])
         item = _Pending(chunked, "o", tokens)
         assert item.chunks == 4
@@ -229,7 +239,6 @@ def test_small_observations_do_not_wait_for_a_long_one(tmp_path):
 
 
 def test_a_long_observation_whose_caller_gave_up_stops_and_a_retry_stores_only_the_rest(tmp_path):
-
     with started_writer(tmp_path) as (config, stores, writer):
         store = stores.get(VOCABULARY)
         rng = random.Random(2)

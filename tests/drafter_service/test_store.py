@@ -258,9 +258,7 @@ def test_a_batch_that_crosses_an_epoch_boundary_lands_fresh(tmp_path):
 
 
 def test_eviction_removes_oldest_epoch_then_lowest_total_then_lowest_key(tmp_path):
-    config = make_config(
-        tmp_path, n_min=2, n_max=2, decay_shift_per_epoch=0, max_bytes=3 * BYTES_PER_BIGRAM, low_water_fraction=1.0
-    )
+    config = make_config(tmp_path, n_min=2, n_max=2, decay_shift_per_epoch=0, max_bytes=3 * BYTES_PER_BIGRAM, low_water_fraction=1.0)
     with LMDBNGramStore(config) as store:
         store.observe([1, 2, 3])  # epoch 0
         store.advance_epoch()
@@ -279,9 +277,7 @@ def test_eviction_removes_oldest_epoch_then_lowest_total_then_lowest_key(tmp_pat
 
 def test_each_apply_evicts_one_chunk_towards_low_water_and_more_only_above_the_ceiling(tmp_path):
     # Ceiling 3 bigrams, low-water 80 bytes (one bigram), one record per apply.
-    config = make_config(
-        tmp_path, n_min=2, n_max=2, max_bytes=3 * BYTES_PER_BIGRAM, low_water_fraction=0.34, eviction_chunk_records=1
-    )
+    config = make_config(tmp_path, n_min=2, n_max=2, max_bytes=3 * BYTES_PER_BIGRAM, low_water_fraction=0.34, eviction_chunk_records=1)
     with LMDBNGramStore(config) as store:
         store.observe([1, 2, 3, 4, 5, 6])  # 4 bigrams: over the ceiling, one eviction suffices
         assert (store.stats()["entries"], store.stats()["evictions"]) == (3, 1)
@@ -312,9 +308,7 @@ def test_file_stays_bounded_when_fed_far_more_than_max_bytes(tmp_path):
 def test_map_full_never_reaches_the_caller(tmp_path, caplog):
     # A 30-item batch of ~900 KB of records cannot fit in a 512 KiB map at once;
     # item by item (each evicting down to 64 KiB), it does.
-    config = make_config(
-        tmp_path, max_bytes=64 << 10, map_size=512 << 10, epoch_observations=100, decay_shift_per_epoch=0
-    )
+    config = make_config(tmp_path, max_bytes=64 << 10, map_size=512 << 10, epoch_observations=100, decay_shift_per_epoch=0)
     rng = random.Random(0)
     batch = [(f"item{index}", [rng.randrange(1000) for _ in range(100)]) for index in range(30)]
     with caplog.at_level(logging.WARNING, logger="drafter_service.store"), LMDBNGramStore(config) as store:
@@ -490,9 +484,7 @@ def test_every_acknowledged_batch_survives_kill_9(tmp_path):
     rng = random.Random(1234)
     next_index = 0
     for _kill in range(5):
-        process = subprocess.Popen(
-            [sys.executable, "-c", child, path, str(next_index)], stdout=subprocess.PIPE, text=True
-        )
+        process = subprocess.Popen([sys.executable, "-c", child, path, str(next_index)], stdout=subprocess.PIPE, text=True)
         acknowledged = [int(process.stdout.readline()) for _ in range(rng.randint(1, 8))]
         threading.Event().wait(rng.uniform(0.0, 0.01))  # land anywhere inside a later apply
         process.send_signal(signal.SIGKILL)

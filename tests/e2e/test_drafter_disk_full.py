@@ -30,9 +30,18 @@ class SmallDisk:
     def __init__(self, mount_point: Path) -> None:
         self.mount_point = mount_point
         self.holder = subprocess.Popen(
-            ["unshare", "--mount", "--map-root-user", "sh", "-c",
-             f'mount -t tmpfs -o size={DISK} tmpfs "$0" && echo mounted && exec sleep 600', str(mount_point)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                "unshare",
+                "--mount",
+                "--map-root-user",
+                "sh",
+                "-c",
+                f'mount -t tmpfs -o size={DISK} tmpfs "$0" && echo mounted && exec sleep 600',
+                str(mount_point),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         if self.holder.stdout.readline().strip() != "mounted":
             self.holder.kill()
@@ -83,7 +92,9 @@ def observe(stub, vocabulary: str, observe_id: str, tokens: list[int]):
 def draft_after(stub, vocabulary: str, session: str, context: list[int]) -> list[int]:
     """Open a session on ``context`` and return the draft it gets (global table only: no repeats inside)."""
     response = stub.Propose(
-        pb.ProposeRequest(vocabulary=vocabulary, sequences=[pb.SequenceUpdate(session_id=session, open=True, new_tokens=context, num_draft_tokens=4)]),
+        pb.ProposeRequest(
+            vocabulary=vocabulary, sequences=[pb.SequenceUpdate(session_id=session, open=True, new_tokens=context, num_draft_tokens=4)]
+        ),
         timeout=30,
     )
     return list(response.drafts[0].tokens)
@@ -91,8 +102,18 @@ def draft_after(stub, vocabulary: str, session: str, context: list[int]) -> list
 
 def start(disk: SmallDisk) -> ServiceProcess:
     drafter = ServiceProcess(
-        "drafter_service", "--port", "0", "--db", str(disk.mount_point / "db"), "--metrics-port", "-1",
-        "--min-free-mb", "1", "--max-bytes", str(16 << 20), prefix=disk.enter,
+        "drafter_service",
+        "--port",
+        "0",
+        "--db",
+        str(disk.mount_point / "db"),
+        "--metrics-port",
+        "-1",
+        "--min-free-mb",
+        "1",
+        "--max-bytes",
+        str(16 << 20),
+        prefix=disk.enter,
     )
     wait_until_serving(drafter, "", 30)
     return drafter

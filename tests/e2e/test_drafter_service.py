@@ -35,7 +35,9 @@ class DrafterProcess:
         self.log_file = tempfile.TemporaryFile("w+")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "drafter_service", "--port", "0", "--db", str(db), *extra],
-            stdout=subprocess.PIPE, stderr=self.log_file, text=True,
+            stdout=subprocess.PIPE,
+            stderr=self.log_file,
+            text=True,
             env={**os.environ, "SPECDEC_DRAFTER_METRICS_PORT": os.environ.get("SPECDEC_DRAFTER_METRICS_PORT", "0")},
         )
         line = self.process.stdout.readline()
@@ -94,9 +96,7 @@ def propose(stub, session, tokens, k, open_=False, vocabulary=VOCABULARY):
 
 
 def observe(stub, observe_id, *sequences, vocabulary=VOCABULARY):
-    request = pb.ObserveRequest(
-        vocabulary=vocabulary, observe_id=observe_id, sequences=[pb.TokenSequence(tokens=s) for s in sequences]
-    )
+    request = pb.ObserveRequest(vocabulary=vocabulary, observe_id=observe_id, sequences=[pb.TokenSequence(tokens=s) for s in sequences])
     return stub.Observe(request, timeout=10)
 
 
@@ -231,12 +231,15 @@ def test_verifier_feedback_gives_acceptance_per_source(tmp_path):
         # session g drafts [54, 55] from the global table.
         assert list(propose(server.stub, "c", [1, 2, 3, 1, 2], 3, open_=True).sources) == [pb.DRAFT_SOURCE_CONTEXT] * 3
         assert list(propose(server.stub, "g", [50, 51, 52, 53], 2, open_=True).sources) == [pb.DRAFT_SOURCE_GLOBAL] * 2
-        feedback = pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[
-            # The verifier scored all 3 context tokens and accepted 2 ...
-            pb.SequenceUpdate(session_id="c", new_tokens=[3, 1, 9], verified_draft_tokens=3, accepted_draft_tokens=2),
-            # ... and only the first global token (say K was cut to 1), accepting it.
-            pb.SequenceUpdate(session_id="g", new_tokens=[54, 0], verified_draft_tokens=1, accepted_draft_tokens=1),
-        ])
+        feedback = pb.ProposeRequest(
+            vocabulary=VOCABULARY,
+            sequences=[
+                # The verifier scored all 3 context tokens and accepted 2 ...
+                pb.SequenceUpdate(session_id="c", new_tokens=[3, 1, 9], verified_draft_tokens=3, accepted_draft_tokens=2),
+                # ... and only the first global token (say K was cut to 1), accepting it.
+                pb.SequenceUpdate(session_id="g", new_tokens=[54, 0], verified_draft_tokens=1, accepted_draft_tokens=1),
+            ],
+        )
         server.stub.Propose(feedback, timeout=5)
         stats = server.stub.Stats(pb.StatsRequest(vocabulary=VOCABULARY), timeout=5)
         assert (stats.context_verified, stats.context_accepted) == (3, 2)
@@ -246,35 +249,76 @@ def test_verifier_feedback_gives_acceptance_per_source(tmp_path):
 BAD_INPUTS = [
     # (name, rpc, request, status, message fragment)
     ("bad vocabulary", "Propose", pb.ProposeRequest(vocabulary="xyz"), grpc.StatusCode.INVALID_ARGUMENT, "16-hex-digit"),
-    ("unknown session", "Propose",
-     pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="ghost", num_draft_tokens=2)]),
-     grpc.StatusCode.NOT_FOUND, "unknown session 'ghost'"),
-    ("empty session id", "Propose",
-     pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(open=True, new_tokens=[1])]),
-     grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty"),
-    ("huge token id", "Propose",
-     pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="s", open=True, new_tokens=[1, 4_000_000_000])]),
-     grpc.StatusCode.INVALID_ARGUMENT, "token id 4000000000 is out of range"),
-    ("K out of range", "Propose",
-     pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="s", open=True, num_draft_tokens=33)]),
-     grpc.StatusCode.INVALID_ARGUMENT, "num_draft_tokens 33 is out of range [0, 32]"),
-    ("duplicate session in a call", "Propose",
-     pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="d", open=True)] * 2),
-     grpc.StatusCode.INVALID_ARGUMENT, "appears twice"),
-    ("feedback beyond the previous draft", "Propose",
-     pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="s", open=True, verified_draft_tokens=1)]),
-     grpc.StatusCode.INVALID_ARGUMENT, "verified_draft_tokens (1) <= the previous draft's length (0)"),
-    ("observe without id", "Observe",
-     pb.ObserveRequest(vocabulary=VOCABULARY, sequences=[pb.TokenSequence(tokens=[1, 2, 3])]),
-     grpc.StatusCode.INVALID_ARGUMENT, "observe_id is empty"),
-    ("observe huge token", "Observe",
-     pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="o", sequences=[pb.TokenSequence(tokens=[1, 1 << 25])]),
-     grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
-    ("backup without --backup-dir", "Backup", pb.BackupRequest(vocabulary=VOCABULARY, destination="copy"),
-     grpc.StatusCode.FAILED_PRECONDITION, "start the drafter with --backup-dir"),
-    ("vocabulary with a trailing newline", "Observe",
-     pb.ObserveRequest(vocabulary=VOCABULARY + "\n", observe_id="nl", sequences=[pb.TokenSequence(tokens=[1, 2, 3])]),
-     grpc.StatusCode.INVALID_ARGUMENT, "16-hex-digit"),
+    (
+        "unknown session",
+        "Propose",
+        pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="ghost", num_draft_tokens=2)]),
+        grpc.StatusCode.NOT_FOUND,
+        "unknown session 'ghost'",
+    ),
+    (
+        "empty session id",
+        "Propose",
+        pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(open=True, new_tokens=[1])]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "session_id is empty",
+    ),
+    (
+        "huge token id",
+        "Propose",
+        pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="s", open=True, new_tokens=[1, 4_000_000_000])]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "token id 4000000000 is out of range",
+    ),
+    (
+        "K out of range",
+        "Propose",
+        pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="s", open=True, num_draft_tokens=33)]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "num_draft_tokens 33 is out of range [0, 32]",
+    ),
+    (
+        "duplicate session in a call",
+        "Propose",
+        pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="d", open=True)] * 2),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "appears twice",
+    ),
+    (
+        "feedback beyond the previous draft",
+        "Propose",
+        pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[pb.SequenceUpdate(session_id="s", open=True, verified_draft_tokens=1)]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "verified_draft_tokens (1) <= the previous draft's length (0)",
+    ),
+    (
+        "observe without id",
+        "Observe",
+        pb.ObserveRequest(vocabulary=VOCABULARY, sequences=[pb.TokenSequence(tokens=[1, 2, 3])]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "observe_id is empty",
+    ),
+    (
+        "observe huge token",
+        "Observe",
+        pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="o", sequences=[pb.TokenSequence(tokens=[1, 1 << 25])]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "out of range",
+    ),
+    (
+        "backup without --backup-dir",
+        "Backup",
+        pb.BackupRequest(vocabulary=VOCABULARY, destination="copy"),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "start the drafter with --backup-dir",
+    ),
+    (
+        "vocabulary with a trailing newline",
+        "Observe",
+        pb.ObserveRequest(vocabulary=VOCABULARY + "\n", observe_id="nl", sequences=[pb.TokenSequence(tokens=[1, 2, 3])]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "16-hex-digit",
+    ),
 ]
 
 
@@ -325,7 +369,9 @@ def test_backup_under_an_existing_name_says_only_that(tmp_path):
 def test_a_backup_dir_in_the_table_directory_is_refused_at_start(tmp_path, inside):
     completed = subprocess.run(
         [sys.executable, "-m", "drafter_service", "--port", "0", "--db", str(tmp_path / "db"), "--backup-dir", str(tmp_path / inside)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert completed.returncode == 2
     assert "must lie outside the table directory" in completed.stderr
@@ -333,7 +379,9 @@ def test_a_backup_dir_in_the_table_directory_is_refused_at_start(tmp_path, insid
 
 def test_oversized_message_is_refused_and_server_keeps_serving(tmp_path):
     with drafter(tmp_path / "db") as server:
-        huge = pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="big", sequences=[pb.TokenSequence(tokens=[1 << 23] * 3_000_000)])  # ~12 MB > the 8 MB cap
+        huge = pb.ObserveRequest(
+            vocabulary=VOCABULARY, observe_id="big", sequences=[pb.TokenSequence(tokens=[1 << 23] * 3_000_000)]
+        )  # ~12 MB > the 8 MB cap
         with pytest.raises(grpc.RpcError) as raised:
             server.stub.Observe(huge, timeout=10)
         assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -402,12 +450,16 @@ def test_table_stays_within_its_bound_under_far_more_data(tmp_path):
 def test_a_stock_client_calls_propose_through_reflection(tmp_path):
     """grpcurl knows nothing of our stubs: it reads the schema from server reflection."""
     grpcurl = Path(sys.executable).parent / "grpcurl"
-    request = {"vocabulary": VOCABULARY, "sequences": [
-        {"session_id": "g", "open": True, "new_tokens": [1, 2, 3, 4, 2, 3], "num_draft_tokens": 3}]}
+    request = {
+        "vocabulary": VOCABULARY,
+        "sequences": [{"session_id": "g", "open": True, "new_tokens": [1, 2, 3, 4, 2, 3], "num_draft_tokens": 3}],
+    }
     with drafter(tmp_path / "db") as server:
         result = subprocess.run(
             [str(grpcurl), "-plaintext", "-d", json.dumps(request), f"127.0.0.1:{server.port}", "specdec.v1.Drafter/Propose"],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert result.returncode == 0, result.stderr
         [draft] = json.loads(result.stdout)["drafts"]
@@ -446,10 +498,14 @@ def close_request(session_ids, observe_id="c1", vocabulary=VOCABULARY):
     return pb.CloseSessionsRequest(vocabulary=vocabulary, session_ids=session_ids, observe=True, observe_id=observe_id)
 
 
-@pytest.mark.parametrize("request_, fragment", [
-    (close_request(["a", "b"], observe_id="x" * 600), "observe_id is 600 bytes"),
-    (close_request(["a", "b"], vocabulary=OTHER_VOCABULARY), "opened under another vocabulary"),
-], ids=["observe_id too long", "another vocabulary"])
+@pytest.mark.parametrize(
+    "request_, fragment",
+    [
+        (close_request(["a", "b"], observe_id="x" * 600), "observe_id is 600 bytes"),
+        (close_request(["a", "b"], vocabulary=OTHER_VOCABULARY), "opened under another vocabulary"),
+    ],
+    ids=["observe_id too long", "another vocabulary"],
+)
 def test_a_refused_close_keeps_the_sessions_and_stores_nothing(tmp_path, request_, fragment):
     with drafter(tmp_path / "db") as server:
         propose(server.stub, "a", [20, 21, 22, 23, 24, 25], 0, open_=True)
@@ -471,7 +527,10 @@ def test_a_second_drafter_on_the_same_db_refuses_to_start(tmp_path):
         observe(first.stub, "o1", [5, 6, 7, 8, 9, 10])
         second = subprocess.run(
             [sys.executable, "-m", "drafter_service", "--port", "0", "--db", str(tmp_path / "db")],
-            capture_output=True, text=True, timeout=60, env={**os.environ, "SPECDEC_DRAFTER_METRICS_PORT": "0"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "SPECDEC_DRAFTER_METRICS_PORT": "0"},
         )
         assert second.returncode == 1
         assert f"another drafter (pid {first.process.pid}) is serving --db" in second.stderr

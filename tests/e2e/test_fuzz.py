@@ -44,8 +44,11 @@ MAX_VOCABULARIES = 3
 # Statuses that say the caller asked for something it may not have.
 VERIFIER_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 DRAFTER_REFUSALS = VERIFIER_REFUSALS | {
-    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.ABORTED,
-    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.FAILED_PRECONDITION,
 }
 CANARY_PROMPT = [9, 3, 3, 9, 3, 3, 9, 3]
 CANARY_TOKENS = 12
@@ -55,8 +58,27 @@ CANARY_TOKENS = 12
 UINT32 = st.one_of(st.integers(0, 2**32 - 1), st.sampled_from([0, 1, 2, 63, 64, 65, 2**16, 2**31 - 1, 2**31, 2**32 - 1]))
 UINT64 = st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 2**63 - 1, 2**63, 2**64 - 1]))
 TOKEN = st.one_of(st.integers(0, 70), UINT32)  # mostly in the tiny vocabulary (64), sometimes far out
-EXTREME_FLOATS = [0.0, -0.0, 1e-45, 1e-44, 1.2e-38, 3.3e-38, 1e-6, 1e-5, 0.5, 1.0, 1.0000001, 2.0, 1e30, 3.4e38,
-                  math.inf, -math.inf, math.nan, -1.0, -1e-45]
+EXTREME_FLOATS = [
+    0.0,
+    -0.0,
+    1e-45,
+    1e-44,
+    1.2e-38,
+    3.3e-38,
+    1e-6,
+    1e-5,
+    0.5,
+    1.0,
+    1.0000001,
+    2.0,
+    1e30,
+    3.4e38,
+    math.inf,
+    -math.inf,
+    math.nan,
+    -1.0,
+    -1e-45,
+]
 FLOAT32 = st.one_of(st.floats(width=32), st.sampled_from(EXTREME_FLOATS))
 TEXT = st.one_of(st.text(max_size=40), st.text(alphabet="t0123456789 ", max_size=200), st.text(min_size=300, max_size=2000))
 
@@ -88,8 +110,14 @@ def generate_requests(draw) -> pb.GenerateRequest:
         "top_p": pick(st.one_of(st.floats(0, 1, width=32), st.sampled_from([1e-45, 1e-30, 0.999999])), FLOAT32),
         "top_k": draw(UINT32),
         "stop": pick(
-            st.lists(st.one_of(st.text(min_size=1, max_size=6), st.text(alphabet="t0123456789 ", min_size=1, max_size=8),
-                               st.text(min_size=200, max_size=256)), max_size=4),
+            st.lists(
+                st.one_of(
+                    st.text(min_size=1, max_size=6),
+                    st.text(alphabet="t0123456789 ", min_size=1, max_size=8),
+                    st.text(min_size=200, max_size=256),
+                ),
+                max_size=4,
+            ),
             st.lists(st.one_of(st.text(max_size=6), st.text(min_size=200, max_size=300)), max_size=20),
         ),
     }
@@ -128,19 +156,26 @@ def drafter_calls(draw) -> tuple[str, object]:
         updates = []
         for _ in range(draw(st.integers(0, 3 if not wild else 40))):
             verified = pick(st.integers(0, 8), UINT32)
-            updates.append(drafter_pb2.SequenceUpdate(
-                session_id=pick(SESSION_IDS, st.text(max_size=300)), new_tokens=pick(tokens, any_tokens),
-                open=draw(st.booleans()), num_draft_tokens=pick(st.integers(0, 16), UINT32),
-                verified_draft_tokens=verified, accepted_draft_tokens=pick(st.integers(0, verified), UINT32),
-            ))
+            updates.append(
+                drafter_pb2.SequenceUpdate(
+                    session_id=pick(SESSION_IDS, st.text(max_size=300)),
+                    new_tokens=pick(tokens, any_tokens),
+                    open=draw(st.booleans()),
+                    num_draft_tokens=pick(st.integers(0, 16), UINT32),
+                    verified_draft_tokens=verified,
+                    accepted_draft_tokens=pick(st.integers(0, verified), UINT32),
+                )
+            )
         return method, drafter_pb2.ProposeRequest(vocabulary=vocabulary, sequences=updates)
     if method == "Observe":
         sequences = [drafter_pb2.TokenSequence(tokens=pick(tokens, any_tokens)) for _ in range(draw(st.integers(0, 20)))]
         return method, drafter_pb2.ObserveRequest(vocabulary=vocabulary, observe_id=observe_id, sequences=sequences)
     if method == "CloseSessions":
         return method, drafter_pb2.CloseSessionsRequest(
-            vocabulary=vocabulary, session_ids=[session_id for _ in range(draw(st.integers(0, 20)))],
-            observe=draw(st.booleans()), observe_id=observe_id,
+            vocabulary=vocabulary,
+            session_ids=[session_id for _ in range(draw(st.integers(0, 20)))],
+            observe=draw(st.booleans()),
+            observe_id=observe_id,
         )
     if method == "Stats":
         return method, drafter_pb2.StatsRequest(vocabulary=pick(st.sampled_from(["", VOCABULARY]), st.text(max_size=40)))
@@ -205,7 +240,9 @@ def fuzz_beside(service: ServiceProcess, canary: Canary, fuzz, outcomes: Counter
 
 def fuzz_settings(request) -> settings:
     return settings(
-        max_examples=request.config.getoption("--fuzz-examples"), deadline=None, derandomize=False,
+        max_examples=request.config.getoption("--fuzz-examples"),
+        deadline=None,
+        derandomize=False,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
     )
 
@@ -216,8 +253,9 @@ def fuzz_settings(request) -> settings:
 @pytest.fixture(scope="module")
 def drafter(tmp_path_factory):
     db = tmp_path_factory.mktemp("fuzz-drafter") / "db"
-    service = ServiceProcess("drafter_service", "--port", "0", "--db", str(db), "--metrics-port", "-1",
-                             "--max-vocabularies", str(MAX_VOCABULARIES))
+    service = ServiceProcess(
+        "drafter_service", "--port", "0", "--db", str(db), "--metrics-port", "-1", "--max-vocabularies", str(MAX_VOCABULARIES)
+    )
     try:
         wait_until_serving(service, "", 60)
         service.db = db
@@ -229,8 +267,20 @@ def drafter(tmp_path_factory):
 @pytest.fixture(scope="module")
 def verifier(drafter, tiny_model_dir):
     service = ServiceProcess(
-        "verifier_service", "--port", "0", "--metrics-port", "-1", "--model", str(tiny_model_dir), "--no-calibrate",
-        "--drafter", drafter.address, "--drafter-timeout", "5", "--max-new-tokens-limit", str(MAX_NEW_TOKENS_LIMIT),
+        "verifier_service",
+        "--port",
+        "0",
+        "--metrics-port",
+        "-1",
+        "--model",
+        str(tiny_model_dir),
+        "--no-calibrate",
+        "--drafter",
+        drafter.address,
+        "--drafter-timeout",
+        "5",
+        "--max-new-tokens-limit",
+        str(MAX_NEW_TOKENS_LIMIT),
         env={**os.environ},
     )
     try:
@@ -247,8 +297,15 @@ def test_fuzzed_generate_requests_never_fail_internally_nor_disturb_a_neighbour(
     stub = rpc.VerifierStub(verifier.channel)
     eos = frozenset({tiny_model.config.eos_token_id})
     expected = reference_greedy(tiny_model, CANARY_PROMPT, CANARY_TOKENS, eos)
-    canary = Canary(lambda: list(stub.Generate(pb.GenerateRequest(
-        prompt_token_ids=CANARY_PROMPT, max_new_tokens=CANARY_TOKENS, num_speculative_tokens=4), timeout=CALL_TIMEOUT_S).token_ids), expected)
+    canary = Canary(
+        lambda: list(
+            stub.Generate(
+                pb.GenerateRequest(prompt_token_ids=CANARY_PROMPT, max_new_tokens=CANARY_TOKENS, num_speculative_tokens=4),
+                timeout=CALL_TIMEOUT_S,
+            ).token_ids
+        ),
+        expected,
+    )
     outcomes = Counter()
 
     @fuzz_settings(request)
@@ -301,6 +358,7 @@ def test_fuzzed_drafter_calls_never_fail_internally_nor_disturb_a_neighbour(draf
     fuzz_beside(drafter, canary, one, outcomes)
     # What the fuzzer stored is a sound table: stop the drafter and check every one on disk.
     drafter.terminate()
-    result = subprocess.run([sys.executable, "-m", "drafter_service.check", "--db", str(drafter.db)], capture_output=True, text=True,
-                            timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "drafter_service.check", "--db", str(drafter.db)], capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -79,15 +79,30 @@ def assert_health_port_answers_when_full(service, health_port: int, full_at: int
 
 def test_the_verifiers_health_port_answers_while_its_service_port_is_at_the_rpc_limit(tiny_model_dir):
     health_port = free_port()
-    with running("verifier_service", "--port", "0", "--metrics-port", "-1", "--model", str(tiny_model_dir), "--no-calibrate",
-                 "--max-batch-size", "1", "--max-queued", "1", "--health-port", str(health_port)) as verifier:
+    with running(
+        "verifier_service",
+        "--port",
+        "0",
+        "--metrics-port",
+        "-1",
+        "--model",
+        str(tiny_model_dir),
+        "--no-calibrate",
+        "--max-batch-size",
+        "1",
+        "--max-queued",
+        "1",
+        "--health-port",
+        str(health_port),
+    ) as verifier:
         # RPC limit: --max-batch-size + --max-queued + 8 = 10; past it, RESOURCE_EXHAUSTED.
         assert_health_port_answers_when_full(verifier, health_port, 10, grpc.StatusCode.RESOURCE_EXHAUSTED, "specdec.v1.Verifier")
 
 
 def test_the_drafters_health_port_answers_while_its_worker_threads_are_all_busy(tmp_path):
     health_port = free_port()
-    with running("drafter_service", "--port", "0", "--db", str(tmp_path / "db"), "--metrics-port", "-1",
-                 "--health-port", str(health_port)) as drafter:
+    with running(
+        "drafter_service", "--port", "0", "--db", str(tmp_path / "db"), "--metrics-port", "-1", "--health-port", str(health_port)
+    ) as drafter:
         # All 16 worker threads taken: a Check on the service port waits past its deadline.
         assert_health_port_answers_when_full(drafter, health_port, 16, grpc.StatusCode.DEADLINE_EXCEEDED, "specdec.v1.Drafter")

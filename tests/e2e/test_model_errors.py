@@ -55,7 +55,9 @@ def test_each_unservable_model_ends_the_process_with_one_clear_last_line(tiny_mo
     processes = [  # all at once: each spends most of its time importing
         subprocess.Popen(
             [sys.executable, "-m", "verifier_service", "--port", "0", "--metrics-port", "-1", "--no-calibrate", "--model", str(model)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for _, model, _ in cases
     ]

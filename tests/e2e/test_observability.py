@@ -80,10 +80,29 @@ def otel_env(port: int, service: str) -> dict[str, str]:
 def pair(model_dir, env_drafter=None, env_verifier=None, metrics=False):
     """Drafter and verifier (tiny model) as processes, both SERVING; yields (drafter, verifier, metrics ports)."""
     ports = (free_port(), free_port()) if metrics else (-1, -1)
-    with running("drafter_service", "--port", "0", "--db", str(model_dir.parent / f"db-{time.monotonic_ns()}"),
-                 "--metrics-port", str(ports[0]), env=env_drafter) as drafter:
-        with running("verifier_service", "--port", "0", "--drafter", drafter.address, "--model", str(model_dir),
-                     "--no-calibrate", "--metrics-port", str(ports[1]), env=env_verifier) as verifier:
+    with running(
+        "drafter_service",
+        "--port",
+        "0",
+        "--db",
+        str(model_dir.parent / f"db-{time.monotonic_ns()}"),
+        "--metrics-port",
+        str(ports[0]),
+        env=env_drafter,
+    ) as drafter:
+        with running(
+            "verifier_service",
+            "--port",
+            "0",
+            "--drafter",
+            drafter.address,
+            "--model",
+            str(model_dir),
+            "--no-calibrate",
+            "--metrics-port",
+            str(ports[1]),
+            env=env_verifier,
+        ) as verifier:
             wait_until_serving(verifier, "", timeout_s=120)
             yield drafter, verifier, ports
 
@@ -146,8 +165,7 @@ def test_a_hanging_collector_neither_blocks_generation_nor_shutdown(tiny_model_d
         with pair(tiny_model_dir, env_verifier=env) as (_, verifier, _):
             stub = rpc.VerifierStub(verifier.channel)
             # Export calls hang in the collector; requests must not wait for them.
-            responses = [stub.Generate(pb.GenerateRequest(prompt_token_ids=[9, 3, 9, 3], max_new_tokens=16), timeout=60)
-                         for _ in range(3)]
+            responses = [stub.Generate(pb.GenerateRequest(prompt_token_ids=[9, 3, 9, 3], max_new_tokens=16), timeout=60) for _ in range(3)]
             assert all(len(r.token_ids) == 16 for r in responses)
             assert len({tuple(r.token_ids) for r in responses}) == 1
             # SIGTERM: the tracer gives the collector a bounded time, then the process exits 0.
@@ -169,9 +187,9 @@ def test_prometheus_scrapes_both_services(tiny_model_dir, tmp_path):
         )
         web = free_port()
         server = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{web}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web}"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         try:
             stub = rpc.VerifierStub(verifier.channel)

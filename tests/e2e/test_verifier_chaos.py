@@ -69,18 +69,36 @@ def test_streams_keep_exact_tokens_through_kill_restart_slow_and_unreachable_dra
     verifier = None
     try:
         verifier = ServiceProcess(
-            "verifier_service", "--port", "0", "--metrics-port", "-1", "--model", str(long_tiny_model_dir), "--no-calibrate",
-            "--drafter", f"127.0.0.1:{link.port}", "--drafter-timeout", "0.3",
-            "--max-new-tokens-limit", str(TOKENS), "--max-sequence-tokens", str(CONTEXT),
+            "verifier_service",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--model",
+            str(long_tiny_model_dir),
+            "--no-calibrate",
+            "--drafter",
+            f"127.0.0.1:{link.port}",
+            "--drafter-timeout",
+            "0.3",
+            "--max-new-tokens-limit",
+            str(TOKENS),
+            "--max-sequence-tokens",
+            str(CONTEXT),
             env={**os.environ},
         )
         wait_until_serving(verifier, "specdec.v1.Verifier", 120)
         stub = rpc.VerifierStub(verifier.channel)
         # Plain decoding (K=0 never calls the drafter) is the reference.
         with ThreadPoolExecutor(STREAMS) as pool:
-            plain = list(pool.map(lambda prompt: stub.Generate(
-                pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=TOKENS, num_speculative_tokens=0), timeout=CALL_TIMEOUT_S
-            ), PROMPTS))
+            plain = list(
+                pool.map(
+                    lambda prompt: stub.Generate(
+                        pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=TOKENS, num_speculative_tokens=0), timeout=CALL_TIMEOUT_S
+                    ),
+                    PROMPTS,
+                )
+            )
 
         streams = [Stream(stub, prompt, None if i % 2 else 4) for i, prompt in enumerate(PROMPTS)]
         faults = []

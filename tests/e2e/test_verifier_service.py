@@ -46,8 +46,16 @@ CALL_TIMEOUT_S = 120  # every call that should complete gets a deadline this lon
 LONG_RUNNING_TOKENS = 60_000
 MAX_NEW_TOKENS_LIMIT = 400  # the shared tiny server's --max-new-tokens-limit (below its 512-token context)
 # Prompts whose greedy continuations cycle without EOS (checked by the tests that rely on it).
-PROMPTS = [[5, 9, 14, 20], [7, 33, 21, 40, 12], [11, 22, 33, 44], [50, 3, 17, 29, 42, 8],
-           [2, 4, 6, 8], [60, 61, 62, 63], [13, 27, 39], [31, 30, 29, 28, 27, 26]]
+PROMPTS = [
+    [5, 9, 14, 20],
+    [7, 33, 21, 40, 12],
+    [11, 22, 33, 44],
+    [50, 3, 17, 29, 42, 8],
+    [2, 4, 6, 8],
+    [60, 61, 62, 63],
+    [13, 27, 39],
+    [31, 30, 29, 28, 27, 26],
+]
 LONG_PROMPT = PROMPTS[0]
 
 
@@ -120,8 +128,14 @@ def tiny_server(tmp_path_factory, tiny_model_dir):
     drafter = Drafter(tmp_path_factory.mktemp("tiny-drafter-db"))
     try:
         verifier = start_verifier(
-            "--model", str(tiny_model_dir), "--no-calibrate", "--drafter", drafter.address, *DRAFTER_TIMEOUT,
-            "--max-new-tokens-limit", str(MAX_NEW_TOKENS_LIMIT),
+            "--model",
+            str(tiny_model_dir),
+            "--no-calibrate",
+            "--drafter",
+            drafter.address,
+            *DRAFTER_TIMEOUT,
+            "--max-new-tokens-limit",
+            str(MAX_NEW_TOKENS_LIMIT),
         )
         try:
             yield verifier
@@ -135,8 +149,17 @@ def tiny_server(tmp_path_factory, tiny_model_dir):
 def single_slot_server(long_tiny_model_dir):
     """One batch slot and one queue place: a leaked slot blocks every later request."""
     verifier = start_verifier(
-        "--model", str(long_tiny_model_dir), "--no-calibrate", "--max-batch-size", "1", "--max-queued", "1",
-        "--max-new-tokens-limit", str(LONG_RUNNING_TOKENS), "--max-sequence-tokens", str(LONG_CONTEXT),
+        "--model",
+        str(long_tiny_model_dir),
+        "--no-calibrate",
+        "--max-batch-size",
+        "1",
+        "--max-queued",
+        "1",
+        "--max-new-tokens-limit",
+        str(LONG_RUNNING_TOKENS),
+        "--max-sequence-tokens",
+        str(LONG_CONTEXT),
     )
     try:
         yield verifier
@@ -241,9 +264,12 @@ def test_greedy_outputs_equal_transformers_generate_on_the_real_model(real_serve
     for prompt in REAL_PROMPTS:
         ids = chat_prompt_ids(tokenizer, prompt)
         reference = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=REAL_MAX_NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id,
-        )[0, len(ids):].tolist()
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=REAL_MAX_NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+        )[0, len(ids) :].tolist()
         references[prompt] = reference
         # Adaptive K (num_speculative_tokens unset), the text prompt through the chat template.
         response = generate(real_server, pb.GenerateRequest(prompt=prompt, chat=True, max_new_tokens=REAL_MAX_NEW_TOKENS))
@@ -253,9 +279,15 @@ def test_greedy_outputs_equal_transformers_generate_on_the_real_model(real_serve
     # Copying the passage: drafts from the prompt are verified and kept. Asked
     # with a fixed K, since adaptive K may rightly verify no drafts at all when
     # the start-up calibration finds wide steps dear on this (shared) CPU.
-    grounded = generate(real_server, pb.GenerateRequest(
-        prompt=GROUNDED_PROMPT, chat=True, max_new_tokens=REAL_MAX_NEW_TOKENS, num_speculative_tokens=4,
-    ))
+    grounded = generate(
+        real_server,
+        pb.GenerateRequest(
+            prompt=GROUNDED_PROMPT,
+            chat=True,
+            max_new_tokens=REAL_MAX_NEW_TOKENS,
+            num_speculative_tokens=4,
+        ),
+    )
     assert list(grounded.token_ids) == references[GROUNDED_PROMPT]
     assert grounded.stats.accepted_tokens > 0, grounded.stats
 
@@ -340,8 +372,14 @@ def test_drafter_killed_mid_run_and_restarted_on_the_same_port(tmp_path, long_ti
     verifier = None
     try:
         verifier = start_verifier(
-            "--model", str(long_tiny_model_dir), "--no-calibrate", "--drafter", f"127.0.0.1:{port}", *DRAFTER_TIMEOUT,
-            "--max-new-tokens-limit", str(KILL_TOKENS),
+            "--model",
+            str(long_tiny_model_dir),
+            "--no-calibrate",
+            "--drafter",
+            f"127.0.0.1:{port}",
+            *DRAFTER_TIMEOUT,
+            "--max-new-tokens-limit",
+            str(KILL_TOKENS),
         )
         repeated = request(REPEATED_PROMPT, REPEATED_TOKENS, k=4)
         first = generate(verifier, repeated)
@@ -516,42 +554,110 @@ def test_cancelling_a_queued_request_gives_its_queue_place_back(single_slot_serv
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 BAD_INPUTS = [
     # (name, request fields, status, message fragment)
-    ("prompt and prompt_token_ids", {"prompt": "t5 t6", "prompt_token_ids": [5, 6], "max_new_tokens": 4},
-     INVALID, "set either prompt or prompt_token_ids, not both"),
+    (
+        "prompt and prompt_token_ids",
+        {"prompt": "t5 t6", "prompt_token_ids": [5, 6], "max_new_tokens": 4},
+        INVALID,
+        "set either prompt or prompt_token_ids, not both",
+    ),
     ("empty prompt", {"max_new_tokens": 4}, INVALID, "prompt is empty: set prompt (text) or prompt_token_ids"),
     ("prompt of no tokens", {"prompt": "   ", "max_new_tokens": 4}, INVALID, "prompt is empty"),
-    ("max_new_tokens 0", {"prompt_token_ids": [5, 6], "max_new_tokens": 0},
-     INVALID, f"max_new_tokens must be in [1, {MAX_NEW_TOKENS_LIMIT}], got 0"),
-    ("max_new_tokens above the limit", {"prompt_token_ids": [5, 6], "max_new_tokens": MAX_NEW_TOKENS_LIMIT + 1},
-     INVALID, f"max_new_tokens must be in [1, {MAX_NEW_TOKENS_LIMIT}], got {MAX_NEW_TOKENS_LIMIT + 1}"),
-    ("temperature NaN", {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "temperature": float("nan")},
-     INVALID, "temperature must be a finite number >= 0 (below 1e-05 = greedy), got nan"),
-    ("temperature inf", {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "temperature": float("inf")},
-     INVALID, "temperature must be a finite number >= 0 (below 1e-05 = greedy), got inf"),
-    ("temperature -1", {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "temperature": -1.0},
-     INVALID, "temperature must be a finite number >= 0 (below 1e-05 = greedy), got -1.0"),
-    ("top_p NaN", {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "top_p": float("nan")},
-     INVALID, "top_p must be in [0, 1] (0 or 1 = off), got nan"),
-    ("top_p 1.5", {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "top_p": 1.5},
-     INVALID, "top_p must be in [0, 1] (0 or 1 = off), got 1.5"),
-    ("top_p -0.1", {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "top_p": -0.1},
-     INVALID, "top_p must be in [0, 1] (0 or 1 = off), got -0.1"),  # float32: -0.10000000149...
-    ("token id = vocabulary size", {"prompt_token_ids": [5, 64], "max_new_tokens": 4},
-     INVALID, "token ids outside the vocabulary [0, 64): [64]"),
-    ("largest uint32 token id", {"prompt_token_ids": [5, 2**32 - 1], "max_new_tokens": 4},
-     INVALID, "token ids outside the vocabulary [0, 64): [4294967295]"),
-    ("prompt past the context", {"prompt_token_ids": [5] * 500, "max_new_tokens": 20},
-     INVALID, "prompt (500 tokens) + max_new_tokens (20) needs 520 cache positions; this server holds at most 512 per request"),
-    ("num_speculative_tokens 99", {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "num_speculative_tokens": 99},
-     INVALID, "num_speculative_tokens must be in [0, 16] (unset = adaptive), got 99"),
-    ("chat with token ids", {"prompt_token_ids": [5, 6], "chat": True, "max_new_tokens": 4},
-     INVALID, "chat applies to a text prompt; prompt_token_ids are used as given"),
-    ("empty stop string", {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "stop": ["t7", ""]},
-     INVALID, "stop[1] is empty; stop strings must be non-empty"),
-    ("17 stop strings", {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "stop": [f"t{i}" for i in range(17)]},
-     INVALID, "stop takes at most 16 strings (--stop-strings-limit), got 17"),
-    ("a 257-character stop string", {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "stop": ["t7", "é" * 257]},
-     INVALID, "stop[1] is 257 characters; at most 256 (--stop-string-length-limit)"),
+    (
+        "max_new_tokens 0",
+        {"prompt_token_ids": [5, 6], "max_new_tokens": 0},
+        INVALID,
+        f"max_new_tokens must be in [1, {MAX_NEW_TOKENS_LIMIT}], got 0",
+    ),
+    (
+        "max_new_tokens above the limit",
+        {"prompt_token_ids": [5, 6], "max_new_tokens": MAX_NEW_TOKENS_LIMIT + 1},
+        INVALID,
+        f"max_new_tokens must be in [1, {MAX_NEW_TOKENS_LIMIT}], got {MAX_NEW_TOKENS_LIMIT + 1}",
+    ),
+    (
+        "temperature NaN",
+        {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "temperature": float("nan")},
+        INVALID,
+        "temperature must be a finite number >= 0 (below 1e-05 = greedy), got nan",
+    ),
+    (
+        "temperature inf",
+        {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "temperature": float("inf")},
+        INVALID,
+        "temperature must be a finite number >= 0 (below 1e-05 = greedy), got inf",
+    ),
+    (
+        "temperature -1",
+        {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "temperature": -1.0},
+        INVALID,
+        "temperature must be a finite number >= 0 (below 1e-05 = greedy), got -1.0",
+    ),
+    (
+        "top_p NaN",
+        {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "top_p": float("nan")},
+        INVALID,
+        "top_p must be in [0, 1] (0 or 1 = off), got nan",
+    ),
+    (
+        "top_p 1.5",
+        {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "top_p": 1.5},
+        INVALID,
+        "top_p must be in [0, 1] (0 or 1 = off), got 1.5",
+    ),
+    (
+        "top_p -0.1",
+        {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "top_p": -0.1},
+        INVALID,
+        "top_p must be in [0, 1] (0 or 1 = off), got -0.1",
+    ),  # float32: -0.10000000149...
+    (
+        "token id = vocabulary size",
+        {"prompt_token_ids": [5, 64], "max_new_tokens": 4},
+        INVALID,
+        "token ids outside the vocabulary [0, 64): [64]",
+    ),
+    (
+        "largest uint32 token id",
+        {"prompt_token_ids": [5, 2**32 - 1], "max_new_tokens": 4},
+        INVALID,
+        "token ids outside the vocabulary [0, 64): [4294967295]",
+    ),
+    (
+        "prompt past the context",
+        {"prompt_token_ids": [5] * 500, "max_new_tokens": 20},
+        INVALID,
+        "prompt (500 tokens) + max_new_tokens (20) needs 520 cache positions; this server holds at most 512 per request",
+    ),
+    (
+        "num_speculative_tokens 99",
+        {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "num_speculative_tokens": 99},
+        INVALID,
+        "num_speculative_tokens must be in [0, 16] (unset = adaptive), got 99",
+    ),
+    (
+        "chat with token ids",
+        {"prompt_token_ids": [5, 6], "chat": True, "max_new_tokens": 4},
+        INVALID,
+        "chat applies to a text prompt; prompt_token_ids are used as given",
+    ),
+    (
+        "empty stop string",
+        {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "stop": ["t7", ""]},
+        INVALID,
+        "stop[1] is empty; stop strings must be non-empty",
+    ),
+    (
+        "17 stop strings",
+        {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "stop": [f"t{i}" for i in range(17)]},
+        INVALID,
+        "stop takes at most 16 strings (--stop-strings-limit), got 17",
+    ),
+    (
+        "a 257-character stop string",
+        {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "stop": ["t7", "é" * 257]},
+        INVALID,
+        "stop[1] is 257 characters; at most 256 (--stop-string-length-limit)",
+    ),
 ]
 
 
@@ -577,9 +683,20 @@ def test_a_stock_client_calls_generate_through_reflection(tiny_server):
     grpcurl = Path(sys.executable).parent / "grpcurl"
     fields = {"prompt_token_ids": PROMPTS[4], "max_new_tokens": 20, "num_speculative_tokens": 4}
     result = subprocess.run(
-        [str(grpcurl), "-plaintext", "-max-time", str(CALL_TIMEOUT_S), "-d", json.dumps(fields),
-         tiny_server.address, f"{SERVICE}/Generate"],
-        capture_output=True, text=True, timeout=CALL_TIMEOUT_S, check=False,
+        [
+            str(grpcurl),
+            "-plaintext",
+            "-max-time",
+            str(CALL_TIMEOUT_S),
+            "-d",
+            json.dumps(fields),
+            tiny_server.address,
+            f"{SERVICE}/Generate",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=CALL_TIMEOUT_S,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
@@ -597,8 +714,13 @@ GRACE_S = 120  # far longer than the request needs: the test is that it is allow
 
 def test_sigterm_lets_the_running_request_finish_then_exits_zero(long_tiny_model_dir, expected):
     verifier = start_verifier(
-        "--model", str(long_tiny_model_dir), "--no-calibrate", "--grace", str(GRACE_S),
-        "--max-new-tokens-limit", str(SHUTDOWN_TOKENS),
+        "--model",
+        str(long_tiny_model_dir),
+        "--no-calibrate",
+        "--grace",
+        str(GRACE_S),
+        "--max-new-tokens-limit",
+        str(SHUTDOWN_TOKENS),
     )
     try:
         call = verifier.stub.GenerateStream(request(LONG_PROMPT, SHUTDOWN_TOKENS, k=0), timeout=CALL_TIMEOUT_S)
@@ -619,7 +741,7 @@ def test_sigterm_lets_the_running_request_finish_then_exits_zero(long_tiny_model
 
 # Holds load_model at a FIFO until the test writes to it, so the window in
 # which the model is "still loading" is as long as the test needs, not a race.
-LOAD_GATE_SITECUSTOMIZE = '''
+LOAD_GATE_SITECUSTOMIZE = """
 import os
 
 _gate = os.environ.get("SPECDEC_TEST_LOAD_GATE")
@@ -634,7 +756,7 @@ if _gate:
         return _load_model(*args, **kwargs)
 
     _loading.load_model = _gated_load_model
-'''
+"""
 
 
 def open_gate(fifo: Path, process: Verifier, timeout_s: float) -> None:
@@ -656,8 +778,12 @@ def test_health_is_not_serving_and_calls_unavailable_until_the_model_is_loaded(t
     (tmp_path / "sitecustomize.py").write_text(LOAD_GATE_SITECUSTOMIZE)
     fifo = tmp_path / "load-gate"
     os.mkfifo(fifo)
-    env = dict(os.environ, **SERVICE_ENV, SPECDEC_TEST_LOAD_GATE=str(fifo),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        **SERVICE_ENV,
+        SPECDEC_TEST_LOAD_GATE=str(fifo),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+    )
     with running("verifier_service", "--port", "0", "--model", str(tiny_model_dir), "--no-calibrate", env=env) as process:
         health = health_pb2_grpc.HealthStub(process.channel)
         stub = rpc.VerifierStub(process.channel)

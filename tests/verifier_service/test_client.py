@@ -14,11 +14,21 @@ from specdec.v1 import verifier_pb2_grpc as rpc
 from verifier_service import client
 
 STATS = pb.GenerationStats(
-    target_forward_passes=4, draft_tokens=8, accepted_tokens=6, acceptance_rate=0.75,
-    tokens_per_forward_pass=1.5, time_to_first_token_ms=12.5, total_ms=40.0, prompt_tokens=9, generated_tokens=6,
+    target_forward_passes=4,
+    draft_tokens=8,
+    accepted_tokens=6,
+    acceptance_rate=0.75,
+    tokens_per_forward_pass=1.5,
+    time_to_first_token_ms=12.5,
+    total_ms=40.0,
+    prompt_tokens=9,
+    generated_tokens=6,
 )
 RESPONSE = pb.GenerateResponse(
-    text="Hello, world!", token_ids=[10, 11, 12, 13, 14, 15], finish_reason=pb.FINISH_REASON_STOP, stats=STATS,
+    text="Hello, world!",
+    token_ids=[10, 11, 12, 13, 14, 15],
+    finish_reason=pb.FINISH_REASON_STOP,
+    stats=STATS,
 )
 # The same generation in pieces; the last chunk carries text too, so a client
 # that keeps only the stats of the last chunk loses the "!".
@@ -33,9 +43,15 @@ EXPECTED_JSON = {
     "token_ids": [10, 11, 12, 13, 14, 15],
     "finish_reason": "stop",
     "stats": {
-        "target_forward_passes": 4, "draft_tokens": 8, "accepted_tokens": 6, "acceptance_rate": 0.75,
-        "tokens_per_forward_pass": 1.5, "time_to_first_token_ms": 12.5, "total_ms": 40.0,
-        "prompt_tokens": 9, "generated_tokens": 6,
+        "target_forward_passes": 4,
+        "draft_tokens": 8,
+        "accepted_tokens": 6,
+        "acceptance_rate": 0.75,
+        "tokens_per_forward_pass": 1.5,
+        "time_to_first_token_ms": 12.5,
+        "total_ms": 40.0,
+        "prompt_tokens": 9,
+        "generated_tokens": 6,
     },
 }
 
@@ -85,8 +101,26 @@ def run(target: str, *flags: str) -> int:
 
 def test_flags_become_request_fields(verifier):
     servicer, target = verifier
-    code = run(target, "--max-new-tokens", "17", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "40",
-               "--seed", "1234", "--stop", "\n\n", "--stop", "END", "--k", "5", "--no-chat")
+    code = run(
+        target,
+        "--max-new-tokens",
+        "17",
+        "--temperature",
+        "0.7",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "40",
+        "--seed",
+        "1234",
+        "--stop",
+        "\n\n",
+        "--stop",
+        "END",
+        "--k",
+        "5",
+        "--no-chat",
+    )
     assert code == 0
     [request] = servicer.requests
     assert request.prompt == "a prompt"
@@ -139,8 +173,7 @@ def test_unary_prints_text_and_a_stats_line(verifier, capsys):
     out, err = capsys.readouterr()
     assert out == "Hello, world!\n"
     assert err == (
-        "6 tokens, 4 forward passes, acceptance 75.0% of 8 drafts, 1.50 tokens/pass, "
-        "TTFT 12.5 ms, total 40.0 ms, finish stop\n"
+        "6 tokens, 4 forward passes, acceptance 75.0% of 8 drafts, 1.50 tokens/pass, " "TTFT 12.5 ms, total 40.0 ms, finish stop\n"
     )
 
 
@@ -186,7 +219,9 @@ def test_finish_reason_names():
 
 
 def test_no_drafts_is_not_reported_as_zero_acceptance():
-    response = pb.GenerateResponse(finish_reason=pb.FINISH_REASON_LENGTH, stats=pb.GenerationStats(generated_tokens=3, target_forward_passes=3))
+    response = pb.GenerateResponse(
+        finish_reason=pb.FINISH_REASON_LENGTH, stats=pb.GenerationStats(generated_tokens=3, target_forward_passes=3)
+    )
     assert "acceptance no drafts" in client.stats_summary(response)
     assert client.stats_summary(response).endswith("finish length")
 

@@ -338,8 +338,10 @@ def long_contexts(count: int, length: int) -> list[list[int]]:
 def test_a_call_whose_deadline_passes_leaves_no_session(drafters):
     server = drafters.start()
     stub = drafters.stub(server)
-    opening = [pb.SequenceUpdate(session_id=f"s{i}", open=True, new_tokens=tokens_, num_draft_tokens=3)
-               for i, tokens_ in enumerate(long_contexts(16, 6000))]
+    opening = [
+        pb.SequenceUpdate(session_id=f"s{i}", open=True, new_tokens=tokens_, num_draft_tokens=3)
+        for i, tokens_ in enumerate(long_contexts(16, 6000))
+    ]
     with pytest.raises(grpc.RpcError) as raised:
         stub.Propose(pb.ProposeRequest(vocabulary=VOCABULARY, sequences=opening), timeout=0.01)  # ~100K tokens: far too short
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

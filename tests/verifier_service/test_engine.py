@@ -97,9 +97,9 @@ def test_greedy_matches_transformers_generate(tiny_model, tiny_tokenizer):
     engine = engine_without_eos(tiny_model, tiny_tokenizer, NGramDrafter())
     results = engine.generate([GenerationRequest(p, 20, num_speculative_tokens=4) for p in PROMPTS])
     for prompt, result in zip(PROMPTS, results):
-        expected = tiny_model.generate(
-            torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0
-        )[0, len(prompt) :]
+        expected = tiny_model.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)[
+            0, len(prompt) :
+        ]
         assert result.token_ids == expected.tolist()
 
 
@@ -329,8 +329,10 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_drafts(tiny_mode
     for seed in range(8):
         params = SamplingParams(SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p, seed=seed)
         plain, spec = engine.generate(
-            [GenerationRequest(PROMPTS[0], 16, params, num_speculative_tokens=0),
-             GenerationRequest(PROMPTS[0], 16, params, num_speculative_tokens=k)]
+            [
+                GenerationRequest(PROMPTS[0], 16, params, num_speculative_tokens=0),
+                GenerationRequest(PROMPTS[0], 16, params, num_speculative_tokens=k),
+            ]
         )
         assert spec.token_ids == plain.token_ids
         assert spec.stats.draft_tokens > 0
@@ -358,10 +360,7 @@ def exact_marginal(model, prompt, position, params):
 
 
 def sample_tokens(engine, params, seeds, k, length=4):
-    requests = [
-        GenerationRequest(PROMPTS[0], length, dataclasses.replace(params, seed=seed), num_speculative_tokens=k)
-        for seed in seeds
-    ]
+    requests = [GenerationRequest(PROMPTS[0], length, dataclasses.replace(params, seed=seed), num_speculative_tokens=k) for seed in seeds]
     return engine.generate(requests)
 
 
@@ -398,10 +397,12 @@ def test_speculative_sampling_matches_plain_sampling(tiny_model, tiny_tokenizer)
     engine = engine_without_eos(tiny_model, tiny_tokenizer, ScriptedProposer(oracle(tiny_model)))
     speculative = sample_tokens(engine, SAMPLING, range(SAMPLES), k=3)
     plain = sample_tokens(engine, SAMPLING, range(SAMPLES, 2 * SAMPLES), k=0)
-    table = np.stack([
-        np.bincount([r.token_ids[3] for r in speculative], minlength=TINY_VOCAB),
-        np.bincount([r.token_ids[3] for r in plain], minlength=TINY_VOCAB),
-    ])
+    table = np.stack(
+        [
+            np.bincount([r.token_ids[3] for r in speculative], minlength=TINY_VOCAB),
+            np.bincount([r.token_ids[3] for r in plain], minlength=TINY_VOCAB),
+        ]
+    )
     table = table[:, table.sum(axis=0) >= 10]  # drop cells too sparse for the chi-square approximation
     assert chi2_contingency(table).pvalue > 0.001
 
@@ -531,12 +532,8 @@ def test_each_slot_holds_exactly_its_sequences_keys_through_joins_leaves_and_rol
         reference.add(GenerationRequest(sequence.tokens[:cached], 1))
         reference.step()  # prefill the same tokens into the reference's slot 0
         for layer in engine.cache.layers:
-            torch.testing.assert_close(
-                engine.cache.keys[layer][sequence.slot, :, :cached], reference.cache.keys[layer][0, :, :cached]
-            )
-            torch.testing.assert_close(
-                engine.cache.values[layer][sequence.slot, :, :cached], reference.cache.values[layer][0, :, :cached]
-            )
+            torch.testing.assert_close(engine.cache.keys[layer][sequence.slot, :, :cached], reference.cache.keys[layer][0, :, :cached])
+            torch.testing.assert_close(engine.cache.values[layer][sequence.slot, :, :cached], reference.cache.values[layer][0, :, :cached])
 
 
 def test_a_temperature_near_zero_decodes_greedily_beside_a_greedy_request(tiny_model, tiny_tokenizer):
@@ -545,8 +542,10 @@ def test_a_temperature_near_zero_decodes_greedily_beside_a_greedy_request(tiny_m
     # every request in the batch.
     engine = SpeculativeEngine(tiny_model, tiny_tokenizer, None, step_cost=StepCostModel.linear(1.0, 0.1))
     prompt = [5, 9, 13, 2, 7]
-    greedy, tiny = engine.generate([
-        GenerationRequest(prompt, 12),
-        GenerationRequest(prompt, 12, SamplingParams(temperature=1e-44, seed=1)),
-    ])
+    greedy, tiny = engine.generate(
+        [
+            GenerationRequest(prompt, 12),
+            GenerationRequest(prompt, 12, SamplingParams(temperature=1e-44, seed=1)),
+        ]
+    )
     assert tiny.token_ids == greedy.token_ids and len(greedy.token_ids) == 12

@@ -166,9 +166,12 @@ def test_every_speculating_row_asks_the_drafter_every_step(tiny_model, tiny_toke
     # Bad drafts cost nothing once their odds are learned, so nothing backs off the drafter.
     proposer = RecordingProposer(always_wrong(tiny_model))
     engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost({1: 1.0, 1024: 1.0}))
-    [adaptive, fixed] = engine.generate([
-        GenerationRequest(PROMPTS[1], 20, num_speculative_tokens=None), GenerationRequest(PROMPTS[0], 20, num_speculative_tokens=3),
-    ])
+    [adaptive, fixed] = engine.generate(
+        [
+            GenerationRequest(PROMPTS[1], 20, num_speculative_tokens=None),
+            GenerationRequest(PROMPTS[0], 20, num_speculative_tokens=3),
+        ]
+    )
     for prompt, result in ((PROMPTS[1], adaptive), (PROMPTS[0], fixed)):
         asked_at = [len(c.tokens) - len(prompt) for c in proposer.calls if c.tokens[: len(prompt)] == prompt]
         assert asked_at == list(range(1, 20))  # 19 steps after prefill, one call each
@@ -409,7 +412,9 @@ def test_feedback_is_per_sequence_in_a_batch(tiny_model, tiny_tokenizer):
 
     proposer = RecordingProposer(by_prompt)
     engine = engine_for(tiny_model, tiny_tokenizer, proposer)
-    sequences = add_all(engine, [GenerationRequest(PROMPTS[0], 30, num_speculative_tokens=3), GenerationRequest(PROMPTS[1], 30, num_speculative_tokens=2)])
+    sequences = add_all(
+        engine, [GenerationRequest(PROMPTS[0], 30, num_speculative_tokens=3), GenerationRequest(PROMPTS[1], 30, num_speculative_tokens=2)]
+    )
     for _ in range(3):
         engine.step()
     first = [(c.verified, c.accepted) for c in proposer.calls_for(sequences[0].session_id)]

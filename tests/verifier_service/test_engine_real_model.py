@@ -33,8 +33,11 @@ def prompts_and_references(real_model):
     for prompt in PROMPTS:
         ids = chat_prompt_ids(tokenizer, prompt)
         output = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=MAX_NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id,
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=MAX_NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
         )
         cases.append((ids, output[0, len(ids) :].tolist()))
     return cases
@@ -56,7 +59,9 @@ def test_batch_of_8_joining_mid_run_equals_transformers_generate(real_model, pro
 @pytest.mark.parametrize("k", [3, None])
 def test_single_requests_equal_transformers_generate(real_model, prompts_and_references, k):
     engine = SpeculativeEngine(real_model.model, real_model.tokenizer, SessionProposer(NGramDrafter()))
-    results = [engine.generate([GenerationRequest(ids, MAX_NEW_TOKENS, num_speculative_tokens=k)])[0] for ids, _ in prompts_and_references[:4]]
+    results = [
+        engine.generate([GenerationRequest(ids, MAX_NEW_TOKENS, num_speculative_tokens=k)])[0] for ids, _ in prompts_and_references[:4]
+    ]
     assert [r.token_ids for r in results] == [expected for _, expected in prompts_and_references[:4]]
     assert sum(r.stats.accepted_tokens for r in results) > 0
 

@@ -114,11 +114,14 @@ def test_a_sampling_fault_in_one_row_fails_only_that_row(tiny_model, tiny_tokeni
     alone = make_engine(tiny_model, tiny_tokenizer).generate([sampled])[0].token_ids
     monkeypatch.setattr(engine_module, "warp_probs", warp_probs)
     engine = make_engine(tiny_model, tiny_tokenizer)
-    (_, error), (_, greedy), (_, other) = run(engine, [
-        GenerationRequest([20, 21, 20, 21], 12, doomed, num_speculative_tokens=3),
-        OTHERS[0],
-        sampled,
-    ])
+    (_, error), (_, greedy), (_, other) = run(
+        engine,
+        [
+            GenerationRequest([20, 21, 20, 21], 12, doomed, num_speculative_tokens=3),
+            OTHERS[0],
+            sampled,
+        ],
+    )
     assert isinstance(error, FloatingPointError)
     assert greedy.token_ids == reference_greedy(tiny_model, OTHERS[0].prompt_ids, OTHERS[0].max_new_tokens, NO_EOS)
     assert other.token_ids == alone  # a seeded sampled batch-mate keeps its exact tokens too

@@ -178,7 +178,9 @@ def test_slot_attention_prefill_segment_sees_its_slot_only():
     layout = plan_step(cache, [], [(1, 0, 2)], CPU)
     query = torch.randn(1, 1, 2, 4)
     out_first, _ = slot_attention(attention_module(), query, first, first, None, **{STEP_KWARG: layout})
-    torch.testing.assert_close(out_first[0], reference_attention(query[0].transpose(0, 1), first[0].transpose(0, 1), first[0].transpose(0, 1)))
+    torch.testing.assert_close(
+        out_first[0], reference_attention(query[0].transpose(0, 1), first[0].transpose(0, 1), first[0].transpose(0, 1))
+    )
     # A second chunk at position 2 attends over the first chunk's columns too.
     second, query2 = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
     layout = plan_step(cache, [], [(1, 2, 3)], CPU)

@@ -27,8 +27,17 @@ from verifier_service.engine import EngineConfig, GenerationRequest, Speculative
 
 VOCAB = 64
 NO_EOS = frozenset()
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=0,
+)
 
 
 def seeded(model_class, config, seed: int = 0):
@@ -84,7 +93,9 @@ def test_qwen2_with_sliding_and_full_layers_mixed(tiny_tokenizer):
 
 
 def test_batch_dependent_rope_is_refused_at_load(tiny_tokenizer):
-    config = LlamaConfig(**SMALL, max_position_embeddings=64, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    config = LlamaConfig(
+        **SMALL, max_position_embeddings=64, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    )
     model = seeded(LlamaForCausalLM, config)
     with pytest.raises(ValueError, match=r"LlamaForCausalLM uses 'dynamic' RoPE scaling, whose frequencies depend on the longest position"):
         SpeculativeEngine(model, tiny_tokenizer)
@@ -93,5 +104,7 @@ def test_batch_dependent_rope_is_refused_at_load(tiny_tokenizer):
 def test_attention_soft_capping_is_refused_at_load(tiny_tokenizer):
     config = Gemma2Config(**SMALL, head_dim=8, attn_logit_softcapping=50.0, max_position_embeddings=64)
     model = seeded(Gemma2ForCausalLM, config)
-    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM cannot be served: attention soft-capping and attention sinks are not supported"):
+    with pytest.raises(
+        ValueError, match=r"Gemma2ForCausalLM cannot be served: attention soft-capping and attention sinks are not supported"
+    ):
         SpeculativeEngine(model, tiny_tokenizer)

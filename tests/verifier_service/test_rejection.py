@@ -78,9 +78,9 @@ def chi_square_p_value(samples: np.ndarray, probs: list[float]) -> float:
 def assert_rate_close(successes: int, trials: int, expected_rate: float) -> None:
     standard_error = math.sqrt(expected_rate * (1.0 - expected_rate) / trials)
     observed_rate = successes / trials
-    assert abs(observed_rate - expected_rate) <= ACCEPTANCE_TOLERANCE_SE * standard_error, (
-        f"rate {observed_rate:.5f} vs expected {expected_rate:.5f} (standard error {standard_error:.5f})"
-    )
+    assert (
+        abs(observed_rate - expected_rate) <= ACCEPTANCE_TOLERANCE_SE * standard_error
+    ), f"rate {observed_rate:.5f} vs expected {expected_rate:.5f} (standard error {standard_error:.5f})"
 
 
 def overlap(p: list[float], q: list[float]) -> float:
@@ -88,9 +88,7 @@ def overlap(p: list[float], q: list[float]) -> float:
     return float(np.minimum(np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)).sum())
 
 
-def run_rejection_chains(
-    target_rows: list[list[float]], draft_rows: list[list[float]], num_chains: int, seed: int
-) -> np.ndarray:
+def run_rejection_chains(target_rows: list[list[float]], draft_rows: list[list[float]], num_chains: int, seed: int) -> np.ndarray:
     """Draw d_i ~ q_i, run rejection_sample, return emitted tokens [num_chains, k+1], -1 past the end.
 
     Here p_i does not depend on d_<i: a valid target, and it lets each output
@@ -298,12 +296,15 @@ def test_sampling_params_greedy_means_temperature_below_the_sampling_floor():
     assert not SamplingParams(temperature=1e-5).greedy
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1e-5),  # the smallest sampled temperature
-    SamplingParams(temperature=1e30),  # everything equally likely
-    SamplingParams(temperature=1.0, top_p=1e-30),  # the top token alone
-    SamplingParams(temperature=1.0, top_k=4_000_000_000),  # more than the vocabulary: no filter
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-5),  # the smallest sampled temperature
+        SamplingParams(temperature=1e30),  # everything equally likely
+        SamplingParams(temperature=1.0, top_p=1e-30),  # the top token alone
+        SamplingParams(temperature=1.0, top_k=4_000_000_000),  # more than the vocabulary: no filter
+    ],
+)
 def test_warp_probs_stays_a_distribution_at_extreme_but_valid_values(params):
     logits = torch.tensor([[30.0, 29.0, -40.0, 0.0], [88.0, 88.0, -88.0, 1e4]])
     probs = warp_probs(logits, params)
@@ -333,9 +334,7 @@ def test_rejection_sample_k1_emits_the_target_distribution(case):
     assert chi_square_p_value(emitted[accepted, 1], BONUS_P) > CHI_SQUARE_MIN_P_VALUE
 
 
-@pytest.mark.parametrize(
-    "first, second", [(EQUAL, NEAR_ZERO), (CLOSE, DISJOINT)], ids=["equal_then_near_zero", "close_then_disjoint"]
-)
+@pytest.mark.parametrize("first, second", [(EQUAL, NEAR_ZERO), (CLOSE, DISJOINT)], ids=["equal_then_near_zero", "close_then_disjoint"])
 def test_rejection_sample_k2_chain_emits_the_target_distribution_at_each_position(first, second):
     (p1, q1), (p2, q2) = first, second
     emitted = run_rejection_chains([p1, p2, BONUS_P], [q1, q2], NUM_CHAINS, seed=23)

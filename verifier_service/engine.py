@@ -562,7 +562,7 @@ class SpeculativeEngine:
         with self.stage_spans("specdec.accept", {"specdec.draft_tokens": sum(row.verify for row in rows)}) as span:
             decoded = sum(row.verify + 1 for row in rows)
             decisions = self.accept(rows, logits[:decoded])
-            span.set_attribute("specdec.accepted", sum(count for count, _ in decisions))
+            span.set_attribute("specdec.accepted", sum(decision[0] for decision in decisions if decision is not None))
         if packed:  # a step scored piecemeal says nothing about a packed step's cost
             self.step_cost.observe(tokens + self.step_cost.padding(tokens), _cache_reads(rows, chunks), time.perf_counter() - started)
         for row, decision in zip(rows, decisions):

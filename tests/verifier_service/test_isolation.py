@@ -101,28 +101,28 @@ def test_a_forward_fault_in_one_sequence_fails_only_that_sequence(tiny_model, ti
     assert again.token_ids == truth
 
 
-def test_a_sampling_fault_in_one_row_fails_only_that_row(tiny_model, tiny_tokenizer, monkeypatch):
+@pytest.mark.parametrize("fail_at_call", [1, 4], ids=["first token", "decode"])
+def test_a_sampling_fault_in_one_row_fails_only_that_row(tiny_model, tiny_tokenizer, monkeypatch, fail_at_call):
     doomed = SamplingParams(temperature=0.77, seed=3)
-    real = engine_module.warp_probs
+    real, calls = engine_module.warp_probs, []
 
     def warp_probs(logits, params):
         if params == doomed:
-            raise FloatingPointError("simulated sampling fault")
+            calls.append(1)
+            if len(calls) >= fail_at_call:
+                raise FloatingPointError("simulated sampling fault")
         return real(logits, params)
 
     sampled = GenerationRequest([5, 6, 7], 12, SamplingParams(temperature=0.9, seed=11), num_speculative_tokens=3)
     alone = make_engine(tiny_model, tiny_tokenizer).generate([sampled])[0].token_ids
     monkeypatch.setattr(engine_module, "warp_probs", warp_probs)
     engine = make_engine(tiny_model, tiny_tokenizer)
-    (_, error), (_, greedy), (_, other) = run(
+    (streamed, error), (_, greedy), (_, other) = run(
         engine,
-        [
-            GenerationRequest([20, 21, 20, 21], 12, doomed, num_speculative_tokens=3),
-            OTHERS[0],
-            sampled,
-        ],
+        [GenerationRequest([20, 21, 20, 21], 12, doomed, num_speculative_tokens=3), OTHERS[0], sampled],
     )
     assert isinstance(error, FloatingPointError)
+    assert (streamed == []) if fail_at_call == 1 else (len(streamed) >= 1)  # in decode: after its first token
     assert greedy.token_ids == reference_greedy(tiny_model, OTHERS[0].prompt_ids, OTHERS[0].max_new_tokens, NO_EOS)
     assert other.token_ids == alone  # a seeded sampled batch-mate keeps its exact tokens too
     assert engine.free_slots == engine.config.max_batch_size

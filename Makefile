@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # v2, kubernetes-validate): installed once by deploy/install-validators.sh.
 TOOLS_STAMP := $(VENV)/.tools-installed
 
-.PHONY: run test bench install protos check-protos clean
+.PHONY: run test lint bench install protos check-protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +26,14 @@ install: $(STAMP) $(TOOLS_STAMP)
 run: $(STAMP)
 	$(PY) -m verifier_service.local_run
 
-test: $(STAMP) $(TOOLS_STAMP) check-protos
+test: $(STAMP) $(TOOLS_STAMP) check-protos lint
 	$(PY) -m pytest
+
+# Static checks (settings in pyproject.toml): ruff's lint and format, mypy over the packages and bench/.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 bench: $(STAMP)
 	$(PY) -m bench.bench_core

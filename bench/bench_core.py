@@ -95,7 +95,7 @@ def run_fresh(engine: SpeculativeEngine, prompt_ids, max_new_tokens, k, repeated
 
 
 def methods(model, engines: dict, max_new_tokens, workload: Workload) -> dict[str, Callable]:
-    table = {
+    table: dict[str, Callable] = {
         method_name(k): (lambda ids, k=k: run_fresh(engines[k], ids, max_new_tokens, k, workload.repeated)) for k in (0, ADAPTIVE, *SPEC_KS)
     }
     table["hf-greedy"] = lambda ids: run_hf(model, ids, max_new_tokens)
@@ -243,7 +243,7 @@ def measure_batch(model, tokenizer, batch: int, max_new_tokens: int, repeats: in
 def decode_batch(engine: SpeculativeEngine, prompts, max_new_tokens: int, k) -> tuple[list[list[int]], float, dict]:
     """Prefill every prompt (untimed), then decode all to the end: (tokens per prompt, decode seconds, counts)."""
     sequences = [engine.add(GenerationRequest(ids, max_new_tokens, num_speculative_tokens=k)) for ids in prompts]
-    tokens = {id(s): [] for s in sequences}
+    tokens: dict[int, list[int]] = {id(s): [] for s in sequences}
     while any(not tokens[id(s)] for s in sequences):
         for outcome in engine.step():
             tokens[id(outcome.sequence)] += outcome.tokens

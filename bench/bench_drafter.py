@@ -29,6 +29,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -58,8 +59,10 @@ def start(db: Path, *extra: str):
         stdout=subprocess.PIPE,
         text=True,
     )
-    line = process.stdout.readline()
-    port = int(re.search(r":(\d+) ", line).group(1))
+    assert process.stdout is not None
+    match = re.search(r":(\d+) ", process.stdout.readline())
+    assert match, "the drafter printed no port"
+    port = int(match.group(1))
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     grpc.channel_ready_future(channel).result(timeout=60)
     return process, channel, rpc.DrafterStub(channel)
@@ -91,7 +94,7 @@ def propose_requests(tokens: list[int], steps: int, prefix: str):
         )
 
 
-def time_steps(call, requests) -> tuple[list[float], object]:
+def time_steps(call, requests) -> tuple[list[float], Any]:
     """Seconds per step request (the opening one untimed) and the last response."""
     call(next(requests))
     times, response = [], None

@@ -94,8 +94,8 @@ def main(argv=None) -> None:
     names = ["plain", "adaptive", *llamas]
     print("\n| workload | " + " | ".join(f"{n} tok/s" for n in names) + " | adaptive / llama.cpp |")
     print("|---|" + "---:|" * (len(names) + 1))
-    for workload, rates in report.items():
-        print(f"| {workload} | " + " | ".join(f"{rates[n]:.1f}" for n in names) + f" | {rates['adaptive'] / rates['llama.cpp']:.2f} |")
+    for name, rates in report.items():
+        print(f"| {name} | " + " | ".join(f"{rates[n]:.1f}" for n in names) + f" | {rates['adaptive'] / rates['llama.cpp']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -207,7 +208,8 @@ class Drafter:
     """The drafter process on a fixed port, restartable on an empty table."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.generation, self.process = root, 0, None
+        self.root, self.generation = root, 0
+        self.process: subprocess.Popen | None = None
         self.port = free_port()  # kept across restarts
 
     def restart_empty(self) -> None:

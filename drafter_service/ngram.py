@@ -21,7 +21,7 @@ This module imports neither grpc nor lmdb; the service wraps it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -57,7 +57,7 @@ class Evidence(NamedTuple):
 
     source: str  # SOURCE_CONTEXT or SOURCE_GLOBAL
     match_length: int  # length of the suffix that matched
-    count: int  # times this continuation followed that suffix
+    count: int  # type: ignore[assignment]  # times this continuation followed that suffix (shadows tuple.count)
     total: int  # times any continuation followed that suffix
 
 
@@ -72,7 +72,7 @@ class Draft:
 
 class Continuation(NamedTuple):
     token: int  # the most frequent token after the key (ties: the first recorded)
-    count: int  # how often it followed
+    count: int  # type: ignore[assignment]  # how often it followed (shadows tuple.count)
     total: int  # how often anything followed
 
 
@@ -101,7 +101,7 @@ class InMemoryNGramTable:
         # drafting costs one dict lookup: ``best`` is that dict's own ``get``
         # (a plain tuple unpacks and compares like a Continuation).
         self._best: dict[tuple[int, ...], tuple[int, int, int]] = {}
-        self.best = self._best.get
+        self.best: Callable[[tuple[int, ...]], Continuation | None] = self._best.get  # type: ignore[assignment]
         # Full next-token counts, only for keys followed by two or more distinct
         # tokens; for the rest (most n-grams of a context) the summary is the count.
         self._counts: dict[tuple[int, ...], dict[int, int]] = {}

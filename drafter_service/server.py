@@ -28,6 +28,7 @@ from collections import Counter, deque
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import lmdb
@@ -628,22 +629,24 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 raise InvalidRequest(invalid, f"{where}: num_draft_tokens {sequence.num_draft_tokens} is out of range [0, {max_k}]")
             self._check_tokens(sequence.new_tokens, where)
             session = self.sessions.get(sid)
-            if sequence.open and session is not None:
-                raise InvalidRequest(grpc.StatusCode.ALREADY_EXISTS, f"{where}: session {sid!r} is already open")
-            if not sequence.open and session is None:
+            held = drafted = 0  # what an open session holds: its tokens, and its last draft's length
+            if sequence.open:
+                if session is not None:
+                    raise InvalidRequest(grpc.StatusCode.ALREADY_EXISTS, f"{where}: session {sid!r} is already open")
+            elif session is None:
                 raise InvalidRequest(grpc.StatusCode.NOT_FOUND, f"{where}: unknown session {sid!r} (open it first)")
-            if not sequence.open and session.vocabulary != request.vocabulary:
+            elif session.vocabulary != request.vocabulary:
                 raise InvalidRequest(invalid, f"{where}: session {sid!r} was opened under another vocabulary")
-            if not sequence.open and session.busy:
+            elif session.busy:
                 raise InvalidRequest(grpc.StatusCode.ABORTED, f"{where}: session {sid!r} is in use by another call; retry")
-            held = 0 if sequence.open else len(session.context.tokens)
+            else:
+                held, drafted = len(session.context.tokens), len(session.last_sources)
             if held + len(sequence.new_tokens) > self.config.max_session_tokens:
                 raise InvalidRequest(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{where}: session {sid!r} would hold {held + len(sequence.new_tokens)} tokens; the limit is "
                     f"{self.config.max_session_tokens} (--max-session-tokens)",
                 )
-            drafted = 0 if sequence.open else len(session.last_sources)
             if not sequence.accepted_draft_tokens <= sequence.verified_draft_tokens <= drafted:
                 raise InvalidRequest(
                     invalid,
@@ -679,6 +682,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return self.stores.get(vocabulary)
         except (TooManyVocabularies, DiskFull) as full:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
+            raise  # unreached: abort raises
 
     def _check_sequences(self, sequences) -> None:
         self._check_call_size(len(sequences), sum(len(sequence.tokens) for sequence in sequences))
@@ -795,7 +799,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.SequenceDraft(
             session_id=update.session_id,
             tokens=chain.tokens,
-            sources=session.last_sources,
+            sources=session.last_sources,  # type: ignore[arg-type]  # DraftSource values, as ints
             match_lengths=match_lengths,
             counts=counts,
             totals=totals,
@@ -1008,7 +1012,7 @@ class _ServingOnly(drafter_pb2_grpc.DrafterServicer):
     """The main port's face when admin calls have a port of their own."""
 
     def __init__(self, servicer: DrafterServicer) -> None:
-        self.Propose, self.Observe, self.CloseSessions = servicer.Propose, servicer.Observe, servicer.CloseSessions
+        self.Propose, self.Observe, self.CloseSessions = servicer.Propose, servicer.Observe, servicer.CloseSessions  # type: ignore[method-assign]
 
     def Stats(self, request, context):
         context.abort(grpc.StatusCode.PERMISSION_DENIED, "Stats is served on the drafter's admin port only")
@@ -1029,7 +1033,7 @@ class DrafterServer:
     admin_server: grpc.Server | None = None  # Stats and Backup, when --admin-port is set
     admin_port: int | None = None
     health_port: int | None = None  # where the health-only server listens; None: not served
-    _metrics_server: object = None
+    _metrics_server: Any = None  # telemetry.start_metrics_server's HTTP server
     _health_server: grpc.Server | None = None
     _stop_janitor: threading.Event = field(default_factory=threading.Event)
 

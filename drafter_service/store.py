@@ -134,12 +134,12 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import lmdb
 
@@ -490,7 +490,7 @@ class StoreSnapshot:
         if version == VALUE_VERSION and last_touched == self._epoch and len(value) > _HEADER.size:
             # Pairs are stored most frequent first: the head is the answer.
             # (A plain tuple: this runs per draft token, and unpacks like a Continuation.)
-            return (*_FIRST_PAIR.unpack_from(value, _HEADER.size), total)
+            return (*_FIRST_PAIR.unpack_from(value, _HEADER.size), total)  # type: ignore[return-value]
         return best_of(self.continuations(key))  # decay, or a bad version (raises)
 
     def _value(self, key: tuple[int, ...]) -> bytes | None:
@@ -559,7 +559,7 @@ class LMDBNGramStore:
         """One read transaction for many lookups (a whole Propose batch): a
         consistent view, and no per-lookup transaction cost. Never blocks the writer."""
         with self._env.begin() as txn:
-            epoch = _UINT32.unpack(txn.get(_META_EPOCH, db=self._meta))[0]
+            epoch = _UINT32.unpack(txn.get(_META_EPOCH, db=self._meta))[0]  # type: ignore[arg-type]  # written at creation
             yield StoreSnapshot(self, txn, epoch)
 
     def observe(self, tokens: Sequence[int]) -> None:
@@ -624,7 +624,7 @@ class LMDBNGramStore:
             if self._env is not None:
                 self._env.sync(True)
                 self._env.close()
-                self._env = None
+                self._env = None  # type: ignore[assignment]  # closed: every later use raises, as LMDB's would
 
     def __enter__(self) -> LMDBNGramStore:
         return self
@@ -670,7 +670,7 @@ class LMDBNGramStore:
 
     def _read_meta(self, txn: lmdb.Transaction) -> _Meta:
         def get(key: bytes, layout: struct.Struct) -> int:
-            return layout.unpack(txn.get(key, db=self._meta))[0]
+            return layout.unpack(txn.get(key, db=self._meta))[0]  # type: ignore[arg-type]  # written at creation
 
         return _Meta(
             epoch=get(_META_EPOCH, _UINT32),
@@ -723,7 +723,7 @@ class LMDBNGramStore:
                 results.append(None)
         if None in results:
             raise StoreFull(f"{results.count(None)} of {len(results)} observations found no room in the table now", results)
-        return results
+        return [result is True for result in results]
 
     def check_readers(self) -> int:
         """Free the reader slots of dead processes (their snapshots pin pages the writer
@@ -809,11 +809,11 @@ class LMDBNGramStore:
             raise OverflowError("epoch counter exhausted")
         meta.epoch += epochs
 
-    def _put_record(self, txn: lmdb.Transaction, db: object, key: bytes, meta: _Meta) -> None:
+    def _put_record(self, txn: lmdb.Transaction, db: Any, key: bytes, meta: _Meta) -> None:
         txn.put(key, b"", db=db)
         meta.tracked_bytes += record_bytes(key, b"")
 
-    def _delete_record(self, txn: lmdb.Transaction, db: object, key: bytes, meta: _Meta) -> None:
+    def _delete_record(self, txn: lmdb.Transaction, db: Any, key: bytes, meta: _Meta) -> None:
         if txn.delete(key, db=db):
             meta.tracked_bytes -= record_bytes(key, b"")
 
@@ -871,5 +871,5 @@ class LMDBNGramStore:
         return removed
 
 
-def _tree_pages(stat: dict[str, int]) -> int:
+def _tree_pages(stat: Mapping[str, Any]) -> int:
     return stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from concurrent import futures
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def bind(
         raise ValueError("TLS needs both a certificate and a key (got only one)")
     if tls_client_ca and not tls_cert:
         raise ValueError("client certificates (tls_client_ca) need the server's own TLS certificate and key")
-    if tls_cert:
+    if tls_cert and tls_key:
         credentials = grpc.ssl_server_credentials(
             [(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())],
             root_certificates=Path(tls_client_ca).read_bytes() if tls_client_ca else None,
@@ -71,7 +72,11 @@ def serve_health(source: health.HealthServicer, host: str, port: int) -> tuple[g
 
 
 def channel(
-    target: str, tls_ca: str | None = None, options: list[tuple[str, object]] = (), tls_cert: str | None = None, tls_key: str | None = None
+    target: str,
+    tls_ca: str | os.PathLike | None = None,
+    options: Sequence[tuple[str, object]] = (),
+    tls_cert: str | os.PathLike | None = None,
+    tls_key: str | os.PathLike | None = None,
 ) -> grpc.Channel:
     """A channel to a peer service: TLS, trusting ``tls_ca``, when one is given, presenting
     the client certificate ``tls_cert``/``tls_key`` when given (mutual TLS); ``options`` add to CHANNEL_OPTIONS."""

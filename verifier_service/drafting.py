@@ -34,7 +34,7 @@ class DraftEvidence(NamedTuple):
 
     source: str  # "context" (the request's own tokens) or "global" (learned across requests)
     match_length: int  # tokens of context suffix that matched
-    count: int  # times this continuation followed that suffix
+    count: int  # type: ignore[assignment]  # times this continuation followed that suffix (shadows tuple.count)
     total: int  # times any continuation followed it
 
 

@@ -43,6 +43,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -57,7 +58,7 @@ from verifier_service.adaptive import (
     plan_verification,
     survival,
 )
-from verifier_service.drafting import DraftProposer, DraftRequest
+from verifier_service.drafting import DraftEvidence, DraftProposer, DraftRequest
 from verifier_service.kv_cache import STEP_KWARG, SlotKVCache, plan_step, use_slot_attention
 from verifier_service.linear_kernels import MEASURED_UP_TO, engaged, use_linear_kernels
 from verifier_service.rejection import SamplingParams, accept_greedy, accept_sampled, warp_probs
@@ -307,7 +308,7 @@ class SpeculativeEngine:
     @property
     def active(self) -> list[_Sequence]:
         """The decoding sequences, in slot order."""
-        return self._slots[: self._decoding]
+        return cast(list[_Sequence], self._slots[: self._decoding])  # slots below _decoding are never empty
 
     @property
     def busy(self) -> bool:
@@ -394,7 +395,7 @@ class SpeculativeEngine:
     def _close_sessions(self, ended: list[_Sequence]) -> None:
         """Tell the proposer these sequences ended. Drafting is an optimisation: its failure is logged, never raised."""
         sessions = [(seq.session_id, seq.tokens) for seq in ended if seq.proposed]
-        if sessions:
+        if sessions and self.proposer is not None:
             try:
                 self.proposer.close(sessions)
             except Exception:
@@ -415,6 +416,7 @@ class SpeculativeEngine:
             requests.append(
                 DraftRequest(sequence.session_id, sequence.tokens, self._draft_budget(sequence), sequence.verified, sequence.accepted)
             )
+        assert self.proposer is not None  # _speculates: no sequence asks without one
         try:
             drafts = self.proposer.propose(requests)
         except Exception:  # drafts are an optimisation: the step goes on without them
@@ -423,7 +425,9 @@ class SpeculativeEngine:
         for row, request, draft in zip(asking, requests, drafts):
             tokens = self._usable_prefix(draft.tokens[: request.k])
             row.draft = tokens
-            evidence = draft.evidence[: len(tokens)] if draft.evidence else [None] * len(tokens)
+            evidence: Sequence[DraftEvidence | None] = [None] * len(tokens)  # none given: each token's bucket is its position's
+            if draft.evidence:
+                evidence = draft.evidence[: len(tokens)]
             row.buckets = [evidence_bucket(item, position) for position, item in enumerate(evidence)]
         return rows
 
@@ -529,8 +533,9 @@ class SpeculativeEngine:
     def accept(self, rows: list[_Row], logits: torch.Tensor) -> list[tuple[int, int] | None]:
         """(num_accepted, next_token) per row, or None for a row whose sampling failed
         (that sequence alone fails); greedy rows from one argmax over the whole pass."""
-        choices = logits.argmax(dim=-1).tolist() if any(row.sequence.request.sampling.greedy for row in rows) else None
-        decisions, start = [], 0
+        choices: list[int] = logits.argmax(dim=-1).tolist() if any(row.sequence.request.sampling.greedy for row in rows) else []
+        decisions: list[tuple[int, int] | None] = []
+        start = 0
         for row in rows:
             width = row.verify + 1
             draft = row.draft[: row.verify]
@@ -676,6 +681,7 @@ class SpeculativeEngine:
         for sequence in finished:
             if sequence.slot < self._decoding:  # slots [0, _decoding) hold exactly the decoding sequences
                 last = self._slots[self._decoding - 1]
+                assert last is not None  # slots below _decoding are never empty
                 if last is not sequence:  # the last decoding row fills the gap
                     self.cache.move(last.slot, sequence.slot, last.cached)
                     self._slots[sequence.slot], last.slot = last, sequence.slot
@@ -739,9 +745,10 @@ class SpeculativeEngine:
         return emitted
 
     def _result(self, sequence: _Sequence) -> GenerationResult:
+        assert sequence.finish_reason is not None, "only a finished sequence has a result"
         text = sequence.stop_text
         if text is None:
-            text = self.tokenizer.decode(sequence.generated, skip_special_tokens=True)
+            text = str(self.tokenizer.decode(sequence.generated, skip_special_tokens=True))
         return GenerationResult(sequence.request.request_id, list(sequence.generated), text, sequence.finish_reason, sequence.stats)
 
 

@@ -164,6 +164,7 @@ class StepLayout:
         key = ("decode", groups, window)
         mask = self._masks.get(key)
         if mask is None:
+            assert self.query_positions is not None, "a decode mask needs decode rows"
             mask = _visible(self.query_positions[:, :, None], torch.arange(self.columns, device=self.position_ids.device), window)
             mask = self._masks[key] = mask[:, None].repeat(1, 1, groups, 1)
         return mask
@@ -207,7 +208,8 @@ def plan_step(
     columns 3, 4 of slot 0 and row 1 column 5 of slot 1; width 2, and row
     1's padding query repeats its only token (packed index 2).
     """
-    slots, positions = [], []
+    slots: list[int] = []
+    positions: list[int] = []
     for row, (length, count) in enumerate(decode_rows):
         slots += [row] * count
         positions += range(length, length + count)
@@ -222,7 +224,10 @@ def plan_step(
     width = max((count for _, count in decode_rows), default=0)
     columns = max((length + count for length, count in decode_rows), default=0)
     if rows:
-        gather_list, query_list, rows_list, queries_list = [], [], [], []
+        gather_list: list[list[int]] = []
+        query_list: list[list[int]] = []
+        rows_list: list[int] = []
+        queries_list: list[int] = []
         start = 0
         for row, (length, count) in enumerate(decode_rows):
             gather_list.append([start + min(i, count - 1) for i in range(width)])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -117,8 +118,8 @@ def use_linear_kernels(model: nn.Module) -> LinearKernels | None:
     linears = [module for module in model.modules() if type(module) in (nn.Linear, TransposableLinear)]
     if not linears:
         return None
-    kernels = next((module.kernels for module in linears if type(module) is TransposableLinear), None) or LinearKernels()
+    kernels = next((module.kernels for module in linears if isinstance(module, TransposableLinear)), None) or LinearKernels()
     for module in linears:
         module.__class__ = TransposableLinear
-        module.kernels = kernels
+        cast(TransposableLinear, module).kernels = kernels
     return kernels

@@ -162,10 +162,11 @@ def load_model(
     dtype: str = "float32",
 ) -> LoadedModel:
     device = torch.device(device) if device is not None else default_device()
-    dtype = resolve_dtype(dtype, device)
+    torch_dtype = resolve_dtype(dtype, device)
     path = resolve_model_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model = model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to's wrapper for a model argument
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, device=device)
 
 

@@ -21,6 +21,7 @@ took part in, one link away from the shared work.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Link
@@ -34,7 +35,7 @@ class ServiceObserver:
     def __init__(self, tracing: Tracing, metrics: VerifierMetrics) -> None:
         self.tracing, self.metrics = tracing, metrics
         self.tracer = tracing.tracer
-        self._batch_span = None
+        self._batch_span: Any = None  # the SDK's span: once ended, it knows its start and end times
 
     def stage_spans(self, name: str, attributes: dict) -> contextlib.AbstractContextManager:
         """The engine's stage hook: a span under the current batch step (none outside one, e.g. the warm-up)."""

@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from verifier_service.engine import GenerationRequest, GenerationResult, SpeculativeEngine
 
@@ -93,8 +93,8 @@ class RequestHandle:
     events: queue.Queue = field(default_factory=queue.Queue)
     first_token_at: float | None = None
     cancelled: bool = False
-    trace_context: object = None  # the request's tracing context, for the observer
-    _sequence: object = None  # the engine's handle, once the request has a cache slot
+    trace_context: Any = None  # the request's tracing context, for the observer
+    _sequence: Any = None  # the engine's handle, once the request has a cache slot
 
 
 class Scheduler:

@@ -21,6 +21,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
@@ -183,9 +184,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _submit(self, request, context, span) -> RequestHandle:
         if not self.ready.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health reports SERVING")
+        engine, scheduler = self.engine, self.scheduler
+        assert engine is not None and scheduler is not None  # ready: attach set them
         try:
             generation = self._generation_request(request)
-            self.engine.validate(generation)
+            engine.validate(generation)
         except ValueError as error:  # the engine's rules and the proto's shape: the client's to fix
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         span.set_attributes(
@@ -196,15 +199,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             }
         )
         try:
-            handle = self.scheduler.submit(generation, trace.set_span_in_context(span))
+            handle = scheduler.submit(generation, trace.set_span_in_context(span))
         except QueueFull as error:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         except ShuttingDown as error:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         # On cancel, deadline, or completion; False when the call already ended
         # (the client gave up while we validated): free the slot at once.
-        if not context.add_callback(lambda: self.scheduler.cancel(handle)):
-            self.scheduler.cancel(handle)
+        if not context.add_callback(lambda: scheduler.cancel(handle)):
+            scheduler.cancel(handle)
         return handle
 
     def _wait(self, handle: RequestHandle, context) -> GenerationResult:
@@ -245,6 +248,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise ValueError("prompt is empty: set prompt (text) or prompt_token_ids")
         if has_ids and request.chat:
             raise ValueError("chat applies to a text prompt; prompt_token_ids are used as given")
+        assert self.engine is not None
         tokenizer = self.engine.tokenizer
         if has_ids:
             prompt_ids = list(request.prompt_token_ids)
@@ -331,7 +335,7 @@ class VerifierServer:
     drafter: RemoteDrafter | None = None
     metrics_port: int | None = None  # where /metrics is served; None: not served
     health_port: int | None = None  # where the health-only server listens; None: not served
-    _metrics_server: object = None
+    _metrics_server: Any = None  # telemetry.start_metrics_server's HTTP server
     _health_server: grpc.Server | None = None
 
     def load(self) -> None:
@@ -343,7 +347,7 @@ class VerifierServer:
         # Uncalibrated: every step costs the same (as on an idle GPU), refined by real step times.
         step_cost = None if config.calibrate else StepCostModel({1: 1.0, 1024: 1.0})
         if config.drafter:
-            self.drafter = RemoteDrafter(
+            drafter = self.drafter = RemoteDrafter(
                 DrafterClientConfig(
                     target=config.drafter,
                     vocabulary=tokenizer_fingerprint(loaded.tokenizer),
@@ -354,12 +358,12 @@ class VerifierServer:
                 )
             )
             self.servicer.metrics.watch(
-                "drafter_fallbacks", "Steps run without drafts because the drafter failed or was backed off", lambda: self.drafter.fallbacks
+                "drafter_fallbacks", "Steps run without drafts because the drafter failed or was backed off", lambda: drafter.fallbacks
             )
             self.servicer.metrics.watch(
                 "dropped_observations",
                 "Finished sequences never observed (the drafter was away too long)",
-                lambda: self.drafter.dropped_observations,
+                lambda: drafter.dropped_observations,
             )
         observer = ServiceObserver(self.servicer.tracing, self.servicer.metrics)
         engine_config = EngineConfig(

@@ -23,8 +23,6 @@ import argparse
 import json
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -33,6 +31,7 @@ from typing import Any
 
 import grpc
 
+from specdec.processes import DRAFTER_PORT_LINE, start_process
 from specdec.v1 import drafter_pb2 as pb
 from specdec.v1 import drafter_pb2_grpc as rpc
 
@@ -54,15 +53,9 @@ def corpus_tokens(limit: int) -> list[int]:
 
 
 def start(db: Path, *extra: str):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "drafter_service", "--port", "0", "--db", str(db), *extra],
-        stdout=subprocess.PIPE,
-        text=True,
+    process, port = start_process(
+        "drafter", ["drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(db), *extra], DRAFTER_PORT_LINE
     )
-    assert process.stdout is not None
-    match = re.search(r":(\d+) ", process.stdout.readline())
-    assert match, "the drafter printed no port"
-    port = int(match.group(1))
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     grpc.channel_ready_future(channel).result(timeout=60)
     return process, channel, rpc.DrafterStub(channel)

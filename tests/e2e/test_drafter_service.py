@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -23,52 +22,24 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.v1 import drafter_pb2 as pb
 from specdec.v1 import drafter_pb2_grpc as rpc
 
+from processes import ServiceProcess
+
 VOCABULARY = "00112233445566aa"
 OTHER_VOCABULARY = "ffeeddccbbaa9988"
 STARTUP_TIMEOUT_S = 30
 
 
-class DrafterProcess:
+class DrafterProcess(ServiceProcess):
+    """``python -m drafter_service`` on a free port (metrics too, so parallel runs never
+    collide on 9101), with a stub on its channel."""
+
     def __init__(self, db, *extra):
-        # Logs go to a file, never an unread pipe (a full pipe blocks the process);
-        # metrics on a free port, so drafters of parallel runs never collide on 9101.
-        self.log_file = tempfile.TemporaryFile("w+")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "drafter_service", "--port", "0", "--db", str(db), *extra],
-            stdout=subprocess.PIPE,
-            stderr=self.log_file,
-            text=True,
-            env={**os.environ, "SPECDEC_DRAFTER_METRICS_PORT": os.environ.get("SPECDEC_DRAFTER_METRICS_PORT", "0")},
+        metrics_port = os.environ.get("SPECDEC_DRAFTER_METRICS_PORT", "0")
+        super().__init__(
+            "drafter_service", "--port", "0", "--db", str(db), *extra, env={**os.environ, "SPECDEC_DRAFTER_METRICS_PORT": metrics_port}
         )
-        line = self.process.stdout.readline()
-        match = re.search(r"listening on [\d.]+:(\d+)", line)
-        if not match:
-            self.process.kill()
-            raise RuntimeError(f"drafter did not start: {line!r} {self.log()}")
-        self.port = int(match.group(1))
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = rpc.DrafterStub(self.channel)
         grpc.channel_ready_future(self.channel).result(timeout=STARTUP_TIMEOUT_S)
-
-    def kill9(self):
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=10)
-        self.channel.close()
-
-    def log(self) -> str:
-        self.log_file.seek(0)
-        return self.log_file.read()
-
-    def terminate(self):
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                code = self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"drafter did not exit 30 s after SIGTERM; its log:\n{self.log()}") from None
-            self.channel.close()
-            return code
-        return self.process.returncode
 
 
 @contextmanager
@@ -77,9 +48,7 @@ def drafter(db, *extra):
     try:
         yield process
     finally:
-        if process.process.poll() is None:
-            process.process.kill()
-            process.process.wait(timeout=10)
+        process.kill()
 
 
 def tables(db) -> list[str]:
@@ -129,7 +98,7 @@ def test_acknowledged_observations_survive_kill_9_and_proposals_are_identical(tm
         for index, sequence in enumerate(sequences):
             assert observe(server.stub, f"obs-{index}", sequence).applied
         before = [list(propose(server.stub, f"s{i}", s[:6], 8, open_=True).tokens) for i, s in enumerate(sequences)]
-        server.kill9()
+        server.kill()
     with drafter(db) as server:
         after = [list(propose(server.stub, f"s{i}", s[:6], 8, open_=True).tokens) for i, s in enumerate(sequences)]
         # A 4-token match is trusted once: each sequence's own next 8 tokens come back.
@@ -165,7 +134,7 @@ def test_kill_9_during_concurrent_observes_loses_nothing_acknowledged(tmp_path):
             for thread in threads:
                 thread.start()
             time.sleep(0.5 + rng.random())
-            server.kill9()
+            server.kill()
             stop.set()
             for thread in threads:
                 thread.join(timeout=30)
@@ -535,7 +504,7 @@ def test_a_second_drafter_on_the_same_db_refuses_to_start(tmp_path):
         assert second.returncode == 1
         assert f"another drafter (pid {first.process.pid}) is serving --db" in second.stderr
         assert list(propose(first.stub, "s", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]  # untouched
-        first.kill9()
+        first.kill()
     with drafter(tmp_path / "db") as again:  # the lock died with its process
         assert list(propose(again.stub, "s", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]
 

@@ -83,6 +83,7 @@ def _optional_int(value) -> int | None:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     stopping = stop_on_signals()
+    logging.info("effective config (flags, SPECDEC_DRAFTER_* variables, defaults): %s", config)
     try:
         drafter = create_server(config)
     except DirectoryLocked as locked:

@@ -32,8 +32,7 @@ from typing import Any
 
 import grpc
 import lmdb
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -269,7 +268,7 @@ class StoreRegistry:
         table.rename(aside)
         self.quarantined.append(aside.name)
         log.error(
-            "table %s cannot be served (%s); moved aside to %s, serving the others. " "python -m drafter_service.check --db %s says more",
+            "table %s cannot be served (%s); moved aside to %s, serving the others. python -m drafter_service.check --db %s says more",
             table.name,
             error,
             aside.name,
@@ -1073,15 +1072,9 @@ class DrafterServer:
 
 
 def create_server(config: DrafterConfig) -> DrafterServer:
-    options = [
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.max_send_message_length", config.max_message_bytes),
-    ]
+    options = serving.message_options(config.max_message_bytes)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), options=options)
-    health_servicer = health.HealthServicer()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = serving.add_health_and_reflection(server, SERVICE_NAME)
     stores = StoreRegistry(config)  # first: a locked --db must fail before the port is taken
     admin_server = admin_port = None
     try:
@@ -1097,7 +1090,6 @@ def create_server(config: DrafterConfig) -> DrafterServer:
     writer = ObservationWriter(config.max_pending_observations, stores.disk)
     servicer = DrafterServicer(config, stores, writer)
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer if admin_server is None else _ServingOnly(servicer), server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     if admin_server is not None:
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, admin_server)
     drafter = DrafterServer(server, port, servicer, health_servicer, stores, writer, admin_server=admin_server, admin_port=admin_port)
@@ -1110,6 +1102,5 @@ def create_server(config: DrafterConfig) -> DrafterServer:
     if admin_server is not None:
         admin_server.start()
     drafter.start_janitor()
-    for name in ("", SERVICE_NAME):  # the stores are open: ready
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    serving.set_serving(health_servicer, SERVICE_NAME, True)  # the stores are open: ready
     return drafter

@@ -13,7 +13,8 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 # Both services cap messages alike: a long prompt plus its output as uint32
 # ids is well under 1 MB; 8 MB leaves room and still bounds a hostile client.
@@ -47,6 +48,28 @@ def bind(
     if bound == 0:
         raise RuntimeError(f"could not bind {address}")
     return bound
+
+
+def message_options(max_bytes: int) -> list[tuple[str, int]]:
+    """gRPC server options capping messages both ways at ``max_bytes``."""
+    return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes)]
+
+
+def add_health_and_reflection(server: grpc.Server, service_name: str) -> health.HealthServicer:
+    """What every service port offers beside its service: grpc.health.v1, NOT_SERVING for
+    the whole server ("") and ``service_name`` until ``set_serving``, and server reflection."""
+    health_servicer = health.HealthServicer()
+    set_serving(health_servicer, service_name, False)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, service_name: str, serving: bool) -> None:
+    """Health for the whole server ("") and ``service_name``, together."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", service_name):
+        health_servicer.set(name, status)
 
 
 # Threads of the health port: a Check takes microseconds, and a Watch holds none.

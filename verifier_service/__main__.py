@@ -145,6 +145,7 @@ def _optional_int(value) -> int | None:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     stopping = stop_on_signals()
+    logging.info("effective config (flags, SPECDEC_VERIFIER_* variables, defaults): %s", config)
     verifier = create_server(config)
     # Health answers NOT_SERVING from here on while the model loads.
     announce("verifier", config.host, verifier.port, verifier.metrics_port, f"model {config.model}", verifier.health_port)

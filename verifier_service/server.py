@@ -25,8 +25,7 @@ from typing import Any
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -382,8 +381,7 @@ class VerifierServer:
         self.servicer.metrics.active_sequences.set_function(lambda: scheduler.batch_size)
         scheduler.start()
         self.servicer.attach(engine, scheduler)
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        serving.set_serving(self.health, SERVICE_NAME, True)
         log.info(
             "model %s (%s) ready on %s in %.1fs",
             config.model,
@@ -417,18 +415,14 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers),
         maximum_concurrent_rpcs=workers,
-        options=[("grpc.max_receive_message_length", config.max_message_bytes), ("grpc.max_send_message_length", config.max_message_bytes)],
+        options=serving.message_options(config.max_message_bytes),
     )
-    health_servicer = health.HealthServicer()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = serving.add_health_and_reflection(server, SERVICE_NAME)
     tracing = telemetry.Tracing("specdec-verifier")
     metrics = VerifierMetrics()
     metrics.watch("dropped_spans", "Trace spans dropped (collector down or queue full)", lambda: tracing.dropped_spans)
     servicer = VerifierServicer(config, tracing, metrics)
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key, config.tls_client_ca)
     server.start()
     verifier = VerifierServer(server, port, servicer, health_servicer)

@@ -107,3 +107,8 @@ def running(module: str, *args: str, env: dict[str, str] | None = None):
         yield process
     finally:
         process.stop()
+
+
+def running_tiny_verifier(model_dir, *args: str, env: dict[str, str] | None = None):
+    """``running`` a verifier of ``model_dir`` on a free port, metrics off and no step-cost calibration."""
+    return running("verifier_service", "--port", "0", "--metrics-port", "-1", "--model", str(model_dir), "--no-calibrate", *args, env=env)

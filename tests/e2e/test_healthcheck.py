@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from processes import free_port, running, wait_until_serving
+from processes import free_port, running, running_tiny_verifier, wait_until_serving
 
 
 def healthcheck(*args: str) -> subprocess.CompletedProcess:
@@ -79,15 +79,8 @@ def assert_health_port_answers_when_full(service, health_port: int, full_at: int
 
 def test_the_verifiers_health_port_answers_while_its_service_port_is_at_the_rpc_limit(tiny_model_dir):
     health_port = free_port()
-    with running(
-        "verifier_service",
-        "--port",
-        "0",
-        "--metrics-port",
-        "-1",
-        "--model",
-        str(tiny_model_dir),
-        "--no-calibrate",
+    with running_tiny_verifier(
+        tiny_model_dir,
         "--max-batch-size",
         "1",
         "--max-queued",

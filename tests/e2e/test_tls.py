@@ -14,7 +14,7 @@ import pytest
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 
-from processes import free_port, running
+from processes import free_port, running, running_tiny_verifier
 
 
 def self_signed(directory, name: str, subject_alt_name: str):
@@ -63,15 +63,8 @@ def test_generate_over_tls_end_to_end(tiny_model_dir, tmp_path, certificate):
     cert, key = (str(path) for path in certificate)
     tls = ["--tls-cert", cert, "--tls-key", key]
     with running("drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(tmp_path / "db"), *tls) as drafter:
-        with running(
-            "verifier_service",
-            "--port",
-            "0",
-            "--metrics-port",
-            "-1",
-            "--model",
-            str(tiny_model_dir),
-            "--no-calibrate",
+        with running_tiny_verifier(
+            tiny_model_dir,
             "--drafter",
             drafter.address,
             "--drafter-tls-ca",
@@ -172,15 +165,8 @@ def test_mutual_tls_drafter_serves_only_clients_with_a_certificate(tiny_model_di
         )
         assert env_configured.returncode == 0, env_configured.stderr
         # A verifier presenting its certificate gets drafts.
-        with running(
-            "verifier_service",
-            "--port",
-            "0",
-            "--metrics-port",
-            "-1",
-            "--model",
-            str(tiny_model_dir),
-            "--no-calibrate",
+        with running_tiny_verifier(
+            tiny_model_dir,
             "--drafter",
             drafter.address,
             "--drafter-tls-ca",
@@ -204,15 +190,8 @@ def test_mutual_tls_end_to_end_with_the_cli_client_and_a_plaintext_health_port(t
     mutual = ["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", client_cert]
     health_port = free_port()
     with running("drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(tmp_path / "db"), *mutual) as drafter:
-        with running(
-            "verifier_service",
-            "--port",
-            "0",
-            "--metrics-port",
-            "-1",
-            "--model",
-            str(tiny_model_dir),
-            "--no-calibrate",
+        with running_tiny_verifier(
+            tiny_model_dir,
             "--drafter",
             drafter.address,
             "--drafter-tls-ca",

@@ -1,7 +1,8 @@
 """Continuous batching: one thread owns the engine; requests join and leave between steps.
 
-Callers ``submit`` a request and get a ``RequestHandle`` whose event queue
-yields the tokens as they are accepted, then the result. The loop, per
+Callers ``submit`` a request and get a ``RequestHandle``: its ``stream()``
+yields the tokens as they are accepted, and its ``result()`` returns how the
+request ended (or raises why it could not). The loop, per
 iteration: mark cancelled sequences, admit waiting requests while the engine
 has free cache slots (their prompts are prefilled in chunks by the following
 steps, alongside the running sequences), run one step, and hand each
@@ -29,6 +30,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,6 +45,12 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     pass
+
+
+class Cancelled(Exception):
+    """The request was cancelled while it waited for a slot: it produced nothing.
+
+    (One cancelled while running finishes with FINISH_CANCELLED and what it produced.)"""
 
 
 @dataclass(frozen=True)
@@ -84,17 +92,67 @@ class SchedulerConfig:
     max_queued: int = 64
 
 
-@dataclass
+@dataclass(frozen=True)
+class _End:
+    """The last event of a request: its result, or the error that ended it (both None: cancelled while queued)."""
+
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)  # a handle is one request: compared by identity
 class RequestHandle:
+    """One submitted request, read by the one caller that submitted it.
+
+    ``stream()`` yields the tokens as steps accept them, in lists, and ends
+    when the request does; ``result()`` waits for the end and returns the
+    result, raises ``Cancelled`` when the request was cancelled while queued,
+    or raises the error that failed it. Both may be called once each, in that
+    order, or ``result()`` alone. The scheduler's thread writes through the
+    ``_push``/``_end`` methods.
+    """
+
     request: GenerationRequest
     arrived: float = field(default_factory=time.perf_counter)
-    # ("tokens", list[int]) as they are accepted, then ("done", GenerationResult)
-    # or ("error", exception). Consumed by the one gRPC call that owns the handle.
-    events: queue.Queue = field(default_factory=queue.Queue)
     first_token_at: float | None = None
     cancelled: bool = False
     trace_context: Any = None  # the request's tracing context, for the observer
     _sequence: Any = None  # the engine's handle, once the request has a cache slot
+    _events: queue.Queue[list[int] | _End] = field(default_factory=queue.Queue)
+    _ending: _End | None = None
+
+    def stream(self, timeout_s: float | None = None) -> Iterator[list[int]]:
+        """The tokens as they are accepted (never an empty list); ``timeout_s`` bounds each wait
+        (TimeoutError), for callers that must not hang on a stuck scheduler."""
+        while self._ending is None:
+            try:
+                event = self._events.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"no event from request {self.request.request_id!r} in {timeout_s} s") from None
+            if isinstance(event, _End):
+                self._ending = event
+            else:
+                yield event
+
+    def result(self, timeout_s: float | None = None) -> GenerationResult:
+        """How the request ended; tokens not yet read through ``stream()`` are skipped."""
+        for _ in self.stream(timeout_s):
+            pass
+        assert self._ending is not None  # stream() returns only at the end
+        if self._ending.error is not None:
+            raise self._ending.error
+        if self._ending.result is None:
+            raise Cancelled(f"request {self.request.request_id!r} was cancelled while queued")
+        return self._ending.result
+
+    def _push(self, tokens: list[int]) -> None:
+        if tokens:
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            self._events.put(list(tokens))
+
+    def _end(self, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
+        self._events.put(_End(result, error))
 
 
 class Scheduler:
@@ -132,9 +190,9 @@ class Scheduler:
         with self._wake:
             handle.cancelled = True
             for index, waiting in enumerate(self._waiting):
-                if waiting is handle:  # identity: handles are dataclasses, == compares fields
+                if waiting is handle:
                     del self._waiting[index]
-                    handle.events.put(("done", None))
+                    handle._end()
                     break
             self._wake.notify()
 
@@ -183,7 +241,7 @@ class Scheduler:
                 log.exception("step failed; failing the batch and starting over")
                 self.engine.abort_all()
                 for handle in self._running:
-                    handle.events.put(("error", error))
+                    handle._end(error=error)
                 self._running = []
 
     def _admit(self) -> None:
@@ -194,14 +252,14 @@ class Scheduler:
                     return
                 handle = self._waiting.popleft()
             if handle.cancelled:  # gave up while queued: costs nothing
-                handle.events.put(("done", None))
+                handle._end()
                 continue
             try:
                 handle._sequence = self.engine.add(handle.request)
             except Exception as error:  # a bad request (ValueError, validated by the service already) or a bug: this request only
                 if not isinstance(error, ValueError):
                     log.exception("admitting a request failed")
-                handle.events.put(("error", error))
+                handle._end(error=error)
                 continue
             self._running.append(handle)
 
@@ -220,28 +278,8 @@ class Scheduler:
             elif outcome.tokens:
                 stepped.append(handle)
                 rows.append(RowStep(outcome.verified, outcome.accepted, len(outcome.tokens)))
-            self._deliver(handle, outcome.tokens)
-            if outcome.error is not None:
-                handle.events.put(("error", outcome.error))
-                self._running.remove(handle)
-            elif outcome.result is not None:
-                handle.events.put(("done", outcome.result))
+            handle._push(outcome.tokens)
+            if outcome.error is not None or outcome.result is not None:
+                handle._end(outcome.result, outcome.error)
                 self._running.remove(handle)
         self.observer.stepped(stepped, seconds, rows)
-
-    @staticmethod
-    def _deliver(handle: RequestHandle, tokens: list[int]) -> None:
-        if tokens:
-            if handle.first_token_at is None:
-                handle.first_token_at = time.perf_counter()
-            handle.events.put(("tokens", list(tokens)))
-
-
-def result_of(handle: RequestHandle) -> GenerationResult | None:
-    """Block until the handle's request ends; None when it was cancelled while queued."""
-    while True:
-        kind, payload = handle.events.get()
-        if kind == "done":
-            return payload
-        if kind == "error":
-            raise payload

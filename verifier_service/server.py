@@ -48,7 +48,7 @@ from verifier_service.metrics import VerifierMetrics
 from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
 from verifier_service.observability import ServiceObserver
 from verifier_service.rejection import SamplingParams
-from verifier_service.scheduler import QueueFull, RequestHandle, Scheduler, SchedulerConfig, ShuttingDown
+from verifier_service.scheduler import Cancelled, QueueFull, RequestHandle, Scheduler, SchedulerConfig, ShuttingDown
 from verifier_service.text import IncrementalDecoder
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def Generate(self, request, context):
         with self._request_span(context) as span:
             handle = self._submit(request, context, span)
-            result = self._wait(handle, context)
+            result = self._result(handle, context)
             stats = self._finished(handle, result, span)
             return verifier_pb2.GenerateResponse(
                 text=result.text, token_ids=result.token_ids, finish_reason=FINISH_REASONS[result.finish_reason], stats=stats
@@ -134,17 +134,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         with self._request_span(context) as span:
             handle = self._submit(request, context, span)
             text = IncrementalText(self.engine.tokenizer, handle.request.stop)
-            while True:
-                kind, payload = handle.events.get()
-                if kind == "tokens":
-                    yield verifier_pb2.GenerateChunk(text=text.push(payload), token_ids=payload)
-                    continue
-                result = self._final(kind, payload, handle, context)
-                stats = self._finished(handle, result, span)
-                yield verifier_pb2.GenerateChunk(
-                    text=text.finish(result.text), finish_reason=FINISH_REASONS[result.finish_reason], stats=stats
-                )
-                return
+            for tokens in handle.stream():
+                yield verifier_pb2.GenerateChunk(text=text.push(tokens), token_ids=tokens)
+            result = self._result(handle, context)
+            stats = self._finished(handle, result, span)
+            yield verifier_pb2.GenerateChunk(text=text.finish(result.text), finish_reason=FINISH_REASONS[result.finish_reason], stats=stats)
 
     # -- helpers --------------------------------------------------------------------
 
@@ -209,18 +203,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             scheduler.cancel(handle)
         return handle
 
-    def _wait(self, handle: RequestHandle, context) -> GenerationResult:
-        while True:
-            kind, payload = handle.events.get()
-            if kind != "tokens":
-                return self._final(kind, payload, handle, context)
-
-    def _final(self, kind: str, payload, handle: RequestHandle, context) -> GenerationResult:
-        if kind == "error":
-            context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {payload}")
-        if payload is None:  # cancelled while queued
+    def _result(self, handle: RequestHandle, context) -> GenerationResult:
+        try:
+            return handle.result()
+        except Cancelled:  # while queued: the caller is gone, so this answer is never read
             return GenerationResult(handle.request.request_id, [], "", FINISH_CANCELLED, GenerationStats())
-        return payload
+        except Exception as error:  # what failed this request alone (the engine isolates it)
+            context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {error}")
+            raise  # abort raises; this line is for the type checker
 
     def _stats(self, handle: RequestHandle, result: GenerationResult) -> verifier_pb2.GenerationStats:
         stats, now = result.stats, time.perf_counter()

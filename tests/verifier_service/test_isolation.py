@@ -15,7 +15,7 @@ from verifier_service.adaptive import StepCostModel
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import FINISH_LENGTH, GenerationRequest, SpeculativeEngine, reference_greedy
 from verifier_service.rejection import SamplingParams
-from verifier_service.scheduler import Scheduler, SchedulerConfig, result_of
+from verifier_service.scheduler import Scheduler, SchedulerConfig
 
 NO_EOS = frozenset()
 # The victim's prompt is longer than any other sequence ever gets, so a fault
@@ -155,8 +155,8 @@ def test_the_scheduler_fails_only_the_faulting_request(tiny_model, tiny_tokenize
             victim = scheduler.submit(GenerationRequest(VICTIM_PROMPT, 10, num_speculative_tokens=4))
             others = [scheduler.submit(request) for request in OTHERS]
             with pytest.raises(RuntimeError, match=f"^simulated fault at position {IN_DECODE}$"):
-                result_of(victim)
-            results = [result_of(handle) for handle in others]
+                victim.result(timeout_s=60)
+            results = [handle.result(timeout_s=60) for handle in others]
     finally:
         scheduler.stop(timeout_s=30)
     for request, result in zip(OTHERS, results):

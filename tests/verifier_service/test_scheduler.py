@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 
@@ -11,7 +10,7 @@ import pytest
 from drafter_service.ngram import NGramDrafter
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import FINISH_CANCELLED, FINISH_LENGTH, GenerationRequest, SpeculativeEngine
-from verifier_service.scheduler import QueueFull, Scheduler, SchedulerConfig, ShuttingDown, result_of
+from verifier_service.scheduler import Cancelled, QueueFull, Scheduler, SchedulerConfig, ShuttingDown
 
 PROMPTS = [[5, 6, 7], [9, 3, 3, 9, 3, 3, 9, 3], [12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [20, 21, 20, 21], [33]]
 NO_EOS = frozenset()
@@ -31,14 +30,17 @@ def alone(model, tokenizer, request: GenerationRequest) -> list[int]:
     return result.token_ids
 
 
-def drain(handle) -> list[tuple[str, object]]:
-    """Every event of a handle, up to and including the final one."""
-    events = []
-    while True:
-        kind, payload = handle.events.get(timeout=EVENT_TIMEOUT_S)
-        events.append((kind, payload))
-        if kind != "tokens":
-            return events
+def drain(handle) -> tuple[list[list[int]], object]:
+    """(the chunks ``stream()`` yielded, then ``result()``'s value or the exception it raised)."""
+    chunks = list(handle.stream(EVENT_TIMEOUT_S))
+    try:
+        return chunks, handle.result(EVENT_TIMEOUT_S)
+    except Exception as error:
+        return chunks, error
+
+
+def result_of(handle):
+    return handle.result(EVENT_TIMEOUT_S)
 
 
 def wait_until(condition, what: str) -> None:
@@ -119,24 +121,31 @@ def test_events_stream_tokens_in_order_then_the_result(scheduler_factory, tiny_m
     scheduler = scheduler_factory()
     handles = [scheduler.submit(request) for request in REQUESTS]
     for request, handle in zip(REQUESTS, handles):
-        events = drain(handle)
-        kinds = [kind for kind, _ in events]
-        assert kinds[-1] == "done" and set(kinds[:-1]) == {"tokens"}
-        result = events[-1][1]
-        streamed = [token for _, tokens in events[:-1] for token in tokens]
+        chunks, result = drain(handle)
+        streamed = [token for tokens in chunks for token in tokens]
         assert streamed == result.token_ids == alone(tiny_model, tiny_tokenizer, request)
-        assert all(tokens for _, tokens in events[:-1])  # no empty chunks
+        assert all(chunks)  # no empty chunks
+        assert len(chunks) > 1 or len(streamed) == 1  # as steps accept them, not all at the end
         assert handle.first_token_at is not None and handle.first_token_at >= handle.arrived
 
 
 def test_done_at_prefill_streams_one_token(scheduler_factory, tiny_model, tiny_tokenizer):
     scheduler = scheduler_factory()
     handle = scheduler.submit(REQUESTS[5])
-    events = drain(handle)
+    chunks, result = drain(handle)
     expected = alone(tiny_model, tiny_tokenizer, REQUESTS[5])
     assert len(expected) == 1
-    assert events == [("tokens", expected), ("done", events[-1][1])]
-    assert events[-1][1].token_ids == expected
+    assert chunks == [expected]
+    assert result.token_ids == expected
+
+
+def test_a_bounded_wait_on_a_stuck_scheduler_raises_timeout_error(scheduler_factory):
+    scheduler = scheduler_factory(start=False)  # nothing ever steps
+    handle = scheduler.submit(REQUESTS[0])
+    with pytest.raises(TimeoutError, match=r"^no event from request 'a' in 0.05 s$"):
+        next(handle.stream(timeout_s=0.05))
+    with pytest.raises(TimeoutError):
+        handle.result(timeout_s=0.05)
 
 
 def test_submit_beyond_max_queued_raises_queue_full(scheduler_factory, tiny_model, tiny_tokenizer):
@@ -165,23 +174,26 @@ def test_queue_full_counts_running_requests(scheduler_factory):
     assert result_of(waiting).finish_reason == FINISH_LENGTH
 
 
-def test_cancel_while_queued_returns_none_and_costs_nothing(scheduler_factory):
+def test_cancel_while_queued_raises_cancelled_and_costs_nothing(scheduler_factory):
     scheduler = scheduler_factory(start=False)
     cancelled = scheduler.submit(REQUESTS[1])
     kept = scheduler.submit(REQUESTS[0])
     scheduler.cancel(cancelled)
     scheduler.start()
-    assert drain(cancelled) == [("done", None)]  # no tokens: it was never prefilled
+    chunks, outcome = drain(cancelled)
+    assert chunks == [] and isinstance(outcome, Cancelled)  # no tokens: it was never prefilled
+    assert str(outcome) == "request 'b' was cancelled while queued"
     assert result_of(kept).finish_reason == FINISH_LENGTH
     assert cancelled._sequence is None
 
 
-def test_result_of_a_request_cancelled_while_queued_is_none(scheduler_factory):
+def test_result_of_a_request_cancelled_while_queued_raises_cancelled(scheduler_factory):
     scheduler = scheduler_factory(start=False)
     handle = scheduler.submit(REQUESTS[0])
     scheduler.cancel(handle)
     scheduler.start()
-    assert result_of(handle) is None
+    with pytest.raises(Cancelled):
+        result_of(handle)
 
 
 def test_cancel_while_running_finishes_it_as_cancelled(scheduler_factory, tiny_model, tiny_tokenizer):
@@ -194,13 +206,12 @@ def test_cancel_while_running_finishes_it_as_cancelled(scheduler_factory, tiny_m
     assert gate.parked.wait(EVENT_TIMEOUT_S)  # both admitted, one step (their prefill) done
     scheduler.cancel(victim)
     gate.release.set()
-    events = drain(victim)
-    result = events[-1][1]
+    chunks, result = drain(victim)
     assert result.finish_reason == FINISH_CANCELLED
     # Prefill's token only: the cancel lands at the next step boundary.
     assert len(result.token_ids) == 1
     assert result.token_ids == alone(tiny_model, tiny_tokenizer, long_request)[:1]
-    assert [t for _, tokens in events[:-1] for t in tokens] == result.token_ids
+    assert [t for tokens in chunks for t in tokens] == result.token_ids
     # The other request is unaffected.
     assert result_of(other).token_ids == alone(tiny_model, tiny_tokenizer, other_request)
     assert not scheduler.engine.busy
@@ -222,10 +233,8 @@ def test_a_failing_step_fails_the_running_requests_and_the_scheduler_goes_on(sch
     first, second = scheduler.submit(REQUESTS[0]), scheduler.submit(REQUESTS[3])
     with pytest.raises(RuntimeError, match="^simulated out of memory$"):
         result_of(first)
-    events = drain(second)
-    assert [kind for kind, _ in events[:-1]] == []  # the failing step was its prefill: no tokens
-    kind, error = events[-1]
-    assert kind == "error"
+    chunks, error = drain(second)
+    assert chunks == []  # the failing step was its prefill: no tokens
     assert isinstance(error, RuntimeError) and str(error) == "simulated out of memory"
     # The batch was reset (proposer sessions closed) and a new request is served exactly.
     assert not engine.busy and engine.free_slots == engine.config.max_batch_size
@@ -251,12 +260,9 @@ def test_a_failing_admission_reports_an_error_to_its_request(scheduler_factory, 
     monkeypatch.setattr(engine, "add", failing_once)
     doomed = scheduler.submit(REQUESTS[0])
     scheduler.start()
-    try:
-        kind, payload = doomed.events.get(timeout=5)  # the loop handles the failure within milliseconds
-    except queue.Empty:
-        pytest.fail("the request whose prefill failed never got an event: result_of() blocks forever")
-    assert kind == "error"
-    assert str(payload) == "simulated failure in add"
+    # The loop handles the failure within milliseconds; without the event, result() blocks forever.
+    with pytest.raises(RuntimeError, match="^simulated failure in add$"):
+        doomed.result(timeout_s=5)
     after = scheduler.submit(REQUESTS[2])
     assert result_of(after).token_ids == alone(tiny_model, tiny_tokenizer, REQUESTS[2])
 
@@ -308,4 +314,5 @@ def test_stop_past_its_timeout_cancels_what_is_left(scheduler_factory, tiny_mode
     assert result.finish_reason == FINISH_CANCELLED
     # The step held at the gate was its prefill: its first token, then the cancel.
     assert result.token_ids == alone(tiny_model, tiny_tokenizer, GenerationRequest(PROMPTS[1], 1, num_speculative_tokens=0))
-    assert result_of(queued) is None  # never admitted
+    with pytest.raises(Cancelled):  # never admitted
+        result_of(queued)

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # v2, kubernetes-validate): installed once by deploy/install-validators.sh.
 TOOLS_STAMP := $(VENV)/.tools-installed
 
-.PHONY: run test lint bench install protos check-protos clean
+.PHONY: run test test-fast lint bench install protos check-protos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ run: $(STAMP)
 
 test: $(STAMP) $(TOOLS_STAMP) check-protos lint
 	$(PY) -m pytest
+
+# The edit-test loop: unit tests on the tiny model only (no processes, validators,
+# real model or slow tests), well under a minute. make test still runs everything.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not e2e and not deploy and not slow" -q
 
 # Static checks (settings in pyproject.toml): ruff's lint and format, mypy over the packages and bench/.
 lint: $(STAMP)

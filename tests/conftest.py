@@ -22,6 +22,19 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_collection_modifyitems(config, items):
+    """Markers by what a test needs, so ``make test-fast`` can leave out what is slow:
+    ``e2e`` (tests/e2e: service processes), ``deploy`` (tests/deploy: validators and
+    system tools), ``slow`` (the real model, or marked by hand)."""
+    root = config.rootpath / "tests"
+    for item in items:
+        folder = item.path.relative_to(root).parts[0]
+        if folder in ("e2e", "deploy"):
+            item.add_marker(folder)
+        if "real_model" in getattr(item, "fixturenames", ()):
+            item.add_marker("slow")
+
+
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     """Word-level tokenizer over "t0".."t63": token id i decodes to "t{i}"."""
     vocab = {f"t{i}": i for i in range(TINY_VOCAB)}

@@ -25,25 +25,26 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+from specdec.flags import setting
+
 SOURCE_CONTEXT = "context"
 SOURCE_GLOBAL = "global"
 
 
 @dataclass(frozen=True)
 class NGramConfig:
-    # Longest suffix looked up. Longer keys are more specific (fewer wrong
-    # drafts) but match later; 4 covers identifiers and short phrases.
-    n_max: int = 4
-    # Shortest suffix trusted. Single-token keys fire on almost every token of
-    # open-ended text and are usually wrong, which costs a wider forward pass.
-    n_min: int = 2
-    # A global-table link is kept only if its continuation was seen at least
-    # this often, since short n-grams from other requests are weak evidence...
-    min_global_count: int = 2
-    # ...unless the matched suffix is at least this long: a 4-token match is
-    # specific enough to trust one earlier sighting, which is what lets a
-    # repeated request draft its previous answer. The context is always trusted.
-    global_trusted_match_length: int = 4
+    # Longer keys are more specific (fewer wrong drafts) but match later; 4
+    # covers identifiers and short phrases.
+    n_max: int = setting(4, help="longest suffix looked up, in tokens")
+    # Single-token keys fire on almost every token of open-ended text and are
+    # usually wrong, which costs a wider forward pass.
+    n_min: int = setting(2, help="shortest suffix trusted, in tokens")
+    # Short n-grams from other requests are weak evidence...
+    min_global_count: int = setting(2, help="sightings a global-table continuation needs before it is drafted")
+    # ...unless the matched suffix is long: a 4-token match is specific enough
+    # to trust one earlier sighting, which is what lets a repeated request
+    # draft its previous answer. The context is always trusted.
+    global_trusted_match_length: int = setting(4, help="suffix length from which one global sighting is trusted")
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_min <= self.n_max:

@@ -39,6 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, ContextIndex, NGramConfig, NGramSource
 from drafter_service.store import MAX_OBSERVE_ID_BYTES, LMDBNGramStore, StoreConfig, StoreFormatError, StoreFull
 from specdec import serving, telemetry
+from specdec.flags import check_minimums, setting
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -52,61 +53,63 @@ BACKUP_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SOURCES = {SOURCE_CONTEXT: drafter_pb2.DRAFT_SOURCE_CONTEXT, SOURCE_GLOBAL: drafter_pb2.DRAFT_SOURCE_GLOBAL}
 
 
-# DrafterConfig's limits on what callers may ask, and on the disk: (field, what
-# it bounds). Each is a flag of the same name, and must be at least 1.
-LIMITS = (
-    ("max_sessions", "sessions open at once"),
-    ("max_sessions_per_caller", "sessions one caller (client certificate, else peer address) holds at once"),
-    ("max_session_tokens", "tokens one session may hold"),
-    ("max_sequences_per_call", "sequences in one Propose or Observe"),
-    ("max_tokens_per_call", "tokens in one Propose or Observe"),
-    ("max_draft_tokens", "draft tokens one sequence may ask for"),
-    ("max_pending_observations", "observations queued for the writer; beyond, RESOURCE_EXHAUSTED"),
-    ("max_message_bytes", "gRPC message size in bytes"),
-    ("max_vocabularies", "tables (one per tokenizer fingerprint) the drafter creates"),
-    ("dedup_window_hours", "hours an observe_id is remembered, so that a retry is not counted twice"),
-    ("min_free_mb", "MiB the disk holding --db keeps free: below, writes are refused (RESOURCE_EXHAUSTED) and drafts still served"),
-)
-
-
 @dataclass(frozen=True)
 class DrafterConfig:
-    # 0 picks a free port (tests, several instances on one host).
-    port: int = 50051
-    host: str = "127.0.0.1"
-    # Directory holding one LMDB environment per vocabulary fingerprint.
-    db: str = "data/drafter"
-    # Size bound per vocabulary's table; 1 GiB is days of a busy service's n-grams.
-    max_bytes: int = 1 << 30
+    """The drafter's settings; each field is a flag and a SPECDEC_DRAFTER_* variable
+    (``specdec.flags``), apart from SERVING_FIELDS. Lower bounds hold in-process too."""
+
+    port: int = setting(50051, help="gRPC port (0: a free one; tests, several instances on one host)")
+    host: str = setting("127.0.0.1", help="address to bind")
+    db: str = setting("data/drafter", help="directory of the LMDB tables, one per vocabulary fingerprint")
+    # 1 GiB is days of a busy service's n-grams.
+    max_bytes: int = setting(1 << 30, minimum=1 << 16, help="size bound per vocabulary's table, in bytes")
     ngram: NGramConfig = field(default_factory=NGramConfig)
-    # Longest chain a caller may ask for: verification cost grows with K and
-    # n-gram chains rarely stay right for more than a few dozen tokens.
-    max_draft_tokens: int = 32
-    # Token ids must be below this: above every real vocabulary (~260k), far
-    # below uint32 overflow, so a corrupt id fails loudly instead of polluting the table.
-    max_token_id: int = 1 << 24
-    # Sessions held at once; each is a small dict of its context's n-grams.
-    max_sessions: int = 10_000
-    # Sessions one caller holds at once: a verifier needs one per in-flight
-    # request (a batch is at most a few hundred), so no single client, broken
-    # or hostile, can take every session from the others.
-    max_sessions_per_caller: int = 2048
-    # Tokens one session may hold (indexed, ~600 bytes each): a 128K-token
-    # context, and ~80 MB per session at most.
-    max_session_tokens: int = 1 << 17
-    # A session untouched this long is closed (its verifier request is surely gone).
-    session_idle_timeout_s: float = 600.0
-    # Sequences per Propose/Observe call: a verifier batch is at most a few hundred.
-    max_sequences_per_call: int = 1024
-    # Tokens in one call: a 128K-token context; bounds one call's memory and time.
-    max_tokens_per_call: int = 1 << 17
-    # Observations waiting for the writer; beyond it Observe answers RESOURCE_EXHAUSTED.
-    max_pending_observations: int = 4096
-    # gRPC message size cap (bytes): 128K uint32 tokens encode to at most ~0.7 MB.
-    max_message_bytes: int = 8 << 20
-    # Time SIGTERM gives in-flight calls to finish.
-    grace_s: float = 5.0
-    max_workers: int = 16
+    # Verification cost grows with K, and n-gram chains rarely stay right for
+    # more than a few dozen tokens.
+    max_draft_tokens: int = setting(32, minimum=1, help="draft tokens one sequence may ask for")
+    # Above every real vocabulary (~260k), far below uint32 overflow, so a
+    # corrupt id fails loudly instead of polluting the table.
+    max_token_id: int = setting(1 << 24, minimum=1, help="token ids must be below this")
+    # Each is a small dict of its context's n-grams.
+    max_sessions: int = setting(10_000, minimum=1, help="sessions open at once")
+    # A verifier needs one per in-flight request (a batch is at most a few
+    # hundred), so no single client, broken or hostile, can take every session from the others.
+    max_sessions_per_caller: int = setting(
+        2048, minimum=1, help="sessions one caller (client certificate, else peer address) holds at once"
+    )
+    # Indexed, ~600 bytes each: a 128K-token context, and ~80 MB per session at most.
+    max_session_tokens: int = setting(1 << 17, minimum=1, help="tokens one session may hold")
+    # Its verifier request is surely gone by then.
+    session_idle_timeout_s: float = setting(600.0, minimum=0.001, help="seconds after which an untouched session is closed")
+    # A verifier batch is at most a few hundred.
+    max_sequences_per_call: int = setting(1024, minimum=1, help="sequences in one Propose or Observe")
+    # A 128K-token context; bounds one call's memory and time.
+    max_tokens_per_call: int = setting(1 << 17, minimum=1, help="tokens in one Propose or Observe")
+    max_pending_observations: int = setting(
+        4096, minimum=1, help="observations queued for the writer; beyond, Observe answers RESOURCE_EXHAUSTED"
+    )
+    # 128K uint32 tokens encode to at most ~0.7 MB.
+    max_message_bytes: int = setting(8 << 20, minimum=1, help="gRPC message size cap, both ways, in bytes")
+    grace_s: float = setting(5.0, minimum=0.0, help="seconds SIGTERM gives in-flight calls")
+    max_workers: int = setting(16, minimum=1, help="gRPC worker threads: calls served at once")
+    # One LMDB table each: 3 file descriptors and 8x max_bytes of address space;
+    # a deployment serves one or two models.
+    max_vocabularies: int = setting(8, minimum=1, help="tables (one per tokenizer fingerprint) the drafter creates")
+    dedup_window_hours: int = setting(24, minimum=1, help="hours an observe_id is remembered, so that a retry is not counted twice")
+    # One commit of a 128K-token call dirties ~40 MB; as etcd's NOSPACE alarm,
+    # Propose keeps serving, and writes resume once space is back.
+    min_free_mb: int = setting(
+        64, minimum=1, help="MiB the disk holding --db keeps free: below, writes are refused (RESOURCE_EXHAUSTED) and drafts still served"
+    )
+    # When set, the main port refuses Stats and Backup (PERMISSION_DENIED), so
+    # verifiers' network reaches only Propose, Observe, CloseSessions.
+    admin_port: int | None = setting(
+        None, help="serve Stats and Backup on this port only, on --admin-host (0: a free one; none: on the main port)"
+    )
+    admin_host: str = setting("127.0.0.1", help="address of the admin port")
+    # One folder per backup, named by the caller. Never the --db directory or inside it.
+    backup_dir: str | None = setting(None, help="directory the Backup RPC writes into, outside --db (none: Backup refused)")
+    # The flags every service shares (serving.add_serving_flags):
     # Prometheus /metrics port (0: a free one; None: not served, the default
     # for in-process servers; the command line serves on DEFAULT_METRICS_PORT).
     metrics_port: int | None = None
@@ -117,32 +120,16 @@ class DrafterConfig:
     tls_key: str | None = None
     # PEM CA: require client certificates it signed (mutual TLS).
     tls_client_ca: str | None = None
-    # Vocabularies (one LMDB table each: 3 file descriptors and 8x max_bytes of
-    # address space) the drafter creates at most; a deployment serves one or two models.
-    max_vocabularies: int = 8
-    # Hours an Observe's observe_id is remembered: a retry within them is not counted twice.
-    dedup_window_hours: int = 24
-    # Free space (MiB) the --db disk keeps: below it no table is created and no
-    # observation written (one commit of a 128K-token call dirties ~40 MB), as
-    # etcd's NOSPACE alarm; Propose keeps serving. Cleared once space is back.
-    min_free_mb: int = 64
-    # Port for the admin calls (Stats, Backup), on admin_host; None: they are
-    # served on the main port too. When set, the main port refuses them
-    # (PERMISSION_DENIED), so verifiers' network reaches only Propose, Observe, CloseSessions.
-    admin_port: int | None = None
-    admin_host: str = "127.0.0.1"
-    # Directory Backup writes into (one folder per backup, named by the caller);
-    # None: Backup is refused. Never the --db directory or inside it.
-    backup_dir: str | None = None
 
     def __post_init__(self) -> None:
-        for name, _ in LIMITS:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        check_minimums(self)
         if self.backup_dir is not None:
             backups, db = Path(self.backup_dir).resolve(), Path(self.db).resolve()
             if backups == db or db in backups.parents:
                 raise ValueError(f"the backup directory {self.backup_dir!r} must lie outside the table directory {self.db!r}")
+
+
+SERVING_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "metrics_port", "health_port")
 
 
 # Seconds between the janitor's rounds (idle sessions, dead readers' slots).

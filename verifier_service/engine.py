@@ -48,6 +48,7 @@ from typing import cast
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specdec.flags import setting
 from verifier_service.adaptive import (
     EXPLORATION,
     MAX_HAZARD,
@@ -151,26 +152,31 @@ StageSpans = Callable[[str, dict], contextlib.AbstractContextManager]
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The engine's settings; each is also a flag of the service (``specdec.flags``)."""
+
     # Hard cap on K per step: the verify pass widens with K, and on CPU the
     # cost of scoring more than ~9 tokens a row stops being nearly free.
-    max_speculative_tokens: int = 16
-    # Drafts asked for when K is adaptive; the planner then verifies a prefix.
+    max_speculative_tokens: int = setting(16, minimum=0, help="the most draft tokens a request may ask to verify per step")
     # n-gram chains past ~8 tokens are rarely all right (bench: K=8 ~ best K).
-    adaptive_max_k: int = 8
-    # Cache slots: sequences decoding or prefilling at once. On a 2-core CPU a
-    # step of 16 rows costs ~2x a step of 1; more rows stop paying long before memory runs out.
-    max_batch_size: int = 16
-    # Cache positions per slot: the longest prompt + max_new_tokens a request
-    # may have. None: the model's context, at most DEFAULT_MAX_SEQUENCE_TOKENS.
-    max_sequence_tokens: int | None = None
-    # What one request may ask for (the service's flags of the same names).
-    max_new_tokens_limit: int = 4096
-    stop_strings_limit: int = 16
-    stop_string_length_limit: int = 256
-    # Prompt tokens one step may prefill. Larger chunks use the GEMMs better
-    # (per-token cost falls ~2x from 64 to 256 tokens on CPU) but stall the
-    # running sequences longer; 256 costs them about a 2-3 decode steps' time.
-    prefill_chunk_tokens: int = 256
+    adaptive_max_k: int = setting(8, minimum=1, help="drafts asked for when K is adaptive; the planner verifies a prefix")
+    # On a 2-core CPU a step of 16 rows costs ~2x a step of 1; more rows stop
+    # paying long before memory runs out.
+    max_batch_size: int = setting(16, minimum=1, help="cache slots: sequences decoding or prefilling at once")
+    # None: the model's context, at most DEFAULT_MAX_SEQUENCE_TOKENS. Memory:
+    # max_batch_size x this x the model's bytes per token.
+    max_sequence_tokens: int | None = setting(
+        None, minimum=1, help="KV cache positions per request, prompt + max_new_tokens (none: the model's context, at most 4096)"
+    )
+    # Bounds a request's hold on a batch slot.
+    max_new_tokens_limit: int = setting(4096, minimum=1, help="the longest generation one request may ask for")
+    # Each stop string is searched for in every new piece of output, and
+    # streaming holds back up to its length.
+    stop_strings_limit: int = setting(16, minimum=1, help="stop strings one request may give")
+    stop_string_length_limit: int = setting(256, minimum=1, help="characters per stop string")
+    # Larger chunks use the GEMMs better (per-token cost falls ~2x from 64 to
+    # 256 tokens on CPU) but stall the running sequences longer; 256 costs
+    # them about a 2-3 decode steps' time.
+    prefill_chunk_tokens: int = setting(256, minimum=1, help="prompt tokens one step may prefill alongside the running sequences")
 
 
 @dataclass(eq=False)

@@ -8,7 +8,7 @@ has free cache slots (their prompts are prefilled in chunks by the following
 steps, alongside the running sequences), run one step, and hand each
 sequence what the step produced for it.
 
-Bounds: at most ``max_batch_size`` sequences run at once and at most
+Bounds: at most the engine's ``max_batch_size`` sequences run at once and at most
 ``max_queued`` wait; beyond that ``submit`` raises ``QueueFull`` at once
 (the service answers RESOURCE_EXHAUSTED), so overload never piles up latency.
 
@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from specdec.flags import setting
 from verifier_service.engine import GenerationRequest, GenerationResult, SpeculativeEngine
 
 log = logging.getLogger(__name__)
@@ -83,13 +84,11 @@ class NoObserver:
         pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
-    # Sequences in one forward pass: on a 2-core CPU a step of 16 rows costs
-    # ~3x a step of 1; more rows stop paying long before memory runs out.
-    max_batch_size: int = 16
-    # Requests waiting for a slot; beyond it new requests are refused at once.
-    max_queued: int = 64
+    """How many sequences run at once is the engine's (``EngineConfig.max_batch_size``)."""
+
+    max_queued: int = setting(64, minimum=1, help="requests waiting for a slot; beyond it new ones are refused (RESOURCE_EXHAUSTED)")
 
 
 @dataclass(frozen=True)
@@ -246,7 +245,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Give waiting requests free cache slots; their prefill runs inside the next steps."""
-        while len(self._running) < self.config.max_batch_size and self.engine.free_slots:
+        while self.engine.free_slots:
             with self._wake:
                 if not self._waiting:
                     return

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -30,6 +30,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdec import serving, telemetry
+from specdec.flags import setting
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from specdec.vocabulary import tokenizer_fingerprint
 from verifier_service.adaptive import StepCostModel
@@ -64,47 +65,51 @@ DEFAULT_METRICS_PORT = 9102  # the drafter's is 9101
 
 @dataclass(frozen=True)
 class VerifierConfig:
-    port: int = 50052  # 0 picks a free port
-    host: str = "127.0.0.1"
-    model: str = DEFAULT_MODEL  # the embedded default, or any Hugging Face causal LM path/name
-    device: str | None = None  # None: CUDA when present, else CPU
-    # float32, bfloat16, or auto (bfloat16 where the hardware has native bf16:
-    # GPUs, AMX or AVX512-BF16 CPUs). float32 keeps greedy output identical to
-    # transformers' own; see model_loading.DTYPES.
-    dtype: str = "float32"
-    # host:port of the drafter service; None runs without speculation.
-    drafter: str | None = None
-    drafter_timeout_s: float = 0.1  # see DrafterClientConfig.propose_timeout_s
-    max_batch_size: int = SchedulerConfig.max_batch_size
-    max_queued: int = SchedulerConfig.max_queued
-    # Longest generation one request may ask for; bounds a request's hold on a batch slot.
-    max_new_tokens_limit: int = EngineConfig.max_new_tokens_limit
-    max_speculative_tokens: int = EngineConfig.max_speculative_tokens
-    # gRPC message size cap, both ways (a 4K-token prompt as ids is ~20 KB).
-    max_message_bytes: int = serving.MAX_MESSAGE_BYTES
-    # Cache positions per request (prompt + max_new_tokens); None: the model's
-    # context, at most 4096. Memory: max_batch_size x this x the model's bytes per token.
-    max_sequence_tokens: int | None = EngineConfig.max_sequence_tokens
-    prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens  # see EngineConfig
-    # Stop strings per request, and characters per stop string: each is searched
-    # for in every new piece of output, and streaming holds back up to its length.
-    stop_strings_limit: int = EngineConfig.stop_strings_limit
-    stop_string_length_limit: int = EngineConfig.stop_string_length_limit
-    grace_s: float = 10.0  # SIGTERM: time in-flight requests get to finish
-    calibrate: bool = True  # measure step cost at start-up (False: a flat cost, refined by real steps)
+    """The service's settings, the engine's and the scheduler's nested: each field is a flag
+    and a SPECDEC_VERIFIER_* variable (``specdec.flags``), apart from SERVING_FIELDS."""
+
+    port: int = setting(50052, help="gRPC port (0: a free one)")
+    host: str = setting("127.0.0.1", help="address to bind")
+    model: str = setting(DEFAULT_MODEL, help="the embedded default, or any Hugging Face causal LM path or name")
+    device: str | None = setting(None, help="cpu, cuda, cuda:1 (none: CUDA when present, else CPU)")
+    # float32 keeps greedy output identical to transformers' own; see model_loading.DTYPES.
+    dtype: str = setting(
+        "float32",
+        choices=["float32", "bfloat16", "auto"],
+        help="weights and activations (auto: bfloat16 where the hardware has native bf16: GPUs, AMX or AVX512-BF16 CPUs)",
+    )
+    drafter: str | None = setting(None, help="host:port of the drafter service (none: no speculation)")
+    drafter_timeout_s: float = setting(DrafterClientConfig.propose_timeout_s, minimum=0.001, help="seconds a step waits for drafts")
+    drafter_backoff_s: float = setting(
+        DrafterClientConfig.backoff_s, minimum=0.0, help="seconds steps skip the drafter after a failed call"
+    )
+    drafter_tls_ca: str | None = setting(None, help="PEM root certificate: reach the drafter over TLS")
+    drafter_tls_cert: str | None = setting(
+        None, help="PEM client certificate for a drafter that requires one (with --drafter-tls-key and --drafter-tls-ca)"
+    )
+    drafter_tls_key: str | None = setting(None, help="PEM key of --drafter-tls-cert")
+    # A 4K-token prompt as ids is ~20 KB.
+    max_message_bytes: int = setting(serving.MAX_MESSAGE_BYTES, minimum=1, help="gRPC message size cap, both ways")
+    grace_s: float = setting(10.0, minimum=0.0, help="seconds SIGTERM gives in-flight requests")
+    calibrate: bool = setting(
+        True, help="measure the step cost at start-up (without: a flat cost refined by real steps; for tests and tiny models)"
+    )
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # The flags every service shares (serving.add_serving_flags):
+    # PEM certificate and key: serve over TLS when both are set.
     tls_cert: str | None = None
     tls_key: str | None = None
     # PEM CA: require client certificates it signed (mutual TLS).
     tls_client_ca: str | None = None
-    drafter_tls_ca: str | None = None
-    # Client certificate and key the verifier presents to a drafter that requires one.
-    drafter_tls_cert: str | None = None
-    drafter_tls_key: str | None = None
     # Prometheus /metrics port (0: a free one; None: not served, the default
     # for in-process servers; the command line serves on DEFAULT_METRICS_PORT).
     metrics_port: int | None = None
     # Plaintext gRPC health Check outside the request limit (serving.serve_health); None: not served.
     health_port: int | None = None
+
+
+SERVING_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "metrics_port", "health_port")
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -341,6 +346,7 @@ class VerifierServer:
                     target=config.drafter,
                     vocabulary=tokenizer_fingerprint(loaded.tokenizer),
                     propose_timeout_s=config.drafter_timeout_s,
+                    backoff_s=config.drafter_backoff_s,
                     tls_ca=config.drafter_tls_ca,
                     tls_cert=config.drafter_tls_cert,
                     tls_key=config.drafter_tls_key,
@@ -355,18 +361,9 @@ class VerifierServer:
                 lambda: drafter.dropped_observations,
             )
         observer = ServiceObserver(self.servicer.tracing, self.servicer.metrics)
-        engine_config = EngineConfig(
-            max_speculative_tokens=config.max_speculative_tokens,
-            max_batch_size=config.max_batch_size,
-            max_new_tokens_limit=config.max_new_tokens_limit,
-            stop_strings_limit=config.stop_strings_limit,
-            stop_string_length_limit=config.stop_string_length_limit,
-            max_sequence_tokens=config.max_sequence_tokens,
-            prefill_chunk_tokens=config.prefill_chunk_tokens,
-        )
-        engine = SpeculativeEngine(loaded.model, loaded.tokenizer, self.drafter, engine_config, step_cost, observer.stage_spans)
+        engine = SpeculativeEngine(loaded.model, loaded.tokenizer, self.drafter, config.engine, step_cost, observer.stage_spans)
         engine.generate([GenerationRequest([0, 1, 2, 3], 4, num_speculative_tokens=0)])  # warm-up
-        scheduler = Scheduler(engine, SchedulerConfig(config.max_batch_size, config.max_queued), observer)
+        scheduler = Scheduler(engine, config.scheduler, observer)
         self.servicer.metrics.queue_depth.set_function(lambda: scheduler.queue_depth)
         self.servicer.metrics.active_sequences.set_function(lambda: scheduler.batch_size)
         scheduler.start()
@@ -401,7 +398,7 @@ class VerifierServer:
 def create_server(config: VerifierConfig) -> VerifierServer:
     """Bind the port with health NOT_SERVING; call ``load()`` to bring the model up."""
     # One worker per request that may be running or queued, plus health and reflection calls.
-    workers = config.max_batch_size + config.max_queued + 8
+    workers = config.engine.max_batch_size + config.scheduler.max_queued + 8
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers),
         maximum_concurrent_rpcs=workers,

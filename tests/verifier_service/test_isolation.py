@@ -148,7 +148,7 @@ def test_a_failing_proposer_costs_drafts_never_requests(tiny_model, tiny_tokeniz
 
 def test_the_scheduler_fails_only_the_faulting_request(tiny_model, tiny_tokenizer):
     engine = make_engine(tiny_model, tiny_tokenizer)
-    scheduler = Scheduler(engine, SchedulerConfig(max_batch_size=4, max_queued=8))
+    scheduler = Scheduler(engine, SchedulerConfig(max_queued=8))
     scheduler.start()
     try:
         with FaultAtPosition(tiny_model, IN_DECODE):

@@ -9,7 +9,7 @@ import pytest
 
 from drafter_service.ngram import NGramDrafter
 from verifier_service.drafting import SessionProposer
-from verifier_service.engine import FINISH_CANCELLED, FINISH_LENGTH, GenerationRequest, SpeculativeEngine
+from verifier_service.engine import FINISH_CANCELLED, FINISH_LENGTH, EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.scheduler import Cancelled, QueueFull, Scheduler, SchedulerConfig, ShuttingDown
 
 PROMPTS = [[5, 6, 7], [9, 3, 3, 9, 3, 3, 9, 3], [12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [20, 21, 20, 21], [33]]
@@ -18,8 +18,9 @@ NO_EOS = frozenset()
 EVENT_TIMEOUT_S = 30
 
 
-def make_engine(model, tokenizer, drafter: bool = True) -> SpeculativeEngine:
-    engine = SpeculativeEngine(model, tokenizer, SessionProposer(NGramDrafter()) if drafter else None)
+def make_engine(model, tokenizer, drafter: bool = True, batch: int = 16) -> SpeculativeEngine:
+    proposer = SessionProposer(NGramDrafter()) if drafter else None
+    engine = SpeculativeEngine(model, tokenizer, proposer, EngineConfig(max_batch_size=batch))
     engine.eos_token_ids = NO_EOS  # random weights: keep sequences running to max_new_tokens
     return engine
 
@@ -72,8 +73,8 @@ class GatedStep:
 def scheduler_factory(tiny_model, tiny_tokenizer):
     started = []
 
-    def build(config=SchedulerConfig(max_batch_size=4, max_queued=16), drafter=True, start=True):
-        scheduler = Scheduler(make_engine(tiny_model, tiny_tokenizer, drafter), config)
+    def build(batch=4, queued=16, drafter=True, start=True):
+        scheduler = Scheduler(make_engine(tiny_model, tiny_tokenizer, drafter, batch), SchedulerConfig(max_queued=queued))
         if start:
             scheduler.start()
         started.append(scheduler)
@@ -149,7 +150,7 @@ def test_a_bounded_wait_on_a_stuck_scheduler_raises_timeout_error(scheduler_fact
 
 
 def test_submit_beyond_max_queued_raises_queue_full(scheduler_factory, tiny_model, tiny_tokenizer):
-    scheduler = scheduler_factory(SchedulerConfig(max_batch_size=4, max_queued=2), start=False)
+    scheduler = scheduler_factory(batch=4, queued=2, start=False)
     first = scheduler.submit(REQUESTS[0])
     second = scheduler.submit(REQUESTS[2])
     with pytest.raises(QueueFull, match=r"^0 requests running and 2 queued \(limit 2\); retry with backoff$"):
@@ -162,7 +163,7 @@ def test_submit_beyond_max_queued_raises_queue_full(scheduler_factory, tiny_mode
 
 
 def test_queue_full_counts_running_requests(scheduler_factory):
-    scheduler = scheduler_factory(SchedulerConfig(max_batch_size=1, max_queued=1))
+    scheduler = scheduler_factory(batch=1, queued=1)
     gate = GatedStep(scheduler.engine)
     running = scheduler.submit(GenerationRequest(PROMPTS[0], 10, request_id="running"))
     assert gate.parked.wait(EVENT_TIMEOUT_S)  # admitted and stepping: the queue is empty again
@@ -298,7 +299,7 @@ def test_stop_with_an_idle_loop_returns_at_once(scheduler_factory):
 
 
 def test_stop_past_its_timeout_cancels_what_is_left(scheduler_factory, tiny_model, tiny_tokenizer):
-    scheduler = scheduler_factory(SchedulerConfig(max_batch_size=1, max_queued=4))
+    scheduler = scheduler_factory(batch=1, queued=4)
     gate = GatedStep(scheduler.engine)
     running = scheduler.submit(GenerationRequest(PROMPTS[1], 200, num_speculative_tokens=0))
     queued = scheduler.submit(REQUESTS[0])

@@ -1,0 +1,70 @@
+"""The drafter's command line: every setting has a flag and a SPECDEC_DRAFTER_* variable, and reaches the config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from drafter_service.__main__ import parse_config
+from drafter_service.server import SERVING_FIELDS, DrafterConfig
+from specdec.flags import flags
+
+SETTINGS = {  # flag -> (config field path, a value other than its default)
+    "--max-sessions": ("max_sessions", 5),
+    "--max-draft-tokens": ("max_draft_tokens", 8),
+    "--max-workers": ("max_workers", 4),
+    "--session-idle-timeout": ("session_idle_timeout_s", 30.0),
+    "--grace": ("grace_s", 1.0),
+    "--n-min": ("ngram.n_min", 3),
+    "--min-global-count": ("ngram.min_global_count", 3),
+    "--admin-port": ("admin_port", 50071),
+}
+
+
+def get(config, path: str):
+    for name in path.split("."):
+        config = getattr(config, name)
+    return config
+
+
+@pytest.mark.parametrize("flag", SETTINGS)
+def test_each_setting_reaches_the_config_from_its_flag_and_its_variable(flag, monkeypatch):
+    path, value = SETTINGS[flag]
+    assert get(DrafterConfig(), path) != value
+    assert get(parse_config([flag, str(value)]), path) == value
+    monkeypatch.setenv("SPECDEC_DRAFTER_" + flag[2:].replace("-", "_").upper(), str(value))
+    assert get(parse_config([]), path) == value
+
+
+def test_every_field_of_the_config_is_a_flag():
+    derived = {".".join(flag.path) for flag in flags(DrafterConfig, skip=SERVING_FIELDS)}
+    leaves = {f.name for f in dataclasses.fields(DrafterConfig) if f.name != "ngram"}
+    leaves |= {f"ngram.{f.name}" for f in dataclasses.fields(DrafterConfig().ngram)}
+    assert derived | set(SERVING_FIELDS) == leaves
+
+
+def test_without_flags_the_config_is_the_dataclass_default_but_for_the_metrics_port():
+    assert dataclasses.replace(parse_config([]), metrics_port=None) == DrafterConfig()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-sessions", "0"], "--max-sessions must be >= 1, got 0"),
+        (["--max-bytes", "1000"], "--max-bytes must be >= 65536, got 1000"),
+        (["--n-min", "5"], "need 1 <= n_min <= n_max, got n_min=5, n_max=4"),
+        (["--backup-dir", "data/drafter/backups"], "must lie outside the table directory 'data/drafter'"),
+        (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+    ],
+)
+def test_a_bad_value_is_a_usage_error_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse_config(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_limits_hold_in_process_too():
+    with pytest.raises(ValueError, match=r"^max_sessions must be >= 1, got 0$"):
+        DrafterConfig(max_sessions=0)

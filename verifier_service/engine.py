@@ -34,7 +34,6 @@ cache, no batching) that the tests hold the fast path against.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
 import logging
@@ -136,20 +135,6 @@ class GenerationResult:
     stats: GenerationStats
 
 
-class _NoSpan:
-    def set_attribute(self, key: str, value) -> None:
-        pass
-
-
-def no_stage_spans(name: str, attributes: dict) -> contextlib.AbstractContextManager:
-    """The default stage hook: nothing recorded. The service passes one that opens
-    a tracing span per stage (this module stays free of any tracing library)."""
-    return contextlib.nullcontext(_NoSpan())
-
-
-StageSpans = Callable[[str, dict], contextlib.AbstractContextManager]
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's settings; each is also a flag of the service (``specdec.flags``)."""
@@ -222,6 +207,21 @@ class StepOutcome:
     error: Exception | None = None  # set instead when it failed (tokens streamed before stay valid)
 
 
+@dataclass(frozen=True)
+class StepReport:
+    """One step as a whole: what its stages did, and when (``time.time_ns()``), for
+    whoever traces or measures steps (the service's observer); the engine keeps none of it."""
+
+    decoding: int  # sequences decoding
+    verified: int  # draft tokens the forward pass scored
+    accepted: int  # of those, accepted
+    width: int  # 1 + the most drafts one sequence verified
+    tokens: int  # tokens the forward pass fed, prefill chunks included
+    scoring_ns: int  # the forward pass began
+    accepting_ns: int  # acceptance began
+    done_ns: int  # acceptance ended
+
+
 @dataclass
 class _Row:
     """One decoding sequence's part in a step."""
@@ -246,7 +246,6 @@ class SpeculativeEngine:
         proposer: DraftProposer | None = None,
         config: EngineConfig | None = None,
         step_cost: StepCostModel | None = None,
-        stage_spans: StageSpans = no_stage_spans,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -269,7 +268,7 @@ class SpeculativeEngine:
         self._session_ids = (f"seq-{n}" for n in itertools.count())
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.acceptance = AcceptanceModel()
-        self.stage_spans = stage_spans
+        self.last_step: StepReport | None = None  # the latest step that ran a forward pass
         self._check_slot_attention()
         self.step_cost = step_cost or calibrated_step_cost(self)
 
@@ -555,27 +554,27 @@ class SpeculativeEngine:
     @torch.inference_mode()
     def step(self) -> list[StepOutcome]:
         """One propose-verify-accept round for the decoding sequences, with a prefill chunk riding along."""
+        self.last_step = None
         outcomes = self._retire()  # cancelled since the last step
         if not self.busy:
             return outcomes
-        with self.stage_spans("specdec.propose", {"specdec.batch_size": self._decoding}) as span:
-            rows = self.propose()
-            chunks = self._plan_prefill()
-            self.plan(rows, sum(length for _, _, length in chunks))
-            span.set_attribute("specdec.sequences", sum(row.asked for row in rows))
-            span.set_attribute("specdec.draft_tokens", sum(row.verify for row in rows))
-        started = time.perf_counter()
-        with self.stage_spans("specdec.score", {"specdec.batch_size": len(rows)}) as span:
-            rows, chunks, logits, packed = self._score(rows, chunks)
-            tokens = len(rows) + sum(row.verify for row in rows) + sum(length for _, _, length in chunks)
-            span.set_attribute("specdec.width", 1 + max((row.verify for row in rows), default=0))
-            span.set_attribute("specdec.tokens_scored", tokens)
-        with self.stage_spans("specdec.accept", {"specdec.draft_tokens": sum(row.verify for row in rows)}) as span:
-            decoded = sum(row.verify + 1 for row in rows)
-            decisions = self.accept(rows, logits[:decoded])
-            span.set_attribute("specdec.accepted", sum(decision[0] for decision in decisions if decision is not None))
+        rows = self.propose()
+        chunks = self._plan_prefill()
+        self.plan(rows, sum(length for _, _, length in chunks))
+        decoding = len(rows)
+        scoring, started = time.time_ns(), time.perf_counter()
+        rows, chunks, logits, packed = self._score(rows, chunks)
+        accepting = time.time_ns()
+        decoded = sum(row.verify + 1 for row in rows)
+        decisions = self.accept(rows, logits[:decoded])
+        done = time.time_ns()
+        verified = sum(row.verify for row in rows)
+        tokens = len(rows) + verified + sum(length for _, _, length in chunks)
         if packed:  # a step scored piecemeal says nothing about a packed step's cost
             self.step_cost.observe(tokens + self.step_cost.padding(tokens), _cache_reads(rows, chunks), time.perf_counter() - started)
+        accepted = sum(decision[0] for decision in decisions if decision is not None)
+        width = 1 + max((row.verify for row in rows), default=0)
+        self.last_step = StepReport(decoding, verified, accepted, width, tokens, scoring, accepting, done)
         for row, decision in zip(rows, decisions):
             if decision is None:  # its sampling failed
                 continue

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specdec.flags import setting
-from verifier_service.engine import GenerationRequest, GenerationResult, SpeculativeEngine
+from verifier_service.engine import GenerationRequest, GenerationResult, SpeculativeEngine, StepOutcome, StepReport
 
 log = logging.getLogger(__name__)
 
@@ -54,21 +54,13 @@ class Cancelled(Exception):
     (One cancelled while running finishes with FINISH_CANCELLED and what it produced.)"""
 
 
-@dataclass(frozen=True)
-class RowStep:
-    """One sequence's part in one step."""
-
-    verified: int  # draft tokens the target scored
-    accepted: int  # of those, accepted
-    emitted: int  # tokens added to the output (accepted + the step's own, cut at a stop)
-
-
 class SchedulerObserver(Protocol):
     def step(self, handles: list[RequestHandle]) -> contextlib.AbstractContextManager:
         """Wraps one engine step over ``handles`` (the batch, in row order)."""
 
-    def stepped(self, handles: list[RequestHandle], seconds: float, rows: list[RowStep]) -> None:
-        """After a step: ``rows[i]`` is what it did for decoding sequence ``handles[i]``."""
+    def stepped(self, handles: list[RequestHandle], seconds: float, rows: list[StepOutcome], report: StepReport | None) -> None:
+        """After a step: ``rows[i]`` is what it did for decoding sequence ``handles[i]``;
+        ``report`` what it did as a whole (None when it ran no forward pass)."""
 
     def prefilled(self, handle: RequestHandle, emitted: int) -> None: ...
 
@@ -77,7 +69,7 @@ class NoObserver:
     def step(self, handles):
         return contextlib.nullcontext()
 
-    def stepped(self, handles, seconds, rows) -> None:
+    def stepped(self, handles, seconds, rows, report) -> None:
         pass
 
     def prefilled(self, handle, emitted) -> None:
@@ -276,9 +268,9 @@ class Scheduler:
                 self.observer.prefilled(handle, len(outcome.tokens))
             elif outcome.tokens:
                 stepped.append(handle)
-                rows.append(RowStep(outcome.verified, outcome.accepted, len(outcome.tokens)))
+                rows.append(outcome)
             handle._push(outcome.tokens)
             if outcome.error is not None or outcome.result is not None:
                 handle._end(outcome.result, outcome.error)
                 self._running.remove(handle)
-        self.observer.stepped(stepped, seconds, rows)
+        self.observer.stepped(stepped, seconds, rows, self.engine.last_step)

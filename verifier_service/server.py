@@ -361,7 +361,8 @@ class VerifierServer:
                 lambda: drafter.dropped_observations,
             )
         observer = ServiceObserver(self.servicer.tracing, self.servicer.metrics)
-        engine = SpeculativeEngine(loaded.model, loaded.tokenizer, self.drafter, config.engine, step_cost, observer.stage_spans)
+        proposer = observer.traced(self.drafter) if self.drafter is not None else None
+        engine = SpeculativeEngine(loaded.model, loaded.tokenizer, proposer, config.engine, step_cost)
         engine.generate([GenerationRequest([0, 1, 2, 3], 4, num_speculative_tokens=0)])  # warm-up
         scheduler = Scheduler(engine, config.scheduler, observer)
         self.servicer.metrics.queue_depth.set_function(lambda: scheduler.queue_depth)

@@ -380,6 +380,7 @@ def goodness_of_fit_pvalue(tokens, expected_probs):
 SAMPLES = 3000
 
 
+@pytest.mark.slow  # seconds of sampling: left out of make test-fast
 def test_speculative_sampling_matches_the_exact_marginal(tiny_model, tiny_tokenizer):
     """Token at output position 2 (made by a verification step) vs its exactly enumerated law."""
     engine = engine_without_eos(tiny_model, tiny_tokenizer, ScriptedProposer(oracle(tiny_model)))
@@ -392,6 +393,7 @@ def test_speculative_sampling_matches_the_exact_marginal(tiny_model, tiny_tokeni
     assert goodness_of_fit_pvalue([r.token_ids[2] for r in results], exact) > 0.001
 
 
+@pytest.mark.slow  # seconds of sampling: left out of make test-fast
 def test_speculative_sampling_matches_plain_sampling(tiny_model, tiny_tokenizer):
     """Token at output position 3: speculative vs plain (K=0) sampling, on disjoint seeds."""
     engine = engine_without_eos(tiny_model, tiny_tokenizer, ScriptedProposer(oracle(tiny_model)))
@@ -407,6 +409,7 @@ def test_speculative_sampling_matches_plain_sampling(tiny_model, tiny_tokenizer)
     assert chi2_contingency(table).pvalue > 0.001
 
 
+@pytest.mark.slow  # seconds of sampling: left out of make test-fast
 def test_distribution_harness_detects_a_wrong_sampler(tiny_model, tiny_tokenizer):
     """The same harness rejects sampling at temperature 1.2 when 0.9 is the law."""
     engine = engine_without_eos(tiny_model, tiny_tokenizer, ScriptedProposer(oracle(tiny_model)))

@@ -321,6 +321,7 @@ def test_warp_probs_stays_a_distribution_at_extreme_but_valid_values(params):
 NUM_CHAINS = 100_000
 
 
+@pytest.mark.slow  # seconds of sampling: left out of make test-fast
 @pytest.mark.parametrize("case", [NEAR_ZERO, DISJOINT], ids=["near_zero", "disjoint"])
 def test_rejection_sample_k1_emits_the_target_distribution(case):
     p, q = case
@@ -334,6 +335,7 @@ def test_rejection_sample_k1_emits_the_target_distribution(case):
     assert chi_square_p_value(emitted[accepted, 1], BONUS_P) > CHI_SQUARE_MIN_P_VALUE
 
 
+@pytest.mark.slow  # seconds of sampling: left out of make test-fast
 @pytest.mark.parametrize("first, second", [(EQUAL, NEAR_ZERO), (CLOSE, DISJOINT)], ids=["equal_then_near_zero", "close_then_disjoint"])
 def test_rejection_sample_k2_chain_emits_the_target_distribution_at_each_position(first, second):
     (p1, q1), (p2, q2) = first, second
@@ -423,6 +425,7 @@ def seeded_outputs() -> dict[str, np.ndarray]:
     }
 
 
+@pytest.mark.slow  # seconds of sampling: left out of make test-fast
 @pytest.mark.parametrize("draft", ["none", "likely", "unlikely"])
 def test_accept_sampled_position_0_follows_p_whatever_was_drafted(seeded_outputs, draft):
     assert chi_square_p_value(seeded_outputs[draft], POINT_P) > CHI_SQUARE_MIN_P_VALUE
@@ -431,11 +434,13 @@ def test_accept_sampled_position_0_follows_p_whatever_was_drafted(seeded_outputs
 @pytest.mark.parametrize(
     "name, draft_probability", [("accepted_likely", POINT_P[LIKELY_DRAFT]), ("accepted_unlikely", POINT_P[UNLIKELY_DRAFT])]
 )
+@pytest.mark.slow  # the seeded_outputs fixture samples for seconds: left out of make test-fast
 def test_accept_sampled_accepts_a_draft_with_probability_p_of_it(seeded_outputs, name, draft_probability):
     # A point-mass q makes min(1, p(d) / q(d)) = p(d).
     assert_rate_close(int(seeded_outputs[name].sum()), NUM_SEEDS, draft_probability)
 
 
+@pytest.mark.slow  # the seeded_outputs fixture samples for seconds: left out of make test-fast
 def test_accept_sampled_emits_the_same_token_whatever_was_drafted(seeded_outputs):
     # One sample x per (seed, position), independent of the draft: the token
     # at position 0 is x whether d was accepted (d == x) or not (x emitted).
@@ -443,6 +448,7 @@ def test_accept_sampled_emits_the_same_token_whatever_was_drafted(seeded_outputs
     np.testing.assert_array_equal(seeded_outputs["unlikely"], seeded_outputs["none"])
 
 
+@pytest.mark.slow  # the seeded_outputs fixture samples for seconds: left out of make test-fast
 def test_accept_sampled_bonus_equals_plain_sampling_at_its_position(seeded_outputs):
     pairs = seeded_outputs["bonus_matches_plain"]  # [num_accepted_likely, 2]
     # About 0.4 * NUM_SEEDS seeds accepted the likely draft; each bonus token is

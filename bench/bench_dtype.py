@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from bench.workloads import workloads
-from drafter_service.ngram import NGramDrafter
+from drafter_service.sessions import NGramDrafter
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import GenerationRequest, SpeculativeEngine
 from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, has_fast_bfloat16, load_model, resolve_dtype

@@ -24,7 +24,7 @@ import re
 import shutil
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,10 +33,21 @@ from typing import Any
 import grpc
 import lmdb
 from grpc_health.v1 import health
-from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, ContextIndex, NGramConfig, NGramSource
+from drafter_service.metrics import DrafterMetrics
+from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, NGramConfig, NGramSource
+from drafter_service.sessions import (
+    BAD_FEEDBACK,
+    BUSY,
+    EXISTS,
+    FULL,
+    UNKNOWN,
+    WRONG_VOCABULARY,
+    Session,
+    SessionError,
+    SessionLimits,
+    SessionTable,
+)
 from drafter_service.store import MAX_OBSERVE_ID_BYTES, LMDBNGramStore, StoreConfig, StoreFormatError, StoreFull
 from specdec import serving, telemetry
 from specdec.flags import check_minimums, setting
@@ -51,6 +62,15 @@ VOCABULARY_PATTERN = re.compile(r"[0-9a-f]{16}")  # always with fullmatch: "$" a
 # A backup's name: one plain path component, nothing a filesystem reads specially.
 BACKUP_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SOURCES = {SOURCE_CONTEXT: drafter_pb2.DRAFT_SOURCE_CONTEXT, SOURCE_GLOBAL: drafter_pb2.DRAFT_SOURCE_GLOBAL}
+# What the caller hears when SessionTable refuses a call.
+SESSION_STATUS = {
+    EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    UNKNOWN: grpc.StatusCode.NOT_FOUND,
+    WRONG_VOCABULARY: grpc.StatusCode.INVALID_ARGUMENT,
+    BUSY: grpc.StatusCode.ABORTED,
+    FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    BAD_FEEDBACK: grpc.StatusCode.INVALID_ARGUMENT,
+}
 
 
 @dataclass(frozen=True)
@@ -337,18 +357,6 @@ class _NoTable:
 _NO_TABLE = _NoTable()
 
 
-@dataclass
-class _Session:
-    vocabulary: str
-    caller: str  # see _caller(): what --max-sessions-per-caller counts by
-    context: ContextIndex
-    last_used: float
-    # Sources of the last draft, per token: the verifier's feedback on it
-    # (verified/accepted counts in the next update) is credited to them.
-    last_sources: list[int] = field(default_factory=list)
-    busy: bool = False  # a Propose call is indexing or drafting it (outside the lock)
-
-
 # A long observation is committed in chunks of this many tokens (~0.1 s each
 # here), and one transaction takes at most WRITE_BATCH_TOKENS, so a 128K-token
 # call (~4.5 s to commit whole) never holds the writer while small ones wait.
@@ -556,32 +564,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.stores = stores
         self.writer = writer
         self.tracing = tracing or telemetry.Tracing("specdec-drafter")
-        self.registry = CollectorRegistry()
-        self.registry.register(_DrafterCollector(self))
-        self.propose_seconds = Histogram(
-            "specdec_drafter_propose_seconds",
-            "Server-side Propose latency",
-            registry=self.registry,
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
-        )
-        self.sessions: dict[str, _Session] = {}
-        self.sessions_by_caller: Counter[str] = Counter()  # kept with sessions, under the lock
-        self.lock = threading.Lock()
-        self.counters = dict.fromkeys(
-            (
-                "propose_calls",
-                "proposed_tokens",
-                "context_hits",
-                "global_hits",
-                "misses",
-                "observed_tokens",
-                "context_verified",
-                "context_accepted",
-                "global_verified",
-                "global_accepted",
-            ),
-            0,
-        )
+        limits = SessionLimits(config.max_sessions, config.max_sessions_per_caller, config.max_session_tokens)
+        self.sessions = SessionTable(config.ngram, limits)
+        self.metrics = metrics = DrafterMetrics()
+        self.registry = metrics.registry
+        metrics.watch("dropped_spans", "Trace spans dropped (collector down or queue full)", lambda: self.tracing.dropped_spans)
+        metrics.gauge("quarantined_tables", "Tables moved aside at start-up as unservable", lambda: len(stores.quarantined))
+        metrics.gauge("disk_full", "1 while observations are refused for want of disk space (--min-free-mb)", lambda: int(stores.disk.full))
+        metrics.gauge("disk_free_bytes", "Free bytes on the disk holding --db, as last read", lambda: stores.disk.free_bytes)
+        metrics.gauge("open_sessions", "Open sessions", lambda: len(self.sessions))
+        metrics.watch_tables(lambda: {vocabulary: store.stats() for vocabulary, store in stores.all().items()})
 
     # -- validation (always before any state changes) -------------------------
 
@@ -597,11 +589,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             bad = next(t for t in tokens if t >= limit)
             _check(False, f"{where}: token id {bad} is out of range (must be < {limit})")
 
-    def _check_propose(self, request: drafter_pb2.ProposeRequest, caller: str) -> None:
+    def _check_propose(self, request: drafter_pb2.ProposeRequest) -> None:
+        """The request's shape; what it asks of sessions is SessionTable.claim's to check."""
         self._check_vocabulary(request.vocabulary)
         self._check_call_size(len(request.sequences), sum(len(s.new_tokens) for s in request.sequences))
         seen = set()
-        opening = sum(1 for s in request.sequences if s.open)
         # Runs per sequence on every step: each message is formatted only when its check fails.
         invalid, max_k = grpc.StatusCode.INVALID_ARGUMENT, self.config.max_draft_tokens
         for index, sequence in enumerate(request.sequences):
@@ -614,43 +606,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             if sequence.num_draft_tokens > max_k:
                 raise InvalidRequest(invalid, f"{where}: num_draft_tokens {sequence.num_draft_tokens} is out of range [0, {max_k}]")
             self._check_tokens(sequence.new_tokens, where)
-            session = self.sessions.get(sid)
-            held = drafted = 0  # what an open session holds: its tokens, and its last draft's length
-            if sequence.open:
-                if session is not None:
-                    raise InvalidRequest(grpc.StatusCode.ALREADY_EXISTS, f"{where}: session {sid!r} is already open")
-            elif session is None:
-                raise InvalidRequest(grpc.StatusCode.NOT_FOUND, f"{where}: unknown session {sid!r} (open it first)")
-            elif session.vocabulary != request.vocabulary:
-                raise InvalidRequest(invalid, f"{where}: session {sid!r} was opened under another vocabulary")
-            elif session.busy:
-                raise InvalidRequest(grpc.StatusCode.ABORTED, f"{where}: session {sid!r} is in use by another call; retry")
-            else:
-                held, drafted = len(session.context.tokens), len(session.last_sources)
-            if held + len(sequence.new_tokens) > self.config.max_session_tokens:
-                raise InvalidRequest(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{where}: session {sid!r} would hold {held + len(sequence.new_tokens)} tokens; the limit is "
-                    f"{self.config.max_session_tokens} (--max-session-tokens)",
-                )
-            if not sequence.accepted_draft_tokens <= sequence.verified_draft_tokens <= drafted:
-                raise InvalidRequest(
-                    invalid,
-                    f"{where}: feedback needs accepted_draft_tokens ({sequence.accepted_draft_tokens}) <= "
-                    f"verified_draft_tokens ({sequence.verified_draft_tokens}) <= the previous draft's length ({drafted})",
-                )
-        held = self.sessions_by_caller[caller]
-        _check(
-            held + opening <= self.config.max_sessions_per_caller,
-            f"this caller ({caller}) holds {held} open sessions, limit {self.config.max_sessions_per_caller} "
-            "(--max-sessions-per-caller); close finished ones",
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-        )
-        _check(
-            len(self.sessions) + opening <= self.config.max_sessions,
-            f"too many open sessions ({len(self.sessions)}, limit {self.config.max_sessions}); close finished ones",
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-        )
 
     def _check_observe_id(self, observe_id: str, items: int) -> None:
         """Each of ``items`` is stored under ``observe_id/index``: all of those must fit."""
@@ -690,7 +645,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         with self.tracing.server_span("specdec.drafter.propose", context, {"specdec.sequences": len(request.sequences)}) as span:
             response = self._propose(request, context)
             span.set_attribute("specdec.draft_tokens", sum(len(draft.tokens) for draft in response.drafts))
-        self.propose_seconds.observe(time.perf_counter() - started)
+        self.metrics.propose_seconds.observe(time.perf_counter() - started)
         return response
 
     def _propose(self, request, context):
@@ -699,93 +654,59 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         others). A call whose deadline passed does no work and leaves no session."""
         if _expired(context):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the call was served")
-        caller = _caller(context)
-        with self.lock:
-            try:
-                self._check_propose(request, caller)
-            except InvalidRequest as invalid:
-                context.abort(invalid.code, str(invalid))
-            store = self.stores.find(request.vocabulary)
-            now = time.monotonic()
-            updates = [(update, self._claim(request.vocabulary, caller, update, now)) for update in request.sequences]
+        try:
+            self._check_propose(request)
+            sessions = self.sessions.claim(request.vocabulary, _caller(context), request.sequences)
+        except InvalidRequest as invalid:
+            context.abort(invalid.code, str(invalid))
+        except SessionError as refused:
+            context.abort(SESSION_STATUS[refused.kind], str(refused))
+        updates = list(zip(request.sequences, sessions))
+        store = self.stores.find(request.vocabulary)
         try:
             for update, session in updates:
+                if update.verified_draft_tokens:
+                    self._credit_feedback(session.feedback(update.verified_draft_tokens, update.accepted_draft_tokens))
                 session.context.extend(update.new_tokens)
             # Drafting reads only this call's sessions and one LMDB read transaction
             # (no table yet for this vocabulary: drafts come from the contexts alone).
             with store.snapshot() if store is not None else contextlib.nullcontext(_NO_TABLE) as table:
                 drafts = [self._draft(update, session, table) for update, session in updates]
         except BaseException:
-            self._release(updates, drop_opened=True)  # a session half-extended is no session
+            self.sessions.release(request.sequences, sessions, drop_opened=True)  # a session half-extended is no session
             raise
         if _expired(context):  # the caller gave up: it will reopen, so keep nothing it opened
-            self._release(updates, drop_opened=True)
+            self.sessions.release(request.sequences, sessions, drop_opened=True)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while drafting; no session was kept")
-        self._release(updates, drop_opened=False)
-        with self.lock:
-            self._count([session.last_sources for _, session in updates], asked=[update.num_draft_tokens > 0 for update, _ in updates])
+        self.sessions.release(request.sequences, sessions, drop_opened=False)
+        self._count([session.last_sources for session in sessions], asked=[update.num_draft_tokens > 0 for update in request.sequences])
         return drafter_pb2.ProposeResponse(drafts=drafts)
 
-    def _release(self, updates, drop_opened: bool) -> None:
-        with self.lock:
-            for update, session in updates:
-                session.busy = False
-                if drop_opened and update.open and self.sessions.get(update.session_id) is session:
-                    self._forget(update.session_id)
-
-    def _forget(self, session_id: str) -> bool:
-        """Remove a session (under the lock); False if there was none."""
-        session = self.sessions.pop(session_id, None)
-        if session is None:
-            return False
-        self.sessions_by_caller[session.caller] -= 1
-        if not self.sessions_by_caller[session.caller]:
-            del self.sessions_by_caller[session.caller]
-        return True
-
-    def _count(self, sources: list[list[int]], asked: list[bool]) -> None:
+    def _count(self, sources: list[list[str]], asked: list[bool]) -> None:
         """Counters for one call; ``sources``: each draft's per-token sources."""
-        counters = self.counters
-        counters["propose_calls"] += 1
-        for draft_sources, wanted in zip(sources, asked):
-            context_hits = draft_sources.count(drafter_pb2.DRAFT_SOURCE_CONTEXT)
-            counters["proposed_tokens"] += len(draft_sources)
-            counters["context_hits"] += context_hits
-            counters["global_hits"] += len(draft_sources) - context_hits
-            counters["misses"] += wanted and not draft_sources
+        drafts = []
+        for draft_sources in sources:
+            context_hits = draft_sources.count(SOURCE_CONTEXT)
+            drafts.append((context_hits, len(draft_sources) - context_hits))
+        self.metrics.proposed_call(drafts, misses=sum(wanted and not draft for draft, wanted in zip(sources, asked)))
 
-    def _credit_feedback(self, update, session: _Session) -> None:
-        """Count the verifier's verdict on the session's previous draft, per source."""
-        counters = self.counters
-        for position, source in enumerate(session.last_sources[: update.verified_draft_tokens]):
-            name = "context" if source == drafter_pb2.DRAFT_SOURCE_CONTEXT else "global"
-            counters[f"{name}_verified"] += 1
-            counters[f"{name}_accepted"] += position < update.accepted_draft_tokens
+    def _credit_feedback(self, verdicts: list[tuple[str, bool]]) -> None:
+        """Count the verifier's verdict on a session's previous draft, per source."""
+        for source, accepted in verdicts:
+            self.metrics.verified.labels(source).inc()
+            if accepted:
+                self.metrics.accepted.labels(source).inc()
 
-    def _claim(self, vocabulary: str, caller: str, update, now: float) -> _Session:
-        """Open or look up the update's session and mark it busy (under the lock)."""
-        if update.open:
-            self.sessions[update.session_id] = _Session(vocabulary, caller, ContextIndex(self.config.ngram), now)
-            self.sessions_by_caller[caller] += 1
-        session = self.sessions[update.session_id]
-        if update.verified_draft_tokens:
-            self._credit_feedback(update, session)
-        session.busy = True
-        session.last_used = now
-        return session
-
-    def _draft(self, update, session: _Session, table: NGramSource) -> drafter_pb2.SequenceDraft:
-        """The session's draft; its per-token sources are kept for the verifier's feedback."""
-        chain = session.context.propose(table, update.num_draft_tokens)
+    def _draft(self, update, session: Session, table: NGramSource) -> drafter_pb2.SequenceDraft:
+        """The session's draft, as the proto's parallel arrays."""
+        chain = session.draft(table, update.num_draft_tokens)
         if not chain.tokens:
-            session.last_sources = []
             return drafter_pb2.SequenceDraft(session_id=update.session_id)
         sources, match_lengths, counts, totals = zip(*chain.evidence)
-        session.last_sources = [_SOURCES[source] for source in sources]
         return drafter_pb2.SequenceDraft(
             session_id=update.session_id,
             tokens=chain.tokens,
-            sources=session.last_sources,  # type: ignore[arg-type]  # DraftSource values, as ints
+            sources=[_SOURCES[source] for source in sources],  # type: ignore[misc]  # DraftSource values, as ints
             match_lengths=match_lengths,
             counts=counts,
             totals=totals,
@@ -809,8 +730,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             _Pending(store, f"{request.observe_id}/{index}", list(sequence.tokens)) for index, sequence in enumerate(request.sequences)
         ]
         self._commit(items, context)
-        with self.lock:
-            self.counters["observed_tokens"] += sum(len(item.tokens) for item in items if item.applied)
+        self.metrics.observed_tokens.inc(sum(len(item.tokens) for item in items if item.applied))
         applied = sum(item.applied for item in items)
         return drafter_pb2.ObserveResponse(
             applied=bool(applied) or not items,
@@ -821,8 +741,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def CloseSessions(self, request, context):
         """Close sessions of ``vocabulary``; with ``observe``, their tokens go into its table
         first, and a session is closed only once that is stored (a failed call can be retried)."""
-        with self.lock:
-            sessions = {sid: self.sessions.get(sid) for sid in request.session_ids}
+        sessions = self.sessions.lookup(request.session_ids)
         try:
             self._check_vocabulary(request.vocabulary)
             if request.observe:
@@ -837,10 +756,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         ids = [sid for sid in request.session_ids if sessions[sid] is not None]
         if request.observe and ids:
             store = self._table(request.vocabulary, context)
-            items = [_Pending(store, f"{request.observe_id}/{i}", list(sessions[sid].context.tokens)) for i, sid in enumerate(ids)]
+            items = [_Pending(store, f"{request.observe_id}/{i}", list(sessions[sid].context.tokens)) for i, sid in enumerate(ids)]  # type: ignore[union-attr]
             self._commit(items, context)
-        with self.lock:
-            closed = [sid for sid in ids if self._forget(sid)]
+        closed = self.sessions.close(ids)
         return drafter_pb2.CloseSessionsResponse(closed=len(closed))
 
     def _commit(self, items: list[_Pending], context) -> None:
@@ -884,7 +802,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             for name in totals:
                 totals[name] += stats.get(name, 0)
         return drafter_pb2.StatsResponse(
-            **totals, max_bytes=self.config.max_bytes * max(1, len(stores)), open_sessions=len(self.sessions), **self.counters
+            **totals, max_bytes=self.config.max_bytes * max(1, len(stores)), open_sessions=len(self.sessions), **self.metrics.stats()
         )
 
     def Backup(self, request, context):
@@ -926,72 +844,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.BackupResponse(bytes=size)
 
     def expire_idle_sessions(self) -> int:
-        deadline = time.monotonic() - self.config.session_idle_timeout_s
-        with self.lock:
-            stale = [sid for sid, session in self.sessions.items() if session.last_used < deadline and not session.busy]
-            for sid in stale:
-                self._forget(sid)
-        return len(stale)
-
-
-class _DrafterCollector:
-    """Prometheus view of the servicer's counters and the tables' sizes, read at scrape time."""
-
-    def __init__(self, servicer: DrafterServicer) -> None:
-        self.servicer = servicer
-
-    def collect(self):
-        counters, prefix = dict(self.servicer.counters), "specdec_drafter_"
-        for name, help_text in (
-            ("propose_calls", "Propose calls"),
-            ("misses", "Sequences that asked for drafts and got none"),
-            ("observed_tokens", "Tokens observed into the global table"),
-        ):
-            yield _counter(prefix + name, help_text, {(): counters[name]})
-        yield _counter(
-            prefix + "proposed_tokens",
-            "Draft tokens proposed, by source",
-            {("context",): counters["context_hits"], ("global",): counters["global_hits"]},
-            ["source"],
-        )
-        for verdict in ("verified", "accepted"):
-            yield _counter(
-                prefix + f"{verdict}_tokens",
-                f"Draft tokens the verifier reported {verdict}, by source",
-                {(source,): counters[f"{source}_{verdict}"] for source in ("context", "global")},
-                ["source"],
-            )
-        yield _counter(
-            prefix + "dropped_spans", "Trace spans dropped (collector down or queue full)", {(): self.servicer.tracing.dropped_spans}
-        )
-        quarantined = GaugeMetricFamily(prefix + "quarantined_tables", "Tables moved aside at start-up as unservable")
-        quarantined.add_metric([], len(self.servicer.stores.quarantined))
-        yield quarantined
-        disk = self.servicer.stores.disk
-        disk_full = GaugeMetricFamily(prefix + "disk_full", "1 while observations are refused for want of disk space (--min-free-mb)")
-        disk_full.add_metric([], int(disk.full))
-        yield disk_full
-        free = GaugeMetricFamily(prefix + "disk_free_bytes", "Free bytes on the disk holding --db, as last read")
-        free.add_metric([], disk.free_bytes)
-        yield free
-        sessions = GaugeMetricFamily(prefix + "open_sessions", "Open sessions")
-        sessions.add_metric([], len(self.servicer.sessions))
-        yield sessions
-        entries = GaugeMetricFamily(prefix + "table_entries", "n-grams in the global table", labels=["vocabulary"])
-        size = GaugeMetricFamily(prefix + "table_bytes", "Tracked size of the global table", labels=["vocabulary"])
-        for vocabulary, store in self.servicer.stores.all().items():
-            stats = store.stats()
-            entries.add_metric([vocabulary], stats.get("entries", 0))
-            size.add_metric([vocabulary], stats.get("bytes", 0))
-        yield entries
-        yield size
-
-
-def _counter(name: str, help_text: str, samples: dict[tuple, float], labels: list[str] | None = None) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, help_text, labels=labels or [])
-    for label_values, value in samples.items():
-        family.add_metric(list(label_values), value)
-    return family
+        return self.sessions.expire(self.config.session_idle_timeout_s)
 
 
 class _ServingOnly(drafter_pb2_grpc.DrafterServicer):

@@ -15,12 +15,12 @@ from drafter_service.ngram import (
     Evidence,
     InMemoryNGramTable,
     NGramConfig,
-    NGramDrafter,
     best_of,
     lookup_longest,
     most_frequent,
     propose_chain,
 )
+from drafter_service.sessions import NGramDrafter
 
 
 class LiteralSource:

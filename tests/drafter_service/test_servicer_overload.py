@@ -81,7 +81,7 @@ def test_session_limit_is_resource_exhausted_and_opens_nothing(servicer):
         servicer.Propose(pb.ProposeRequest(vocabulary=VOCABULARY, sequences=opening), context)
     assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "too many open sessions (0, limit 2)" in context.details
-    assert servicer.sessions == {}  # checked before any session was opened
+    assert len(servicer.sessions) == 0  # checked before any session was opened
 
 
 def test_one_bad_item_in_a_write_group_fails_only_its_own_caller(tmp_path):
@@ -187,11 +187,11 @@ def test_one_caller_cannot_take_every_session(tmp_path):
         assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "this caller (ipv4:10.0.0.7) holds 3 open sessions, limit 4" in context.details
         open_sessions("ipv6:[::1]:7000", ["b1", "b2", "b3"])  # another caller is not locked out
-        assert servicer.sessions_by_caller == {"ipv4:10.0.0.7": 3, "ipv6:[::1]": 3}
+        assert (servicer.sessions.held_by("ipv4:10.0.0.7"), servicer.sessions.held_by("ipv6:[::1]")) == (3, 3)
         servicer.CloseSessions(pb.CloseSessionsRequest(vocabulary=VOCABULARY, session_ids=["a1", "a2"]), FakeContext())
-        assert servicer.sessions_by_caller == {"ipv4:10.0.0.7": 1, "ipv6:[::1]": 3}
+        assert (servicer.sessions.held_by("ipv4:10.0.0.7"), servicer.sessions.held_by("ipv6:[::1]")) == (1, 3)
         open_sessions("ipv4:10.0.0.7:5002", ["a4", "a5"])
-        assert servicer.sessions_by_caller["ipv4:10.0.0.7"] == 3
+        assert servicer.sessions.held_by("ipv4:10.0.0.7") == 3
     finally:
         stores.close()
 

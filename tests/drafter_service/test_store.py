@@ -25,7 +25,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from drafter_service.ngram import SOURCE_GLOBAL, InMemoryNGramTable, NGramConfig, NGramDrafter
+from drafter_service.ngram import SOURCE_GLOBAL, InMemoryNGramTable, NGramConfig
+from drafter_service.sessions import NGramDrafter
 from drafter_service.store import (
     FILE_BYTES_PER_MAX_BYTE,
     UINT32_MAX,

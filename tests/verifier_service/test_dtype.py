@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from drafter_service.ngram import NGramDrafter
+from drafter_service.sessions import NGramDrafter
 from verifier_service import model_loading
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import GenerationRequest, SpeculativeEngine

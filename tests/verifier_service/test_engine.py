@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency, chisquare
 
-from drafter_service.ngram import NGramDrafter
+from drafter_service.sessions import NGramDrafter
 from verifier_service.adaptive import StepCostModel
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import (

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from drafter_service.ngram import NGramDrafter
+from drafter_service.sessions import NGramDrafter
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.model_loading import chat_prompt_ids

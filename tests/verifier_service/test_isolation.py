@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from drafter_service.ngram import NGramDrafter
+from drafter_service.sessions import NGramDrafter
 from verifier_service import engine as engine_module
 from verifier_service.adaptive import StepCostModel
 from verifier_service.drafting import SessionProposer

@@ -21,7 +21,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from drafter_service.ngram import NGramDrafter
+from drafter_service.sessions import NGramDrafter
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine, reference_greedy
 

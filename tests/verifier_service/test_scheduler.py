@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from drafter_service.ngram import NGramDrafter
+from drafter_service.sessions import NGramDrafter
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import FINISH_CANCELLED, FINISH_LENGTH, EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.scheduler import Cancelled, QueueFull, Scheduler, SchedulerConfig, ShuttingDown

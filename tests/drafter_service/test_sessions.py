@@ -1,0 +1,106 @@
+"""SessionTable without gRPC: claiming is all or none, each refusal has its kind, limits count per caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from drafter_service.ngram import SOURCE_CONTEXT, InMemoryNGramTable, NGramConfig
+from drafter_service.sessions import BAD_FEEDBACK, BUSY, EXISTS, FULL, UNKNOWN, WRONG_VOCABULARY, SessionError, SessionLimits, SessionTable
+
+VOCABULARY = "0123456789abcdef"
+
+
+@dataclass
+class Update:
+    session_id: str
+    open: bool = False
+    new_tokens: tuple = ()
+    verified_draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+
+def table(max_sessions=8, per_caller=4, tokens=64) -> SessionTable:
+    return SessionTable(NGramConfig(), SessionLimits(max_sessions, per_caller, tokens))
+
+
+def refusal(sessions: SessionTable, updates, vocabulary=VOCABULARY, caller="a") -> SessionError:
+    with pytest.raises(SessionError) as refused:
+        sessions.claim(vocabulary, caller, updates)
+    return refused.value
+
+
+def test_claim_opens_and_marks_busy_release_frees_and_close_forgets():
+    sessions = table()
+    [session] = sessions.claim(VOCABULARY, "a", [Update("s", open=True)])
+    assert session.busy and "s" in sessions and sessions.held_by("a") == 1
+    assert refusal(sessions, [Update("s")]).kind == BUSY
+    sessions.release([Update("s", open=True)], [session], drop_opened=False)
+    assert not session.busy
+    assert sessions.claim(VOCABULARY, "a", [Update("s")]) == [session]
+    assert sessions.close(["s", "never"]) == ["s"]
+    assert len(sessions) == 0 and sessions.held_by("a") == 0
+
+
+def test_a_refused_call_claims_nothing():
+    sessions = table()
+    error = refusal(sessions, [Update("new", open=True), Update("missing")])
+    assert (error.kind, str(error)) == (UNKNOWN, "sequences[1]: unknown session 'missing' (open it first)")
+    assert len(sessions) == 0
+
+
+def test_release_with_drop_opened_closes_only_what_the_call_opened():
+    sessions = table()
+    [old] = sessions.claim(VOCABULARY, "a", [Update("old", open=True)])
+    sessions.release([Update("old", open=True)], [old], drop_opened=False)
+    updates = [Update("old"), Update("new", open=True)]
+    claimed = sessions.claim(VOCABULARY, "a", updates)
+    sessions.release(updates, claimed, drop_opened=True)
+    assert "old" in sessions and "new" not in sessions and sessions.held_by("a") == 1
+
+
+@pytest.mark.parametrize(
+    "update, kind, message",
+    [
+        (Update("s", open=True), EXISTS, "sequences[0]: session 's' is already open"),
+        (Update("s", new_tokens=tuple(range(70))), FULL, "sequences[0]: session 's' would hold 72 tokens; the limit is 64"),
+        (Update("s", verified_draft_tokens=1), BAD_FEEDBACK, "<= the previous draft's length (0)"),
+    ],
+)
+def test_each_refusal_has_its_kind(update, kind, message):
+    sessions = table()
+    [session] = sessions.claim(VOCABULARY, "a", [Update("s", open=True, new_tokens=(1, 2))])
+    session.context.extend([1, 2])
+    sessions.release([Update("s")], [session], drop_opened=False)
+    error = refusal(sessions, [update])
+    assert error.kind == kind and message in str(error)
+    assert refusal(sessions, [Update("s")], vocabulary="f" * 16).kind == WRONG_VOCABULARY
+
+
+def test_limits_per_caller_and_in_all():
+    sessions = table(max_sessions=5, per_caller=3)
+    sessions.claim(VOCABULARY, "a", [Update(f"a{i}", open=True) for i in range(3)])
+    error = refusal(sessions, [Update("a3", open=True)])
+    assert error.kind == FULL and "this caller (a) holds 3 open sessions, limit 3" in str(error)
+    sessions.claim(VOCABULARY, "b", [Update("b0", open=True), Update("b1", open=True)])
+    error = refusal(sessions, [Update("c0", open=True)], caller="c")
+    assert error.kind == FULL and "too many open sessions (5, limit 5)" in str(error)
+
+
+def test_expire_closes_idle_sessions_but_not_busy_ones():
+    sessions = table()
+    [busy] = sessions.claim(VOCABULARY, "a", [Update("busy", open=True)])
+    [idle] = sessions.claim(VOCABULARY, "a", [Update("idle", open=True)])
+    sessions.release([Update("idle")], [idle], drop_opened=False)
+    assert sessions.expire(idle_s=-1.0) == 1  # everything is older than "one second in the future"
+    assert "busy" in sessions and "idle" not in sessions
+
+
+def test_a_draft_keeps_its_sources_for_the_feedback_on_it():
+    sessions = table()
+    [session] = sessions.claim(VOCABULARY, "a", [Update("s", open=True)])
+    session.context.extend([1, 2, 3, 1, 2, 3, 1, 2])
+    draft = session.draft(InMemoryNGramTable(2, 4), 3)
+    assert draft.tokens == [3, 1, 2] and session.last_sources == [SOURCE_CONTEXT] * 3
+    assert session.feedback(verified=3, accepted=1) == [(SOURCE_CONTEXT, True), (SOURCE_CONTEXT, False), (SOURCE_CONTEXT, False)]

@@ -76,21 +76,21 @@ class DrafterMetrics:
         self.proposed.labels("context").inc(sum(context for context, _ in drafts))
         self.proposed.labels("global").inc(sum(other for _, other in drafts))
 
-    def value(self, name: str, source: str | None = None) -> int:
-        """A counter's current value (for the Stats RPC)."""
-        labels = None if source is None else {"source": source}
-        return int(self.registry.get_sample_value(PREFIX + name + "_total", labels) or 0)
-
     def stats(self) -> dict[str, int]:
-        """The counter fields of StatsResponse."""
+        """The counter fields of StatsResponse, read from the counters themselves (not a scrape
+        of the registry, which would also read every table's size)."""
+        totals: dict[tuple[str, str | None], int] = {}
+        for counter in (self.propose_calls, self.misses, self.observed_tokens, self.proposed, self.verified, self.accepted):
+            for family in counter.collect():
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        totals[sample.name.removeprefix(PREFIX).removesuffix("_total"), sample.labels.get("source")] = int(sample.value)
         return {
-            "propose_calls": self.value("propose_calls"),
-            "proposed_tokens": self.value("proposed_tokens", "context") + self.value("proposed_tokens", "global"),
-            "context_hits": self.value("proposed_tokens", "context"),
-            "global_hits": self.value("proposed_tokens", "global"),
-            "misses": self.value("misses"),
-            "observed_tokens": self.value("observed_tokens"),
-            **{
-                f"{source}_{verdict}": self.value(f"{verdict}_tokens", source) for source in SOURCES for verdict in ("verified", "accepted")
-            },
+            "propose_calls": totals["propose_calls", None],
+            "proposed_tokens": totals["proposed_tokens", "context"] + totals["proposed_tokens", "global"],
+            "context_hits": totals["proposed_tokens", "context"],
+            "global_hits": totals["proposed_tokens", "global"],
+            "misses": totals["misses", None],
+            "observed_tokens": totals["observed_tokens", None],
+            **{f"{source}_{verdict}": totals[f"{verdict}_tokens", source] for source in SOURCES for verdict in ("verified", "accepted")},
         }

@@ -164,6 +164,14 @@ class EngineConfig:
     prefill_chunk_tokens: int = setting(256, minimum=1, help="prompt tokens one step may prefill alongside the running sequences")
 
 
+@dataclass(frozen=True, eq=False)
+class SequenceHandle:
+    """What ``add`` returns: names one sequence to ``cancel`` and in ``StepOutcome``;
+    it carries the request and none of the engine's state, which stays private."""
+
+    request: GenerationRequest
+
+
 @dataclass(eq=False)
 class _Sequence:
     request: GenerationRequest
@@ -183,6 +191,10 @@ class _Sequence:
     finish_reason: str | None = None
     stop_text: str | None = None  # output text cut before the stop string that ended it
     error: Exception | None = None  # why it ended, when finish_reason is FINISH_ERROR
+    handle: SequenceHandle = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.handle = SequenceHandle(self.request)
 
     @property
     def decoding(self) -> bool:
@@ -198,7 +210,7 @@ class _Sequence:
 class StepOutcome:
     """What one step did for one sequence."""
 
-    sequence: _Sequence  # the handle ``add`` returned
+    sequence: SequenceHandle  # what ``add`` returned
     tokens: list[int]  # appended to the output (accepted drafts + the step's own, cut at a stop)
     verified: int = 0  # draft tokens the target scored
     accepted: int = 0  # of those, accepted
@@ -294,7 +306,7 @@ class SpeculativeEngine:
         for request in requests:
             self.validate(request)
         waiting = list(enumerate(requests))[::-1]
-        index_of: dict[_Sequence, int] = {}
+        index_of: dict[SequenceHandle, int] = {}
         results: dict[int, GenerationResult] = {}
         while waiting or self.busy:
             while waiting and self.free_slots:
@@ -311,8 +323,12 @@ class SpeculativeEngine:
     # -- membership ----------------------------------------------------------
 
     @property
-    def active(self) -> list[_Sequence]:
+    def active(self) -> list[SequenceHandle]:
         """The decoding sequences, in slot order."""
+        return [sequence.handle for sequence in self._active]
+
+    @property
+    def _active(self) -> list[_Sequence]:
         return cast(list[_Sequence], self._slots[: self._decoding])  # slots below _decoding are never empty
 
     @property
@@ -356,7 +372,7 @@ class SpeculativeEngine:
                 )
         request.sampling.validate()
 
-    def add(self, request: GenerationRequest) -> _Sequence:
+    def add(self, request: GenerationRequest) -> SequenceHandle:
         """Take a free slot and queue the request for prefill; its first token comes from a later ``step``."""
         self.validate(request)
         if not self.free_slots:
@@ -368,20 +384,26 @@ class SpeculativeEngine:
             sequence.stops = StopStringMatcher(self.tokenizer, request.stop)
         self._slots[slot] = sequence
         self._prefilling.append(sequence)
-        return sequence
+        return sequence.handle
 
-    def cancel(self, sequence: _Sequence) -> None:
-        """End a sequence at the next step boundary (its slot frees then)."""
-        if sequence.finish_reason is None:
+    def cancel(self, handle: SequenceHandle) -> None:
+        """End a sequence at the next step boundary (its slot frees then); one that
+        already ended is left alone."""
+        sequence = self._sequence_of(handle)
+        if sequence is not None and sequence.finish_reason is None:
             sequence.finish_reason = FINISH_CANCELLED
 
-    def abort_all(self) -> list[_Sequence]:
+    def _sequence_of(self, handle: SequenceHandle) -> _Sequence | None:
+        """The live sequence ``handle`` names (None once its slot freed)."""
+        return next((seq for seq in self._slots if seq is not None and seq.handle is handle), None)
+
+    def abort_all(self) -> list[SequenceHandle]:
         """Drop every sequence: recovery after a failed step. The cache memory stays allocated."""
         dropped = [sequence for sequence in self._slots if sequence is not None]
         self._slots = [None] * len(self._slots)
         self._decoding, self._prefilling = 0, []
         self._close_sessions(dropped)
-        return dropped
+        return [sequence.handle for sequence in dropped]
 
     def _fail(self, sequence: _Sequence, error: Exception) -> None:
         """End one sequence with ``error``; its slot frees at the end of the step, and its batch goes on."""
@@ -410,7 +432,7 @@ class SpeculativeEngine:
 
     def propose(self) -> list[_Row]:
         """Drafts for every decoding sequence, from one proposer call for the whole batch."""
-        rows = [_Row(sequence, [], [], False) for sequence in self.active]
+        rows = [_Row(sequence, [], [], False) for sequence in self._active]
         asking = [row for row in rows if self._speculates(row.sequence)]
         if not asking:
             return rows
@@ -643,7 +665,7 @@ class SpeculativeEngine:
         elif row.draft and row.sequence.request.num_speculative_tokens is None:
             sequence.calibration.skipped()
         emitted = self._emit(sequence, row.draft[:count] + [token])
-        return StepOutcome(sequence, emitted, row.verify, count)
+        return StepOutcome(sequence.handle, emitted, row.verify, count)
 
     def _finish_prefills(self, chunks, logits: torch.Tensor) -> list[StepOutcome]:
         """Advance prefill progress; a completed prompt samples its first token and starts decoding."""
@@ -660,7 +682,7 @@ class SpeculativeEngine:
             self._start_decoding(sequence)
             emitted = self._alone(sequence, self._emit, sequence, [sampled[1]])
             if emitted is not None:
-                outcomes.append(StepOutcome(sequence, emitted, first=True))
+                outcomes.append(StepOutcome(sequence.handle, emitted, first=True))
         return outcomes
 
     def _start_decoding(self, sequence: _Sequence) -> None:
@@ -697,9 +719,9 @@ class SpeculativeEngine:
                 if sequence in self._prefilling:
                     self._prefilling.remove(sequence)
         return [
-            StepOutcome(sequence, [], error=sequence.error)
+            StepOutcome(sequence.handle, [], error=sequence.error)
             if sequence.error is not None
-            else StepOutcome(sequence, [], result=self._result(sequence))
+            else StepOutcome(sequence.handle, [], result=self._result(sequence))
             for sequence in finished
         ]
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specdec.flags import setting
-from verifier_service.engine import GenerationRequest, GenerationResult, SpeculativeEngine, StepOutcome, StepReport
+from verifier_service.engine import GenerationRequest, GenerationResult, SequenceHandle, SpeculativeEngine, StepOutcome, StepReport
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class RequestHandle:
     first_token_at: float | None = None
     cancelled: bool = False
     trace_context: Any = None  # the request's tracing context, for the observer
-    _sequence: Any = None  # the engine's handle, once the request has a cache slot
+    _sequence: SequenceHandle | None = None  # the engine's, once the request has a cache slot
     _events: queue.Queue[list[int] | _End] = field(default_factory=queue.Queue)
     _ending: _End | None = None
 
@@ -222,7 +222,7 @@ class Scheduler:
                         return
                     self._wake.wait()
                 for handle in self._running:
-                    if handle.cancelled:
+                    if handle.cancelled and handle._sequence is not None:
                         self.engine.cancel(handle._sequence)
             try:
                 self._admit()
@@ -255,7 +255,7 @@ class Scheduler:
             self._running.append(handle)
 
     def _step(self) -> None:
-        by_sequence = {id(handle._sequence): handle for handle in self._running}
+        by_sequence = {handle._sequence: handle for handle in self._running}
         started = time.perf_counter()
         with self.observer.step(self._running):
             outcomes = self.engine.step()
@@ -263,7 +263,7 @@ class Scheduler:
         self.steps += 1
         stepped, rows = [], []
         for outcome in outcomes:
-            handle = by_sequence[id(outcome.sequence)]
+            handle = by_sequence[outcome.sequence]
             if outcome.first:
                 self.observer.prefilled(handle, len(outcome.tokens))
             elif outcome.tokens:

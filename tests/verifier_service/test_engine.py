@@ -269,16 +269,17 @@ def test_a_prompt_finishing_prefill_trades_slots_with_a_younger_one_mid_prefill(
     a = engine.add(GenerationRequest([5, 6, 7], 20))  # slot 0
     engine.add(GenerationRequest([9, 3], 1))  # slot 1: done at its prefill, freeing the slot
     b = engine.add(GenerationRequest(list(range(20, 30)), 20))  # slot 2, 10 tokens: 3 this step
+    a, b = engine._sequence_of(a), engine._sequence_of(b)  # white box: slots and prefill progress
     outcomes = engine.step()
     assert (a.slot, b.prefilled, engine.free_slots) == (0, 3, 1)
-    c = engine.add(GenerationRequest(list(range(40, 52)), 20))  # younger, but in the lower slot 1
+    c = engine._sequence_of(engine.add(GenerationRequest(list(range(40, 52)), 20)))  # younger, but in the lower slot 1
     assert c.slot == 1
     outcomes += engine.step()  # b gets 7 tokens and completes; c gets 1
     assert (b.slot, c.slot, c.prefilled) == (1, 2, 1)
     while engine.busy:
         outcomes += engine.step()
     results = {id(o.sequence): o.result.token_ids for o in outcomes if o.result is not None}
-    for sequence in (a, b, c):
+    for sequence in (a.handle, b.handle, c.handle):
         assert results[id(sequence)] == greedy_truth(tiny_model, sequence.request.prompt_ids, 20)
 
 
@@ -529,7 +530,7 @@ def test_each_slot_holds_exactly_its_sequences_keys_through_joins_leaves_and_rol
             engine.add(waiting.pop(0))  # slot reuse
     assert not waiting and len(engine.active) >= 2
     reference = SpeculativeEngine(tiny_model, tiny_tokenizer, None, EngineConfig(max_batch_size=1))
-    for sequence in engine.active:
+    for sequence in engine._active:
         cached = sequence.cached
         assert sequence.stats.draft_tokens > sequence.stats.accepted_tokens  # rollbacks happened
         reference.add(GenerationRequest(sequence.tokens[:cached], 1))

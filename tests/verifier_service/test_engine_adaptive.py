@@ -296,7 +296,8 @@ def test_cancel_ends_a_sequence_at_the_next_step_and_the_others_stay_exact(tiny_
     for _ in range(2):
         assert all(o.result is None for o in engine.step())
     victim = sequences[1]
-    so_far = list(victim.generated)
+    state = engine._sequence_of(victim)  # white box: the engine's private record of it
+    so_far = list(state.generated)
     engine.cancel(victim)
     assert victim in engine.active  # the row leaves at the step boundary, not at once
     outcomes = engine.step()
@@ -307,7 +308,7 @@ def test_cancel_ends_a_sequence_at_the_next_step_and_the_others_stay_exact(tiny_
     assert result.text == tiny_tokenizer.decode(so_far, skip_special_tokens=True)
     assert victim not in engine.active
     assert len(engine.active) == 2 and engine.free_slots == engine.config.max_batch_size - 2
-    assert (victim.session_id, victim.tokens) in proposer.closed
+    assert (state.session_id, state.tokens) in proposer.closed
     rest = results_of(outcomes)
     while engine.busy:
         rest.update(results_of(engine.step()))
@@ -345,8 +346,8 @@ def test_cancel_after_finishing_keeps_the_real_finish_reason(tiny_model, tiny_to
     outcomes = []
     while engine.busy:
         outcomes += engine.step()
-    engine.cancel(sequence)
-    assert sequence.finish_reason == FINISH_LENGTH
+    engine.cancel(sequence)  # already ended: nothing to do
+    assert not engine.busy
     assert results_of(outcomes)[id(sequence)].finish_reason == FINISH_LENGTH
 
 
@@ -360,12 +361,13 @@ def test_abort_all_empties_the_batch_and_closes_proposer_sessions(tiny_model, ti
     engine = engine_for(tiny_model, tiny_tokenizer, proposer)
     sequences = add_all(engine, [GenerationRequest(p, 30, num_speculative_tokens=k) for p, k in zip(PROMPTS, [3, None, 0, 2])])
     engine.step()
+    states = [engine._sequence_of(sequence) for sequence in sequences]  # white box: their session ids
     dropped = engine.abort_all()
     assert sorted(map(id, dropped)) == sorted(map(id, sequences))
     assert engine.active == [] and not engine.busy
     assert engine.free_slots == engine.config.max_batch_size
     # The K=0 row (PROMPTS[2]) never opened a drafter session, so only three are closed.
-    assert sorted(proposer.closed) == sorted((s.session_id, s.tokens) for s in (sequences[0], sequences[1], sequences[3]))
+    assert sorted(proposer.closed) == sorted((s.session_id, s.tokens) for s in (states[0], states[1], states[3]))
     # The engine serves new requests exactly after the reset.
     [result] = engine.generate([GenerationRequest(PROMPTS[3], 12, num_speculative_tokens=None)])
     assert result.token_ids == truth(tiny_model, PROMPTS[3])[:12]
@@ -415,6 +417,7 @@ def test_feedback_is_per_sequence_in_a_batch(tiny_model, tiny_tokenizer):
     sequences = add_all(
         engine, [GenerationRequest(PROMPTS[0], 30, num_speculative_tokens=3), GenerationRequest(PROMPTS[1], 30, num_speculative_tokens=2)]
     )
+    sequences = [engine._sequence_of(sequence) for sequence in sequences]  # white box: session ids and verdicts
     for _ in range(3):
         engine.step()
     first = [(c.verified, c.accepted) for c in proposer.calls_for(sequences[0].session_id)]

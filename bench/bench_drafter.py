@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from specdec.processes import DRAFTER_PORT_LINE, start_process
+from specdec.processes import ServiceProcess
 from specdec.v1 import drafter_pb2 as pb
 from specdec.v1 import drafter_pb2_grpc as rpc
 
@@ -53,10 +53,8 @@ def corpus_tokens(limit: int) -> list[int]:
 
 
 def start(db: Path, *extra: str):
-    process, port = start_process(
-        "drafter", ["drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(db), *extra], DRAFTER_PORT_LINE
-    )
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    process = ServiceProcess("drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(db), *extra, inherit_stderr=True)
+    channel = grpc.insecure_channel(process.address)
     grpc.channel_ready_future(channel).result(timeout=60)
     return process, channel, rpc.DrafterStub(channel)
 
@@ -151,8 +149,7 @@ def bench_cold_start(db: Path, table_bytes: int, tokens: list[int]) -> dict:
     fill_started = time.perf_counter()
     file_bytes = fill_table(stub, table_bytes)
     fill_seconds = time.perf_counter() - fill_started
-    process.terminate()
-    process.wait(timeout=60)
+    process.terminate(timeout_s=60)
     started = time.perf_counter()
     process, channel, stub = start(db, "--max-bytes", str(max_bytes))
     ready = time.perf_counter() - started
@@ -162,8 +159,7 @@ def bench_cold_start(db: Path, table_bytes: int, tokens: list[int]) -> dict:
     started = time.perf_counter()
     stub.Propose(request, timeout=30)
     first = time.perf_counter() - started
-    process.terminate()
-    process.wait(timeout=60)
+    process.terminate(timeout_s=60)
     return {
         "table_file_bytes": file_bytes,
         "fill_seconds": round(fill_seconds, 1),
@@ -195,8 +191,7 @@ def main(argv=None) -> None:
             process, channel, stub = start(Path(tmp) / "db")
             observe.append(bench_observe(stub, tokens))
             grpc_round_trip.append(bench_propose(stub, tokens))
-            process.terminate()
-            process.wait(timeout=60)
+            process.terminate(timeout_s=60)
     report["propose_server_side"] = median_run(server_side, lambda run: run["p50_ms"])
     report["observe"] = median_run(observe, lambda run: run["tokens_per_s"])
     report["propose_grpc"] = median_run(grpc_round_trip, lambda run: run["round_trip"]["p50_ms"])

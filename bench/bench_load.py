@@ -43,7 +43,7 @@ from transformers import AutoTokenizer
 
 from bench.bench_service import percentile
 from bench.workloads import service_prompts
-from specdec.processes import DRAFTER_PORT_LINE, VERIFIER_PORT_LINE, free_port, start_process, stop_process, wait_for_serving
+from specdec.processes import ServiceProcess
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
@@ -126,23 +126,18 @@ def main(argv: list[str] | None = None) -> None:
 
     prompts = service_prompts("grounded") + service_prompts("open_ended")
     with tempfile.TemporaryDirectory(prefix="bench-load-") as scratch:
-        drafter_port = free_port()
-        drafter, _ = start_process(
-            "drafter",
-            ["drafter_service", "--port", str(drafter_port), "--metrics-port", "-1", "--db", str(Path(scratch) / "db")],
-            DRAFTER_PORT_LINE,
+        drafter = ServiceProcess(
+            "drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(Path(scratch) / "db"), inherit_stderr=True
         )
         verifier = None
         try:
-            wait_for_serving(f"127.0.0.1:{drafter_port}")
-            verifier, verifier_port = start_process(
-                "verifier",
-                ["verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", f"127.0.0.1:{drafter_port}"],
-                VERIFIER_PORT_LINE,
+            drafter.wait_until_serving()
+            verifier = ServiceProcess(
+                "verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", drafter.address, inherit_stderr=True
             )
-            wait_for_serving(f"127.0.0.1:{verifier_port}")
-            verifier_channel = grpc.insecure_channel(f"127.0.0.1:{verifier_port}")
-            drafter_channel = grpc.insecure_channel(f"127.0.0.1:{drafter_port}")
+            verifier.wait_until_serving()
+            verifier_channel = grpc.insecure_channel(verifier.address)
+            drafter_channel = grpc.insecure_channel(drafter.address)
             verifier_stub, drafter_stub = rpc.VerifierStub(verifier_channel), drafter_pb2_grpc.DrafterStub(drafter_channel)
 
             def generate(client: int, n: int) -> None:
@@ -185,9 +180,9 @@ def main(argv: list[str] | None = None) -> None:
             ]
             results = []
             for phase in phases:
-                before = {"verifier": memory_mb(verifier.pid), "drafter": memory_mb(drafter.pid)}
+                before = {"verifier": memory_mb(verifier.process.pid), "drafter": memory_mb(drafter.process.pid)}
                 phase.run()
-                after = {"verifier": memory_mb(verifier.pid), "drafter": memory_mb(drafter.pid)}
+                after = {"verifier": memory_mb(verifier.process.pid), "drafter": memory_mb(drafter.process.pid)}
                 summary = phase.summary() | {"memory_mb_before": before, "memory_mb_after": after}
                 results.append(summary)
                 print(json.dumps(summary), flush=True)
@@ -195,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
             drafter_channel.close()
         finally:
             if verifier is not None:
-                stop_process(verifier)
-            stop_process(drafter)
+                verifier.stop()
+            drafter.stop()
 
     report = {
         "machine": {"python": sys.version.split()[0], "platform": platform.platform()},

@@ -38,7 +38,6 @@ import json
 import os
 import platform
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -50,7 +49,7 @@ from pathlib import Path
 import grpc
 
 from bench.workloads import service_prompts
-from specdec.processes import DRAFTER_PORT_LINE, VERIFIER_PORT_LINE, free_port, start_process, stop_process, wait_for_serving
+from specdec.processes import ServiceProcess, free_port
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 
@@ -209,21 +208,21 @@ class Drafter:
 
     def __init__(self, root: Path) -> None:
         self.root, self.generation = root, 0
-        self.process: subprocess.Popen | None = None
+        self.process: ServiceProcess | None = None
         self.port = free_port()  # kept across restarts
 
     def restart_empty(self) -> None:
         self.stop()
         self.generation += 1
         db = self.root / f"db-{self.generation}"
-        self.process, _ = start_process(
-            "drafter", ["drafter_service", "--port", str(self.port), "--metrics-port", "-1", "--db", str(db)], DRAFTER_PORT_LINE
+        self.process = ServiceProcess(
+            "drafter_service", "--port", str(self.port), "--metrics-port", "-1", "--db", str(db), inherit_stderr=True
         )
-        wait_for_serving(f"127.0.0.1:{self.port}")
+        self.process.wait_until_serving()
 
     def stop(self) -> None:
         if self.process is not None:
-            stop_process(self.process)
+            self.process.stop()
             self.process = None
 
 
@@ -262,16 +261,14 @@ def main(argv: list[str] | None = None) -> None:
         drafter = Drafter(Path(tmp))
         try:
             drafter.restart_empty()
-            verifier, verifier_port = start_process(
-                "verifier",
-                ["verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", f"127.0.0.1:{drafter.port}"],
-                VERIFIER_PORT_LINE,
+            verifier = ServiceProcess(
+                "verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", f"127.0.0.1:{drafter.port}", inherit_stderr=True
             )
-            wait_for_serving(f"127.0.0.1:{verifier_port}")
-            cells = run_benchmark(f"127.0.0.1:{verifier_port}", verifier.pid, drafter, args)
+            verifier.wait_until_serving()
+            cells = run_benchmark(verifier.address, verifier.process.pid, drafter, args)
         finally:
             if verifier is not None:  # the verifier first: it holds drafter sessions
-                stop_process(verifier)
+                verifier.stop()
             drafter.stop()
     report = {
         "config": {

@@ -28,7 +28,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from bench.workloads import service_prompts
-from specdec.processes import DRAFTER_PORT_LINE, VERIFIER_PORT_LINE, free_port, start_process, stop_process, wait_for_serving
+from specdec.processes import ServiceProcess, free_port
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 
@@ -56,23 +56,21 @@ def run_config(name: str, endpoint: str | None, db: Path, prompts, args) -> dict
     if endpoint:
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_SERVICE_NAME="specdec-verifier")
     metrics_port = free_port()
-    drafter, drafter_port = start_process(
-        "drafter", ["drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(db)], DRAFTER_PORT_LINE
-    )
+    drafter = ServiceProcess("drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(db), inherit_stderr=True)
     try:
-        process, port = start_process(
-            "verifier",
-            ["verifier_service", "--port", "0", "--metrics-port", str(metrics_port), "--drafter", f"127.0.0.1:{drafter_port}"],
-            VERIFIER_PORT_LINE,
+        process = ServiceProcess(
+            "verifier_service",
+            *("--port", "0", "--metrics-port", str(metrics_port), "--drafter", drafter.address),
             env=env,
+            inherit_stderr=True,
         )
     except BaseException:
-        stop_process(drafter)
+        drafter.stop()
         raise
     try:
-        wait_for_serving(f"127.0.0.1:{port}")
+        process.wait_until_serving()
         latencies = []
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with grpc.insecure_channel(process.address) as channel:
             stub = rpc.VerifierStub(channel)
             for prompt in prompts:
                 request = pb.GenerateRequest(prompt=prompt, chat=True, max_new_tokens=args.max_new_tokens, num_speculative_tokens=4)
@@ -81,8 +79,8 @@ def run_config(name: str, endpoint: str | None, db: Path, prompts, args) -> dict
                 latencies.append(time.perf_counter() - started)
         dropped = dropped_spans(metrics_port)
     finally:
-        stop_process(process)
-        stop_process(drafter)
+        process.stop()
+        drafter.stop()
     return {"config": name, "latencies_s": latencies, "dropped_spans": dropped}
 
 

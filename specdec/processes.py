@@ -1,55 +1,37 @@
 """Running the services as child processes: start, read the announced port,
-wait for health SERVING, stop. Used by the local demo and the benchmarks."""
+wait for health SERVING, stop. One helper for the local demo, the benchmarks
+and the end-to-end tests.
+
+A service prints ``<name> listening on HOST:PORT (...)`` on stdout once its
+port is bound, and logs to stderr: to a file that ``log()`` reads back (the
+tests' failure messages; never an unread pipe, which would block a chatty
+process once it fills), or to our own stderr (``inherit_stderr``, for the
+demo and the benchmarks, where a person reads it).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-DRAFTER_PORT_LINE = re.compile(r"drafter listening on [\d.]+:(\d+)")
-VERIFIER_PORT_LINE = re.compile(r"verifier listening on [\d.]+:(\d+)")
-# The drafter opens its tables in well under a second; the verifier loads (on a
-# first run also converts) the model after announcing its port.
+LISTENING_LINE = re.compile(r"listening on [\d.]+:(\d+)")
+# The drafter opens its tables in well under a second; the verifier announces
+# its port before it loads (on a first run also converts) the model.
 STARTUP_TIMEOUT_S = 120
 HEALTH_TIMEOUT_S = 600
-STOP_GRACE_S = 30
-
-
-def read_lines_in_background(process: subprocess.Popen) -> queue.Queue:
-    """Drain the process's stdout forever (a full pipe would block it); lines go to the queue, None at EOF."""
-    lines: queue.Queue = queue.Queue()
-
-    def pump():
-        for line in process.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    return lines
-
-
-def wait_for_port(process: subprocess.Popen, pattern: re.Pattern, timeout_s: float, name: str) -> int:
-    lines = read_lines_in_background(process)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            raise RuntimeError(f"{name} printed no port within {timeout_s} s") from None
-        if line is None:
-            raise RuntimeError(f"{name} exited with {process.wait()} before printing its port")
-        match = pattern.search(line)
-        if match:
-            return int(match.group(1))
+STOP_TIMEOUT_S = 60  # SIGTERM, then SIGKILL after this long
 
 
 def free_port() -> int:
@@ -59,42 +41,124 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_process(
-    name: str, args: list[str], pattern: re.Pattern, timeout_s: float = STARTUP_TIMEOUT_S, env: dict[str, str] | None = None
-) -> tuple[subprocess.Popen, int]:
-    # stderr (the services' logs) goes to our stderr; stdout carries the port line.
-    process = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        return process, wait_for_port(process, pattern, timeout_s, name)
-    except BaseException:
-        stop_process(process)
-        raise
+class ServiceProcess:
+    """``python -m MODULE ARGS...`` with its port read from the listening line, and a channel to it."""
 
+    def __init__(
+        self,
+        module: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        prefix: tuple[str, ...] = (),
+        inherit_stderr: bool = False,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    ) -> None:
+        # prefix: a command that execs the rest (nsenter, to run inside another mount namespace).
+        self.command = [*prefix, sys.executable, "-m", module, *args]
+        # Append mode: the child's writes go to the end whatever offset log() leaves behind.
+        self.log_file = None if inherit_stderr else tempfile.TemporaryFile("a+")
+        self.channel: grpc.Channel | None = None
+        self._lines: queue.Queue[str | None] = queue.Queue()  # stdout, drained until the process exits
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=self.log_file, text=True, env=env)
+        try:
+            self.port = self._read_port(startup_timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+        self.address = f"127.0.0.1:{self.port}"
+        self.channel = grpc.insecure_channel(self.address)
 
-def stop_process(process: subprocess.Popen) -> None:
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    def _read_port(self, timeout_s: float) -> int:
+        """The port of the listening line. stdout is drained until the process exits, so
+        nothing it prints later can fill the pipe and block it."""
+        lines = self._lines
+        stdout = self.process.stdout
+        assert stdout is not None
 
+        def pump() -> None:
+            with stdout:
+                for line in stdout:
+                    lines.put(line)
+            lines.put(None)
 
-def wait_for_serving(target: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
-    """Poll grpc.health.v1 (service "") until SERVING."""
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
+        threading.Thread(target=pump, name=f"stdout of {self.command[-1]}", daemon=True).start()
+        deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
+            match = LISTENING_LINE.search(self.read_line(max(0.0, deadline - time.monotonic())))
+            if match:
+                return int(match.group(1))
+
+    def read_line(self, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
+        """The next line the process printed on stdout; RuntimeError if none comes in time."""
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise RuntimeError(f"{self.command} printed nothing more within {timeout_s} s:\n{self.log()}") from None
+        if line is None:
+            self._lines.put(None)  # still at EOF for the next caller
+            raise RuntimeError(f"{self.command} exited with {self.process.wait()}:\n{self.log()}")
+        return line
+
+    def log(self) -> str:
+        """What the process wrote to stderr so far (for failure messages)."""
+        if self.log_file is None:
+            return "(its log went to this process's stderr)"
+        self.log_file.seek(0)
+        return self.log_file.read()
+
+    def wait_until_serving(self, service: str = "", timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+        """Block until health reports SERVING for ``service`` (Watch streams each change: no polling)."""
+        assert self.channel is not None
+        health = health_pb2_grpc.HealthStub(self.channel)
+        request = health_pb2.HealthCheckRequest(service=service)
+        try:
+            for response in health.Watch(request, timeout=timeout_s, wait_for_ready=True):
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
                     return
-            except grpc.RpcError as error:
-                if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{target} not SERVING after {timeout_s} s")
-            time.sleep(0.5)
+        except grpc.RpcError as error:
+            raise RuntimeError(f"{self.command} never reported SERVING ({error.code().name}):\n{self.log()}") from error
+        raise RuntimeError(f"{self.command} closed its health stream before SERVING:\n{self.log()}")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown code runs, as in a crash or an OOM kill."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=STOP_TIMEOUT_S)
+        self._close()
+
+    def terminate(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM and wait for the exit code; SIGKILL (and raise) if it does not exit in time."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise
+        self._close()
+        return self.process.returncode
+
+    def stop(self) -> None:
+        """Make sure the process is gone, however the caller ended."""
+        try:
+            self.terminate()
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if self.process.poll() is None:
+                self.kill()
+            self._close()
+
+    def _close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+
+
+@contextlib.contextmanager
+def running(module: str, *args: str, env: dict[str, str] | None = None, inherit_stderr: bool = False) -> Iterator[ServiceProcess]:
+    """A started service, stopped (SIGTERM, then SIGKILL) when the block ends."""
+    process = ServiceProcess(module, *args, env=env, inherit_stderr=inherit_stderr)
+    try:
+        yield process
+    finally:
+        process.stop()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from specdec.processes import DRAFTER_PORT_LINE, VERIFIER_PORT_LINE, start_process, stop_process, wait_for_serving
+from specdec.processes import ServiceProcess
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 
 SAMPLE_DOC = "\n\n".join(pydoc_data.topics.topics["assert"].split("\n\n")[:4])
@@ -61,21 +61,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--data", type=Path, default=Path("data"), help="folder for the drafter's LMDB table")
     args = parser.parse_args(argv)
-    processes = []
+    processes: list[ServiceProcess] = []
     try:
-        drafter, drafter_port = start_process(
-            "drafter", ["drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(args.data / "drafter")], DRAFTER_PORT_LINE
+        drafter = ServiceProcess(
+            "drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(args.data / "drafter"), inherit_stderr=True
         )
         processes.append(drafter)
-        verifier, verifier_port = start_process(
-            "verifier",
-            ["verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", f"127.0.0.1:{drafter_port}"],
-            VERIFIER_PORT_LINE,
+        verifier = ServiceProcess(
+            "verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", drafter.address, inherit_stderr=True
         )
         processes.append(verifier)
-        print(f"drafter on 127.0.0.1:{drafter_port}, verifier on 127.0.0.1:{verifier_port}; waiting for the model...", flush=True)
-        wait_for_serving(f"127.0.0.1:{verifier_port}")
-        with grpc.insecure_channel(f"127.0.0.1:{verifier_port}") as channel:
+        print(f"drafter on {drafter.address}, verifier on {verifier.address}; waiting for the model...", flush=True)
+        verifier.wait_until_serving()
+        with grpc.insecure_channel(verifier.address) as channel:
             stub = verifier_pb2_grpc.VerifierStub(channel)
             for prompt in args.prompts:
                 print("\n=== prompt\n" + textwrap.indent(prompt.strip(), "  "))
@@ -90,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         for process in reversed(processes):
-            stop_process(process)
+            process.stop()
     return 0
 
 

@@ -10,7 +10,7 @@ from drafter_service.store import LMDBNGramStore, StoreConfig
 from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
 from verifier_service.drafting import DraftRequest
 
-from processes import ServiceProcess, free_port, wait_until_serving
+from processes import ServiceProcess, free_port
 
 VOCABULARY = "00112233445566aa"
 SEQUENCES = 16
@@ -38,7 +38,7 @@ def test_sessions_survive_kill_9_restarts_and_every_acknowledged_observation_is_
         contexts.append(head + [rng.randrange(1000, 40_000) for _ in range(CONTEXT_TOKENS - 400)] + head)
     args = ("drafter_service", "--port", str(port), "--db", str(db), "--metrics-port", "-1")
     drafter = ServiceProcess(*args)
-    wait_until_serving(drafter, "", 30)
+    drafter.wait_until_serving("", 30)
     client = RemoteDrafter(DrafterClientConfig(target=f"127.0.0.1:{port}", vocabulary=VOCABULARY, propose_timeout_s=0.1))
     observed, peak_mb, up_periods_with_drafts = [], 0.0, 0
     try:
@@ -63,7 +63,7 @@ def test_sessions_survive_kill_9_restarts_and_every_acknowledged_observation_is_
                 drafter.kill()
                 time.sleep(0.5)
                 drafter = ServiceProcess(*args)
-                wait_until_serving(drafter, "", 30)
+                drafter.wait_until_serving("", 30)
         deadline = time.monotonic() + 30
         while client.pending_observations and time.monotonic() < deadline:
             time.sleep(0.1)

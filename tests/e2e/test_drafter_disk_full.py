@@ -17,7 +17,7 @@ from drafter_service.store import LMDBNGramStore, StoreConfig
 from specdec.v1 import drafter_pb2 as pb
 from specdec.v1 import drafter_pb2_grpc
 
-from processes import ServiceProcess, wait_until_serving
+from processes import ServiceProcess
 
 TABLE_A, TABLE_B, TABLE_C = "00112233445566aa", "00112233445566bb", "00112233445566cc"
 DISK = "6m"
@@ -115,7 +115,7 @@ def start(disk: SmallDisk) -> ServiceProcess:
         str(16 << 20),
         prefix=disk.enter,
     )
-    wait_until_serving(drafter, "", 30)
+    drafter.wait_until_serving("", 30)
     return drafter
 
 

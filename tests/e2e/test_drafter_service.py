@@ -511,7 +511,7 @@ def test_a_second_drafter_on_the_same_db_refuses_to_start(tmp_path):
 
 def test_admin_calls_are_served_only_on_the_admin_port(tmp_path):
     with drafter(tmp_path / "db", "--admin-port", "0", "--backup-dir", str(tmp_path / "backups")) as server:
-        lines = [server.process.stdout.readline() for _ in range(2)]  # metrics, then admin
+        lines = [server.read_line() for _ in range(2)]  # metrics, then admin
         match = re.search(r"drafter admin on [\d.]+:(\d+)", "".join(lines))
         assert match, lines
         observe(server.stub, "o1", [5, 6, 7, 8, 9, 10])  # verifiers' calls: on the main port

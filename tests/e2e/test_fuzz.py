@@ -36,7 +36,7 @@ from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 from verifier_service.engine import reference_greedy
 
-from processes import ServiceProcess, wait_until_serving
+from processes import ServiceProcess
 
 CALL_TIMEOUT_S = 60
 MAX_NEW_TOKENS_LIMIT = 40
@@ -257,7 +257,7 @@ def drafter(tmp_path_factory):
         "drafter_service", "--port", "0", "--db", str(db), "--metrics-port", "-1", "--max-vocabularies", str(MAX_VOCABULARIES)
     )
     try:
-        wait_until_serving(service, "", 60)
+        service.wait_until_serving("", 60)
         service.db = db
         yield service
     finally:
@@ -284,7 +284,7 @@ def verifier(drafter, tiny_model_dir):
         env={**os.environ},
     )
     try:
-        wait_until_serving(service, "specdec.v1.Verifier", 120)
+        service.wait_until_serving("specdec.v1.Verifier", 120)
         yield service
     finally:
         service.stop()

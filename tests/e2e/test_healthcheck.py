@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from processes import free_port, running, running_tiny_verifier, wait_until_serving
+from processes import free_port, running, running_tiny_verifier
 
 
 def healthcheck(*args: str) -> subprocess.CompletedProcess:
@@ -68,7 +68,7 @@ def assert_health_port_serves(port: int, service: str) -> None:
 def assert_health_port_answers_when_full(service, health_port: int, full_at: int, refused: grpc.StatusCode, name: str) -> None:
     """Fill ``service``'s port (``full_at`` idle streams, then a Check there fails with
     ``refused``) and check that the health port still says SERVING."""
-    wait_until_serving(service, "", timeout_s=120)
+    service.wait_until_serving("", timeout_s=120)
     streams, release = fill_with_idle_streams(service, lambda error: error.code() == refused)
     try:
         assert len(streams) == full_at

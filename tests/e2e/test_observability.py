@@ -21,7 +21,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 
-from processes import free_port, running, wait_until_serving
+from processes import free_port, running
 
 DEADLINE_S = 60  # upper bound on waiting for exports and scrapes; never a pass/fail threshold
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -103,7 +103,7 @@ def pair(model_dir, env_drafter=None, env_verifier=None, metrics=False):
             str(ports[1]),
             env=env_verifier,
         ) as verifier:
-            wait_until_serving(verifier, "", timeout_s=120)
+            verifier.wait_until_serving("", timeout_s=120)
             yield drafter, verifier, ports
 
 

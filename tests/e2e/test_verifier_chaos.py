@@ -14,7 +14,7 @@ from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 
 from faulty_link import FaultyLink
-from processes import ServiceProcess, free_port, wait_until_serving
+from processes import ServiceProcess, free_port
 
 STREAMS = 16
 TOKENS = 1500
@@ -28,7 +28,7 @@ PROMPTS = [[3 + i, 9, 3 + i, 9, 3 + i, 9, 20 + i] for i in range(STREAMS)]
 def drafter_process(db, port: int) -> ServiceProcess:
     drafter = ServiceProcess("drafter_service", "--port", str(port), "--db", str(db), "--metrics-port", "-1")
     try:
-        wait_until_serving(drafter, "", 60)
+        drafter.wait_until_serving("", 60)
     except BaseException:
         drafter.stop()
         raise
@@ -87,7 +87,7 @@ def test_streams_keep_exact_tokens_through_kill_restart_slow_and_unreachable_dra
             str(CONTEXT),
             env={**os.environ},
         )
-        wait_until_serving(verifier, "specdec.v1.Verifier", 120)
+        verifier.wait_until_serving("specdec.v1.Verifier", 120)
         stub = rpc.VerifierStub(verifier.channel)
         # Plain decoding (K=0 never calls the drafter) is the reference.
         with ThreadPoolExecutor(STREAMS) as pool:

@@ -35,7 +35,7 @@ from specdec.vocabulary import tokenizer_fingerprint
 from verifier_service.engine import reference_greedy
 from verifier_service.model_loading import chat_prompt_ids
 
-from processes import ServiceProcess, free_port, running, wait_until_serving
+from processes import ServiceProcess, free_port, running
 
 SERVICE = "specdec.v1.Verifier"
 TINY_STARTUP_S = 120  # guards against a hang, not a speed requirement
@@ -96,7 +96,7 @@ class Verifier(ServiceProcess):
 def start_verifier(*args: str, startup_s: float = TINY_STARTUP_S) -> Verifier:
     verifier = Verifier(*args)
     try:
-        wait_until_serving(verifier, SERVICE, startup_s)
+        verifier.wait_until_serving(SERVICE, startup_s)
     except BaseException:
         verifier.stop()
         raise
@@ -108,7 +108,7 @@ class Drafter(ServiceProcess):
         super().__init__("drafter_service", "--port", str(port), "--db", str(db), env={**os.environ, **SERVICE_ENV})
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
         try:
-            wait_until_serving(self, "specdec.v1.Drafter", TINY_STARTUP_S)
+            self.wait_until_serving("specdec.v1.Drafter", TINY_STARTUP_S)
         except BaseException:
             self.stop()
             raise
@@ -797,8 +797,8 @@ def test_health_is_not_serving_and_calls_unavailable_until_the_model_is_loaded(t
             assert raised.value.details() == "the model is still loading; retry when health reports SERVING"
 
         open_gate(fifo, process, TINY_STARTUP_S)
-        wait_until_serving(process, "", TINY_STARTUP_S)
-        wait_until_serving(process, SERVICE, TINY_STARTUP_S)
+        process.wait_until_serving("", TINY_STARTUP_S)
+        process.wait_until_serving(SERVICE, TINY_STARTUP_S)
         response = stub.Generate(request(PROMPTS[1], 12, k=4), timeout=CALL_TIMEOUT_S)
         assert list(response.token_ids) == expected(PROMPTS[1], 12)
         assert process.terminate() == 0

@@ -99,7 +99,8 @@ MAX_HAZARD = 0.99
 POSITION_BUCKETS = 4
 MATCH_LENGTH_BUCKETS = 4
 
-SOURCE_CONTEXT = "context"  # the request's own prompt and output (the drafter's name for it)
+SOURCE_CONTEXT = "context"  # the request's own prompt and output (the drafter's names for its sources)
+SOURCE_GLOBAL = "global"  # the table learned across requests
 
 
 def evidence_bucket(evidence, position: int) -> tuple:

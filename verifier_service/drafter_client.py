@@ -27,6 +27,7 @@ import grpc
 
 from specdec import serving, telemetry
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
+from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL
 from verifier_service.drafting import DraftEvidence, DraftRequest, ProposedDraft
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ class RemoteDrafter:
             pass
 
 
-_SOURCES = {drafter_pb2.DRAFT_SOURCE_CONTEXT: "context", drafter_pb2.DRAFT_SOURCE_GLOBAL: "global"}
+_SOURCES = {drafter_pb2.DRAFT_SOURCE_CONTEXT: SOURCE_CONTEXT, drafter_pb2.DRAFT_SOURCE_GLOBAL: SOURCE_GLOBAL}
 
 
 def _draft(message: drafter_pb2.SequenceDraft) -> ProposedDraft:

@@ -69,6 +69,11 @@ log = logging.getLogger(__name__)
 FINISH_STOP = "stop"  # EOS token or a stop string
 FINISH_LENGTH = "length"  # max_new_tokens reached
 FINISH_CANCELLED = "cancelled"  # the caller gave up (cancel, deadline)
+# Where each emitted token came from (StepOutcome.sources): the target's own
+# (sampled, recovered or bonus), or an accepted draft: the drafter's source
+# ("context", "global"), SOURCE_DRAFT when the drafter gave none.
+SOURCE_TARGET = "target"
+SOURCE_DRAFT = "draft"
 FINISH_ERROR = "error"  # a failure that belonged to this sequence alone (StepOutcome.error says which)
 
 # Token counts whose forward-pass cost is measured at start-up: every count
@@ -215,6 +220,7 @@ class StepOutcome:
     verified: int = 0  # draft tokens the target scored
     accepted: int = 0  # of those, accepted
     first: bool = False  # the step finished its prefill: ``tokens`` is its first token
+    sources: tuple[str, ...] = ()  # per token of ``tokens``: SOURCE_TARGET or the accepted draft's source
     result: GenerationResult | None = None  # set when the sequence finished
     error: Exception | None = None  # set instead when it failed (tokens streamed before stay valid)
 
@@ -665,7 +671,8 @@ class SpeculativeEngine:
         elif row.draft and row.sequence.request.num_speculative_tokens is None:
             sequence.calibration.skipped()
         emitted = self._emit(sequence, row.draft[:count] + [token])
-        return StepOutcome(sequence.handle, emitted, row.verify, count)
+        sources = [bucket[0] or SOURCE_DRAFT for bucket in row.buckets[:count]] + [SOURCE_TARGET]
+        return StepOutcome(sequence.handle, emitted, row.verify, count, sources=tuple(sources[: len(emitted)]))
 
     def _finish_prefills(self, chunks, logits: torch.Tensor) -> list[StepOutcome]:
         """Advance prefill progress; a completed prompt samples its first token and starts decoding."""
@@ -682,7 +689,7 @@ class SpeculativeEngine:
             self._start_decoding(sequence)
             emitted = self._alone(sequence, self._emit, sequence, [sampled[1]])
             if emitted is not None:
-                outcomes.append(StepOutcome(sequence.handle, emitted, first=True))
+                outcomes.append(StepOutcome(sequence.handle, emitted, first=True, sources=(SOURCE_TARGET,) * len(emitted)))
         return outcomes
 
     def _start_decoding(self, sequence: _Sequence) -> None:

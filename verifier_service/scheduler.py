@@ -84,6 +84,15 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class TokenChunk:
+    """What one step added to a request's output."""
+
+    tokens: list[int]
+    sources: list[str]  # per token: engine.SOURCE_TARGET, or the accepted draft's source ("context", "global")
+    verified: int  # draft tokens the step scored for this request (accepted ones are among ``tokens``)
+
+
+@dataclass(frozen=True)
 class _End:
     """The last event of a request: its result, or the error that ended it (both None: cancelled while queued)."""
 
@@ -109,12 +118,12 @@ class RequestHandle:
     cancelled: bool = False
     trace_context: Any = None  # the request's tracing context, for the observer
     _sequence: SequenceHandle | None = None  # the engine's, once the request has a cache slot
-    _events: queue.Queue[list[int] | _End] = field(default_factory=queue.Queue)
+    _events: queue.Queue[TokenChunk | _End] = field(default_factory=queue.Queue)
     _ending: _End | None = None
 
-    def stream(self, timeout_s: float | None = None) -> Iterator[list[int]]:
-        """The tokens as they are accepted (never an empty list); ``timeout_s`` bounds each wait
-        (TimeoutError), for callers that must not hang on a stuck scheduler."""
+    def stream(self, timeout_s: float | None = None) -> Iterator[TokenChunk]:
+        """The tokens as they are accepted, a step's at a time (never empty); ``timeout_s``
+        bounds each wait (TimeoutError), for callers that must not hang on a stuck scheduler."""
         while self._ending is None:
             try:
                 event = self._events.get(timeout=timeout_s)
@@ -136,11 +145,11 @@ class RequestHandle:
             raise Cancelled(f"request {self.request.request_id!r} was cancelled while queued")
         return self._ending.result
 
-    def _push(self, tokens: list[int]) -> None:
-        if tokens:
+    def _push(self, outcome: StepOutcome) -> None:
+        if outcome.tokens:
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
-            self._events.put(list(tokens))
+            self._events.put(TokenChunk(list(outcome.tokens), list(outcome.sources), outcome.verified))
 
     def _end(self, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
         self._events.put(_End(result, error))
@@ -269,7 +278,7 @@ class Scheduler:
             elif outcome.tokens:
                 stepped.append(handle)
                 rows.append(outcome)
-            handle._push(outcome.tokens)
+            handle._push(outcome)
             if outcome.error is not None or outcome.result is not None:
                 handle._end(outcome.result, outcome.error)
                 self._running.remove(handle)

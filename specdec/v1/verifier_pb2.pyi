@@ -13,10 +13,23 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+
+class TokenSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOKEN_SOURCE_UNSPECIFIED: _ClassVar[TokenSource]
+    TOKEN_SOURCE_TARGET: _ClassVar[TokenSource]
+    TOKEN_SOURCE_CONTEXT: _ClassVar[TokenSource]
+    TOKEN_SOURCE_GLOBAL: _ClassVar[TokenSource]
+    TOKEN_SOURCE_DRAFT: _ClassVar[TokenSource]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
+TOKEN_SOURCE_UNSPECIFIED: TokenSource
+TOKEN_SOURCE_TARGET: TokenSource
+TOKEN_SOURCE_CONTEXT: TokenSource
+TOKEN_SOURCE_GLOBAL: TokenSource
+TOKEN_SOURCE_DRAFT: TokenSource
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "chat", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens")
@@ -77,13 +90,15 @@ class GenerateResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "stats")
+    __slots__ = ("text", "token_ids", "finish_reason", "stats", "token_sources")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_SOURCES_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     stats: GenerationStats
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
+    token_sources: _containers.RepeatedScalarFieldContainer[TokenSource]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., token_sources: _Optional[_Iterable[_Union[TokenSource, str]]] = ...) -> None: ...

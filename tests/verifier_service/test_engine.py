@@ -260,6 +260,38 @@ def test_outcomes_stream_each_sequences_tokens_in_order(tiny_model, tiny_tokeniz
         assert streamed[id(sequence)] == results[id(sequence)].token_ids == greedy_truth(tiny_model, prompt, 12)
 
 
+@dataclass
+class LabelledDraft:
+    tokens: list[int]
+    evidence: list
+
+
+class GlobalOracle(ScriptedProposer):
+    """The oracle's drafts, each token's evidence saying it came from the global table."""
+
+    def propose(self, session_id, new_tokens, k):
+        tokens = super().propose(session_id, new_tokens, k).tokens
+        return LabelledDraft(tokens, [("global", 4, 2, 2)] * len(tokens))
+
+
+def test_outcomes_say_where_each_token_came_from(tiny_model, tiny_tokenizer):
+    """An accepted draft token is labelled with the source its evidence names ("draft"
+    when the drafter gave none); the step's own token and a prefill's first token "target"."""
+    for proposer, draft_source in ((GlobalOracle(oracle(tiny_model)), "global"), (ScriptedProposer(oracle(tiny_model)), "draft")):
+        engine = engine_without_eos(tiny_model, tiny_tokenizer, proposer)
+        engine.add(GenerationRequest(PROMPTS[1], 40, num_speculative_tokens=4))
+        labelled = []
+        while engine.busy:
+            for outcome in engine.step():
+                assert len(outcome.sources) == len(outcome.tokens)
+                if outcome.tokens:
+                    assert outcome.sources[-1] == "target" or outcome.result is not None  # a stop may cut the step's own token
+                    assert outcome.sources[: outcome.accepted] == (draft_source,) * min(outcome.accepted, len(outcome.tokens))
+                    assert set(outcome.sources[outcome.accepted :]) == {"target"}
+                labelled += outcome.sources
+        assert labelled.count(draft_source) > 0 and labelled[0] == "target"
+
+
 def test_a_prompt_finishing_prefill_trades_slots_with_a_younger_one_mid_prefill(tiny_model, tiny_tokenizer):
     """Decoding sequences sit in slots [0, n): a prompt that completes in a higher slot
     trades places with the prompt in slot n. Here that prompt got its first chunk in the

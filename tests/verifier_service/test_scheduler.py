@@ -33,7 +33,7 @@ def alone(model, tokenizer, request: GenerationRequest) -> list[int]:
 
 def drain(handle) -> tuple[list[list[int]], object]:
     """(the chunks ``stream()`` yielded, then ``result()``'s value or the exception it raised)."""
-    chunks = list(handle.stream(EVENT_TIMEOUT_S))
+    chunks = [chunk.tokens for chunk in handle.stream(EVENT_TIMEOUT_S)]
     try:
         return chunks, handle.result(EVENT_TIMEOUT_S)
     except Exception as error:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import ssl
 import threading
 import time
 from concurrent import futures
@@ -33,12 +34,14 @@ from specdec import serving, telemetry
 from specdec.flags import setting
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from specdec.vocabulary import tokenizer_fingerprint
-from verifier_service.adaptive import StepCostModel
+from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL, StepCostModel
 from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
 from verifier_service.engine import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
     FINISH_STOP,
+    SOURCE_DRAFT,
+    SOURCE_TARGET,
     EngineConfig,
     GenerationRequest,
     GenerationResult,
@@ -48,9 +51,10 @@ from verifier_service.engine import (
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
 from verifier_service.observability import ServiceObserver
+from verifier_service.openai_api import HttpServer, OpenAIApi
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import Cancelled, QueueFull, RequestHandle, Scheduler, SchedulerConfig, ShuttingDown
-from verifier_service.text import IncrementalDecoder
+from verifier_service.text import IncrementalText
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,12 @@ FINISH_REASONS = {
     FINISH_CANCELLED: verifier_pb2.FINISH_REASON_CANCELLED,
 }
 DEFAULT_METRICS_PORT = 9102  # the drafter's is 9101
+TOKEN_SOURCES = {
+    SOURCE_TARGET: verifier_pb2.TOKEN_SOURCE_TARGET,
+    SOURCE_CONTEXT: verifier_pb2.TOKEN_SOURCE_CONTEXT,
+    SOURCE_GLOBAL: verifier_pb2.TOKEN_SOURCE_GLOBAL,
+    SOURCE_DRAFT: verifier_pb2.TOKEN_SOURCE_DRAFT,
+}
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,7 @@ class VerifierConfig:
     # A 4K-token prompt as ids is ~20 KB.
     max_message_bytes: int = setting(serving.MAX_MESSAGE_BYTES, minimum=1, help="gRPC message size cap, both ways")
     grace_s: float = setting(10.0, minimum=0.0, help="seconds SIGTERM gives in-flight requests")
+    http_port: int = setting(8000, minimum=-1, help="OpenAI-compatible HTTP API and the live view at / (0: a free one, -1: off)")
     calibrate: bool = setting(
         True, help="measure the step cost at start-up (without: a flat cost refined by real steps; for tests and tiny models)"
     )
@@ -127,32 +138,33 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     # -- RPCs ---------------------------------------------------------------------
 
     def Generate(self, request, context):
-        with self._request_span(context) as span:
+        with self.request_span(telemetry.incoming_context(context)) as span:
             handle = self._submit(request, context, span)
             result = self._result(handle, context)
-            stats = self._finished(handle, result, span)
+            stats = self.finished(handle, result, span)
             return verifier_pb2.GenerateResponse(
                 text=result.text, token_ids=result.token_ids, finish_reason=FINISH_REASONS[result.finish_reason], stats=stats
             )
 
     def GenerateStream(self, request, context):
-        with self._request_span(context) as span:
+        with self.request_span(telemetry.incoming_context(context)) as span:
             handle = self._submit(request, context, span)
             text = IncrementalText(self.engine.tokenizer, handle.request.stop)
-            for tokens in handle.stream():
-                yield verifier_pb2.GenerateChunk(text=text.push(tokens), token_ids=tokens)
+            for chunk in handle.stream():
+                sources = [TOKEN_SOURCES[source] for source in chunk.sources]
+                yield verifier_pb2.GenerateChunk(text=text.push(chunk.tokens), token_ids=chunk.tokens, token_sources=sources)
             result = self._result(handle, context)
-            stats = self._finished(handle, result, span)
+            stats = self.finished(handle, result, span)
             yield verifier_pb2.GenerateChunk(text=text.finish(result.text), finish_reason=FINISH_REASONS[result.finish_reason], stats=stats)
 
     # -- helpers --------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _request_span(self, context):
-        """The request's root span, a child of the caller's trace when it sent one.
+    def request_span(self, parent):
+        """The request's root span, a child of ``parent`` (the caller's trace context, when it sent one).
         Not made current: the work runs on the scheduler thread (it gets the
         context through the handle), and a stream's generator may be resumed elsewhere."""
-        span = self.tracing.tracer.start_span("specdec.generate", context=telemetry.incoming_context(context), kind=SpanKind.SERVER)
+        span = self.tracing.tracer.start_span("specdec.generate", context=parent, kind=SpanKind.SERVER)
         try:
             yield span
         except BaseException as error:
@@ -163,7 +175,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         finally:
             span.end()
 
-    def _finished(self, handle: RequestHandle, result: GenerationResult, span) -> verifier_pb2.GenerationStats:
+    def finished(self, handle: RequestHandle, result: GenerationResult, span) -> verifier_pb2.GenerationStats:
+        """Record a finished request in its span and the metrics; its stats, as the proto says them."""
         stats = self._stats(handle, result)
         span.set_attributes(
             {
@@ -182,13 +195,28 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _submit(self, request, context, span) -> RequestHandle:
         if not self.ready.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health reports SERVING")
-        engine, scheduler = self.engine, self.scheduler
-        assert engine is not None and scheduler is not None  # ready: attach set them
         try:
-            generation = self._generation_request(request)
-            engine.validate(generation)
+            handle = self.submit(self._generation_request(request), span)
         except ValueError as error:  # the engine's rules and the proto's shape: the client's to fix
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except QueueFull as error:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except ShuttingDown as error:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        scheduler = self.scheduler
+        assert scheduler is not None  # submit succeeded
+        # On cancel, deadline, or completion; False when the call already ended
+        # (the client gave up while we validated): free the slot at once.
+        if not context.add_callback(lambda: scheduler.cancel(handle)):
+            scheduler.cancel(handle)
+        return handle
+
+    def submit(self, generation: GenerationRequest, span) -> RequestHandle:
+        """Validate and queue a request from any front door (gRPC, HTTP): raises ValueError
+        (the client's to fix), QueueFull or ShuttingDown. Call only once ``ready`` is set."""
+        engine, scheduler = self.engine, self.scheduler
+        assert engine is not None and scheduler is not None  # ready: attach set them
+        engine.validate(generation)
         span.set_attributes(
             {
                 "specdec.max_new_tokens": generation.max_new_tokens,
@@ -196,17 +224,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 "specdec.k_requested": -1 if generation.num_speculative_tokens is None else generation.num_speculative_tokens,
             }
         )
-        try:
-            handle = scheduler.submit(generation, trace.set_span_in_context(span))
-        except QueueFull as error:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except ShuttingDown as error:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        # On cancel, deadline, or completion; False when the call already ended
-        # (the client gave up while we validated): free the slot at once.
-        if not context.add_callback(lambda: scheduler.cancel(handle)):
-            scheduler.cancel(handle)
-        return handle
+        return scheduler.submit(generation, trace.set_span_in_context(span))
 
     def _result(self, handle: RequestHandle, context) -> GenerationResult:
         try:
@@ -260,66 +278,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return GenerationRequest(prompt_ids, request.max_new_tokens, sampling, tuple(request.stop), k)
 
 
-class IncrementalText:
-    """Text deltas for a stream of tokens, each a prefix-safe piece of the final text.
-
-    Holds back a trailing partial UTF-8 character (decoded as U+FFFD) and any
-    tail that could be the start of a stop string, since the final text ends
-    before the stop string. ``finish`` sends the rest of the final text.
-    Decoding is incremental (``text.IncrementalDecoder``) and stop strings are
-    sought only in the text not yet sent (the held tail, shorter than the
-    longest stop string, plus the new piece), so a long stream costs linear,
-    not quadratic, time.
-    """
-
-    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
-        self.stop = stop
-        self.decoder = IncrementalDecoder(tokenizer)
-        self.held = ""  # decoded, not yet sent
-        self._sent: list[str] = []  # the deltas sent, in order
-
-    @property
-    def sent(self) -> str:
-        """The prefix of the text already streamed."""
-        return "".join(self._sent)
-
-    def push(self, tokens: list[int]) -> str:
-        text = self.held + self.decoder.push(tokens)
-        # The final text ends before the first stop string: never send one, nor a
-        # tail that may yet become one. None can start inside what was sent
-        # (that would have been held), so only the unsent text is searched.
-        safe = len(text)
-        for stop in self.stop:
-            found = text.find(stop)
-            if found >= 0:
-                safe = min(safe, found)
-        safe -= max((_stop_prefix_at_end(text[:safe], stop) for stop in self.stop), default=0)
-        delta, self.held = text[:safe], text[safe:]
-        if delta:
-            self._sent.append(delta)
-        return delta
-
-    def finish(self, final_text: str) -> str:
-        sent = self.sent
-        if not final_text.startswith(sent):  # cannot happen for prefix-stable tokenizers
-            log.warning("streamed text is not a prefix of the final text")
-            return ""
-        return final_text[len(sent) :]
-
-
-def _stop_prefix_at_end(text: str, stop: str) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of ``stop``: ("ab<", "<end>") -> 1.
-
-    Only tails that start with ``stop``'s first character are compared.
-    """
-    start = text.find(stop[0], max(0, len(text) - len(stop) + 1))
-    while start >= 0:
-        if stop.startswith(text[start:]):
-            return len(text) - start
-        start = text.find(stop[0], start + 1)
-    return 0
-
-
 @dataclass
 class VerifierServer:
     server: grpc.Server
@@ -331,6 +289,11 @@ class VerifierServer:
     health_port: int | None = None  # where the health-only server listens; None: not served
     _metrics_server: Any = None  # telemetry.start_metrics_server's HTTP server
     _health_server: grpc.Server | None = None
+    http: HttpServer | None = None  # the OpenAI-compatible API; None: off
+
+    @property
+    def http_port(self) -> int | None:
+        return None if self.http is None else self.http.port
 
     def load(self) -> None:
         """Load the model, calibrate and warm up, start the scheduler, then report SERVING."""
@@ -385,6 +348,8 @@ class VerifierServer:
         drained = True
         if self.servicer.scheduler is not None:
             drained = self.servicer.scheduler.stop(grace)
+        if self.http is not None:
+            self.http.stop()
         self.server.stop(1.0).wait()
         if self._health_server is not None:
             self._health_server.stop(0).wait()
@@ -418,4 +383,18 @@ def create_server(config: VerifierConfig) -> VerifierServer:
         verifier._health_server, verifier.health_port = serving.serve_health(health_servicer, config.host, config.health_port)
     if config.metrics_port is not None:
         verifier._metrics_server, verifier.metrics_port = telemetry.start_metrics_server(metrics.registry, config.host, config.metrics_port)
+    if config.http_port >= 0:
+        api = OpenAIApi(servicer, config.model)
+        verifier.http = HttpServer(api.app, config.host, config.http_port, http_tls(config), config.grace_s)
+        verifier.http.start()
     return verifier
+
+
+def http_tls(config: VerifierConfig) -> dict[str, Any]:
+    """uvicorn's TLS settings from the service's: the same certificate, and client certificates when gRPC requires them."""
+    if not config.tls_cert:
+        return {}
+    settings: dict[str, Any] = {"ssl_certfile": config.tls_cert, "ssl_keyfile": config.tls_key}
+    if config.tls_client_ca:
+        settings |= {"ssl_ca_certs": config.tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return settings

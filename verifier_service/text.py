@@ -5,12 +5,19 @@ detokenizer does): each push decodes a short window of tokens ending at the
 new ones and keeps the difference to the window without them. Decoding the
 whole output after every token would cost quadratic time.
 
+``IncrementalText`` turns a stream's tokens into text deltas that are safe
+to send: never a half character, a stop string or what may become one.
+
 ``StopStringMatcher`` finds the first stop string in that text, searching
 only the tail where a new match can be: a stop string of length n that
 ends in the new text starts at most n - 1 characters before it.
 """
 
 from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
 
 
 class IncrementalDecoder:
@@ -62,3 +69,63 @@ class StopStringMatcher:
         self._tail = window[-self._reach :] if self._reach else ""
         found = [position for position in (window.find(stop) for stop in self.stops) if position >= 0]
         return self.text[: offset + min(found)] if found else None
+
+
+class IncrementalText:
+    """Text deltas for a stream of tokens, each a prefix-safe piece of the final text.
+
+    Holds back a trailing partial UTF-8 character (decoded as U+FFFD) and any
+    tail that could be the start of a stop string, since the final text ends
+    before the stop string. ``finish`` sends the rest of the final text.
+    Decoding is incremental (``text.IncrementalDecoder``) and stop strings are
+    sought only in the text not yet sent (the held tail, shorter than the
+    longest stop string, plus the new piece), so a long stream costs linear,
+    not quadratic, time.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
+        self.stop = stop
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.held = ""  # decoded, not yet sent
+        self._sent: list[str] = []  # the deltas sent, in order
+
+    @property
+    def sent(self) -> str:
+        """The prefix of the text already streamed."""
+        return "".join(self._sent)
+
+    def push(self, tokens: list[int]) -> str:
+        text = self.held + self.decoder.push(tokens)
+        # The final text ends before the first stop string: never send one, nor a
+        # tail that may yet become one. None can start inside what was sent
+        # (that would have been held), so only the unsent text is searched.
+        safe = len(text)
+        for stop in self.stop:
+            found = text.find(stop)
+            if found >= 0:
+                safe = min(safe, found)
+        safe -= max((_stop_prefix_at_end(text[:safe], stop) for stop in self.stop), default=0)
+        delta, self.held = text[:safe], text[safe:]
+        if delta:
+            self._sent.append(delta)
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        sent = self.sent
+        if not final_text.startswith(sent):  # cannot happen for prefix-stable tokenizers
+            log.warning("streamed text is not a prefix of the final text")
+            return ""
+        return final_text[len(sent) :]
+
+
+def _stop_prefix_at_end(text: str, stop: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``stop``: ("ab<", "<end>") -> 1.
+
+    Only tails that start with ``stop``'s first character are compared.
+    """
+    start = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while start >= 0:
+        if stop.startswith(text[start:]):
+            return len(text) - start
+        start = text.find(stop[0], start + 1)
+    return 0

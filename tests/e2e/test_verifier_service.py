@@ -339,6 +339,12 @@ def test_stream_chunks_join_to_the_unary_result(tiny_server, expected, tiny_toke
 
     assert "".join(chunk.text for chunk in chunks) == unary.text
     assert [t for chunk in chunks for t in chunk.token_ids] == list(unary.token_ids)
+    # Each token's source: the target's own, or an accepted draft (the drafter says which table).
+    assert all(len(chunk.token_sources) == len(chunk.token_ids) for chunk in chunks)
+    sources = [source for chunk in chunks for source in chunk.token_sources]
+    assert set(sources) <= {pb.TOKEN_SOURCE_TARGET, pb.TOKEN_SOURCE_CONTEXT, pb.TOKEN_SOURCE_GLOBAL}
+    if stop_text is None:  # every forward pass adds one token of the target's own (a stop string may cut the last)
+        assert sources.count(pb.TOKEN_SOURCE_TARGET) == chunks[-1].stats.target_forward_passes
     *middle, last = chunks
     assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not c.HasField("stats") for c in middle)
     assert last.finish_reason == unary.finish_reason

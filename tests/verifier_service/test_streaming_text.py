@@ -1,4 +1,4 @@
-"""Streamed text deltas (server.IncrementalText): prefix-safe pieces that join to the final text."""
+"""Streamed text deltas (text.IncrementalText): prefix-safe pieces that join to the final text."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from verifier_service.engine import GenerationRequest, SpeculativeEngine, reference_greedy
-from verifier_service.server import IncrementalText, _stop_prefix_at_end
+from verifier_service.text import IncrementalText, _stop_prefix_at_end
 
 
 class ByteTokenizer:
@@ -183,16 +183,16 @@ def test_each_push_searches_only_the_text_not_yet_sent(tiny_tokenizer, monkeypat
     """Stop strings are sought in the held tail plus the new piece, never in what was
     streamed before: a 2,000-token stream with a 200-character stop string that never
     appears hands the prefix check at most 199 + one piece's characters per push."""
-    from verifier_service import server
+    from verifier_service import text as module
 
     seen = []
-    real = server._stop_prefix_at_end
+    real = module._stop_prefix_at_end
 
     def recording(text, stop):
         seen.append(len(text))
         return real(text, stop)
 
-    monkeypatch.setattr(server, "_stop_prefix_at_end", recording)
+    monkeypatch.setattr(module, "_stop_prefix_at_end", recording)
     tokens = [3 + i % 50 for i in range(2000)]
     stop = "t3 " * 66 + "xy"  # 200 characters; its prefixes keep appearing in the stream
     deltas = stream(tiny_tokenizer, (stop,), [[token] for token in tokens], tiny_tokenizer.decode(tokens))

@@ -133,7 +133,16 @@ def main(argv: list[str] | None = None) -> None:
         try:
             drafter.wait_until_serving()
             verifier = ServiceProcess(
-                "verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", drafter.address, inherit_stderr=True
+                "verifier_service",
+                "--port",
+                "0",
+                "--metrics-port",
+                "-1",
+                "--http-port",
+                "-1",
+                "--drafter",
+                drafter.address,
+                inherit_stderr=True,
             )
             verifier.wait_until_serving()
             verifier_channel = grpc.insecure_channel(verifier.address)

@@ -262,7 +262,16 @@ def main(argv: list[str] | None = None) -> None:
         try:
             drafter.restart_empty()
             verifier = ServiceProcess(
-                "verifier_service", "--port", "0", "--metrics-port", "-1", "--drafter", f"127.0.0.1:{drafter.port}", inherit_stderr=True
+                "verifier_service",
+                "--port",
+                "0",
+                "--metrics-port",
+                "-1",
+                "--http-port",
+                "-1",
+                "--drafter",
+                f"127.0.0.1:{drafter.port}",
+                inherit_stderr=True,
             )
             verifier.wait_until_serving()
             cells = run_benchmark(verifier.address, verifier.process.pid, drafter, args)

@@ -60,7 +60,7 @@ def run_config(name: str, endpoint: str | None, db: Path, prompts, args) -> dict
     try:
         process = ServiceProcess(
             "verifier_service",
-            *("--port", "0", "--metrics-port", str(metrics_port), "--drafter", drafter.address),
+            *("--port", "0", "--metrics-port", str(metrics_port), "--http-port", "-1", "--drafter", drafter.address),
             env=env,
             inherit_stderr=True,
         )

@@ -6,8 +6,9 @@
 #
 # - Debian: docker-compose (Compose v1.29.2, whose config check and bundled
 #   compose-spec JSON schema validate the base file), prometheus (promtool,
-#   and the server the metrics tests scrape with) and openssl (the TLS tests'
-#   self-signed certificates).
+#   and the server the metrics tests scrape with), openssl (the TLS tests'
+#   self-signed certificates), and chromium with chromium-driver (the live
+#   view's test runs the page in a real headless browser).
 #   --no-install-recommends: docker-compose recommends docker.io, a whole
 #   Docker engine, which validation does not need.
 # - PyPI, into PYTHON's environment: kubernetes-validate (the Kubernetes
@@ -29,7 +30,7 @@ COMPOSE_V2_PLUGIN=/usr/local/lib/docker/cli-plugins/docker-compose
 
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq --no-install-recommends docker-compose prometheus openssl
+apt-get install -y -qq --no-install-recommends docker-compose prometheus openssl chromium chromium-driver
 
 "$PYTHON" -m pip install --quiet kubernetes-validate==1.37.0 dockerfile==3.4.0
 

@@ -81,13 +81,15 @@ WORKDIR /home/specdec
 ENV SPECDEC_VERIFIER_HOST=0.0.0.0 \
     SPECDEC_VERIFIER_PORT=50052 \
     SPECDEC_VERIFIER_METRICS_PORT=9102 \
+    SPECDEC_VERIFIER_HTTP_PORT=8000 \
     SPECDEC_VERIFIER_HEALTH_PORT=50062 \
     SPECDEC_CACHE_DIR=/cache \
     HF_HOME=/cache/huggingface
-# gRPC (specdec.v1.Verifier, grpc.health.v1, reflection); Prometheus /metrics;
-# the health port (plaintext grpc.health.v1 outside the request limit: a busy
-# verifier still answers its probes; it tells only SERVING or NOT_SERVING).
-EXPOSE 50052 9102 50062
+# gRPC (specdec.v1.Verifier, grpc.health.v1, reflection); the OpenAI-compatible
+# HTTP API and live view; Prometheus /metrics; the health port (plaintext
+# grpc.health.v1 outside the request limit: a busy verifier still answers its
+# probes; it tells only SERVING or NOT_SERVING).
+EXPOSE 50052 8000 9102 50062
 
 # NOT_SERVING while the model loads, the step cost is measured and a warm-up
 # request runs (minutes on a CPU or for a large model): failures in the start

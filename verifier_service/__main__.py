@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     verifier = create_server(config)
     # Health answers NOT_SERVING from here on while the model loads.
     announce("verifier", config.host, verifier.port, verifier.metrics_port, f"model {config.model}", verifier.health_port)
+    if verifier.http_port is not None:
+        print(f"verifier http on {config.host}:{verifier.http_port} (OpenAI API under /v1, live view at /)", flush=True)
     failures: list[Exception] = []
 
     def load() -> None:

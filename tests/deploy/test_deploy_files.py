@@ -256,7 +256,7 @@ def test_compose_publishes_no_drafter_or_trace_input_port_and_the_rest_on_localh
     published = {name: {port["target"]: port.get("host_ip") for port in service.get("ports", [])} for name, service in services.items()}
     assert published == {
         "drafter": {},
-        "verifier": {50052: "127.0.0.1"},
+        "verifier": {50052: "127.0.0.1", 8000: "127.0.0.1"},  # gRPC and the OpenAI-compatible HTTP API
         "jaeger": {16686: "127.0.0.1"},
         "prometheus": {9090: "127.0.0.1"},
     }
@@ -327,7 +327,8 @@ def test_dockerfile_runs_the_service_as_non_root_with_health_check(name, service
     assert list(instruction(commands, "ENTRYPOINT")[-1].value) == ["python", "-m", service]
     healthcheck = instruction(commands, "HEALTHCHECK")[-1]
     assert list(healthcheck.value) == ["CMD", "python", "-m", "specdec.healthcheck", f"127.0.0.1:{health_port}"]
-    assert sorted(instruction(commands, "EXPOSE")[-1].value) == sorted([str(port), str(metrics_port), str(health_port)])
+    http = {"verifier_service": ["8000"]}.get(service, [])  # the verifier's OpenAI-compatible API
+    assert sorted(instruction(commands, "EXPOSE")[-1].value) == sorted([str(port), str(metrics_port), str(health_port), *http])
     assert list(instruction(commands, "VOLUME")[-1].value) == [volume]
     prefix = "SPECDEC_DRAFTER_" if service == "drafter_service" else "SPECDEC_VERIFIER_"
     environment = env_of(commands)
@@ -550,7 +551,9 @@ def test_k8s_verifier_gets_a_gpu_time_to_load_and_the_drafter_service():
     drafter_labels = objects[("StatefulSet", "drafter")]["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= drafter_labels.items()
     verifier_service = objects[("Service", "verifier")]
-    assert 50052 in {p["port"] for p in verifier_service["spec"]["ports"]}
+    assert {50052, 8000} <= {p["port"] for p in verifier_service["spec"]["ports"]}
+    assert env_value(container, "SPECDEC_VERIFIER_HTTP_PORT") == "8000"
+    assert {"name": "http", "containerPort": 8000} in container["ports"]
     assert verifier_service["spec"]["selector"].items() <= verifier["spec"]["template"]["metadata"]["labels"].items()
     budget = objects[("PodDisruptionBudget", "verifier")]
     assert budget["spec"]["selector"]["matchLabels"].items() <= verifier["spec"]["template"]["metadata"]["labels"].items()
@@ -584,7 +587,12 @@ def test_k8s_network_policies_let_only_verifiers_reach_the_drafter():
         9101: monitoring,
         50061: [{"anyone": True}],  # kubelet's probes; it says only SERVING or not
     }
-    assert policy_peers(verifier, "ingress") == {50052: [{"anyone": True}], 50062: [{"anyone": True}], 9102: monitoring}
+    assert policy_peers(verifier, "ingress") == {
+        50052: [{"anyone": True}],
+        8000: [{"anyone": True}],  # the HTTP API: clients, as the gRPC port
+        50062: [{"anyone": True}],
+        9102: monitoring,
+    }
     # Out: DNS, the drafter (verifiers only), and OTLP to the collector's namespace only.
     assert policy_peers(drafter, "egress").keys() == {53, 4317}
     assert policy_peers(verifier, "egress").keys() == {53, 4317, 50051}

@@ -1,0 +1,100 @@
+"""The live view (``GET /``) in a real browser: Debian's chromium, headless,
+driven by selenium through Debian's chromium-driver (both installed by
+deploy/install-validators.sh, as the other system tools the tests drive).
+
+A drafter and a verifier with its HTTP API run as processes. The prompt is
+first answered once over gRPC, so the drafter's global table learns the
+answer; asked again on the page, the answer is drafted from that table where
+the request's own context has nothing yet, and from the context once the
+answer starts repeating itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from specdec.v1 import drafter_pb2, drafter_pb2_grpc
+
+from processes import HttpVerifier, ServiceProcess
+
+PROMPT = "t5 t9 t14 t20"
+MAX_TOKENS = 48
+PAGE_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory, chat_model_dir):
+    drafter = ServiceProcess(
+        "drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(tmp_path_factory.mktemp("view-drafter-db"))
+    )
+    try:
+        drafter.wait_until_serving("specdec.v1.Drafter", 60)
+        # A loaded test machine must not turn drafts off (the production deadline is 0.1 s).
+        verifier = HttpVerifier(chat_model_dir, "--drafter", drafter.address, "--drafter-timeout", "5")
+        try:
+            yield drafter, verifier
+        finally:
+            verifier.process.stop()
+    finally:
+        drafter.stop()
+
+
+@pytest.fixture
+def browser(tmp_path):
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert chromium and driver, "chromium and chromium-driver are missing: run deploy/install-validators.sh (make install does)"
+    options = Options()
+    options.binary_location = chromium
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,900"):
+        options.add_argument(argument)
+    options.add_argument(f"--user-data-dir={tmp_path / 'profile'}")
+    session = webdriver.Chrome(service=Service(driver), options=options)
+    try:
+        yield session
+    finally:
+        session.quit()
+
+
+def test_the_page_streams_an_answer_coloured_by_source_with_live_counters(services, browser, tmp_path):
+    drafter, verifier = services
+    reference = verifier.generate(prompt=PROMPT, chat=True, max_new_tokens=MAX_TOKENS)  # teaches the global table
+    stub = drafter_pb2_grpc.DrafterStub(drafter.channel)
+    deadline = time.monotonic() + 60
+    while stub.Stats(drafter_pb2.StatsRequest(), timeout=10).observed_tokens < MAX_TOKENS:
+        assert time.monotonic() < deadline, "the verifier never observed the first answer"
+        time.sleep(0.1)
+
+    browser.get(verifier.base + "/")
+    prompt = browser.find_element(By.ID, "prompt")
+    prompt.clear()
+    prompt.send_keys(PROMPT)
+    tokens = browser.find_element(By.ID, "max-tokens")
+    tokens.clear()
+    tokens.send_keys(str(MAX_TOKENS))
+    browser.find_element(By.ID, "compare").click()  # also plain decoding, for the speedup
+    browser.find_element(By.ID, "run").click()
+    status = browser.find_element(By.ID, "status")
+    WebDriverWait(browser, PAGE_TIMEOUT_S).until(lambda _: status.text == "done" or status.text.startswith("error"))
+    assert status.text == "done"
+    browser.save_screenshot(str(tmp_path / "live_view.png"))
+    if os.environ.get("SPECDEC_VIEW_SCREENSHOT"):  # where to keep it (the README's comes from bench/view_screenshot.py)
+        shutil.copy(tmp_path / "live_view.png", os.environ["SPECDEC_VIEW_SCREENSHOT"])
+
+    output = browser.find_element(By.ID, "output")
+    assert output.get_attribute("textContent") == reference.text
+    assert browser.find_element(By.ID, "plain-output").get_attribute("textContent") == reference.text
+    assert output.find_elements(By.CSS_SELECTOR, "span.context"), "no accepted draft from the request's own context"
+    assert output.find_elements(By.CSS_SELECTOR, "span.global"), "no accepted draft from the global table"
+    assert output.find_elements(By.CSS_SELECTOR, "span.target"), "no token of the target's own"
+    assert float(browser.find_element(By.ID, "tokens-per-pass").text) > 1
+    assert browser.find_element(By.ID, "acceptance").text.endswith("%")
+    assert browser.find_element(By.ID, "speedup").text.endswith("x")

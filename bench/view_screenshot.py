@@ -28,10 +28,8 @@ from specdec.processes import ServiceProcess
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 PROMPT = (
-    "Here is a paragraph from the Python documentation:\n\n"
-    '"The with statement is used to wrap the execution of a block with methods defined by a context manager. '
-    'This allows common try...except...finally usage patterns to be encapsulated for convenient reuse."\n\n'
-    "Quote the paragraph back exactly, then say in one sentence what it means."
+    'Repeat this sentence exactly, twice: "The with statement wraps the execution of a block with methods defined by a '
+    'context manager." Then explain it in one sentence.'
 )
 HTTP_LINE = re.compile(r"verifier http on \S+:(\d+)")
 
@@ -40,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/live_view.png"))
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--prompt", default=PROMPT)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         drafter = ServiceProcess("drafter_service", "--port", "0", "--metrics-port", "-1", "--db", scratch, inherit_stderr=True)
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def shoot(verifier: ServiceProcess, drafter: ServiceProcess, url: str, args: argparse.Namespace) -> None:
-    request = verifier_pb2.GenerateRequest(prompt=PROMPT, chat=True, max_new_tokens=args.max_tokens)
+    request = verifier_pb2.GenerateRequest(prompt=args.prompt, chat=True, max_new_tokens=args.max_tokens)
     answer = verifier_pb2_grpc.VerifierStub(verifier.channel).Generate(request, timeout=600)
     stats = drafter_pb2_grpc.DrafterStub(drafter.channel)
     while stats.Stats(drafter_pb2.StatsRequest(), timeout=10).observed_tokens < len(answer.token_ids):
@@ -75,7 +74,7 @@ def shoot(verifier: ServiceProcess, drafter: ServiceProcess, url: str, args: arg
         browser.get(url)
         prompt = browser.find_element(By.ID, "prompt")
         prompt.clear()
-        prompt.send_keys(PROMPT)
+        prompt.send_keys(args.prompt)
         tokens = browser.find_element(By.ID, "max-tokens")
         tokens.clear()
         tokens.send_keys(str(args.max_tokens))

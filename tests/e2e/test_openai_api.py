@@ -15,6 +15,8 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from verifier_service.model_loading import DEFAULT_MODEL
+
 from processes import HttpVerifier
 
 PROMPT = "t5 t9 t14 t20"
@@ -240,3 +242,23 @@ def test_a_full_queue_raises_rate_limit_error(server):
             response.close()
             client.close()
     assert probe(server)
+
+
+@pytest.mark.slow
+def test_the_default_model_answers_the_openai_client_as_grpc_does():
+    """Once with the real model: a greedy chat completion, whole and streamed, is gRPC's answer token for token."""
+    verifier = HttpVerifier(DEFAULT_MODEL)
+    try:
+        question = "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog."
+        reference = verifier.generate(prompt=question, chat=True, max_new_tokens=32)
+        messages = [{"role": "user", "content": question}]
+        response = verifier.client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=32, temperature=0)
+        assert response.choices[0].message.content == reference.text
+        assert response.usage.completion_tokens == len(reference.token_ids)
+        chunks = list(
+            verifier.client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=32, temperature=0, stream=True)
+        )
+        tokens = [token for chunk in chunks if chunk.choices for token in chunk.model_extra.get("specdec", {}).get("token_ids", [])]
+        assert tokens == list(reference.token_ids)
+    finally:
+        verifier.process.stop()

@@ -15,10 +15,11 @@ CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor
 HTTP_PORT_VARIABLE = "SPECDEC_VERIFIER_HTTP_PORT"
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def no_http_api_unless_asked():
     """Verifiers these tests start serve no HTTP API unless a test passes --http-port:
-    several at once would all try the default port, 8000."""
+    several at once would all try the default port, 8000. Per module, so the variable
+    is gone again for the tests outside tests/e2e that run after them."""
     previous = os.environ.get(HTTP_PORT_VARIABLE)
     os.environ[HTTP_PORT_VARIABLE] = "-1"
     yield

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import time
 
 import grpc
+import httpx2 as httpx
 import pytest
 
 from specdec.v1 import verifier_pb2 as pb
@@ -268,3 +270,32 @@ def test_client_ca_without_a_server_certificate_is_a_usage_error(tmp_path, clien
         timeout=60,
     )
     assert result.returncode == 2 and "--tls-client-ca needs --tls-cert" in result.stderr
+
+
+def https_when_serving(base: str, context: ssl.SSLContext) -> httpx.Response:
+    """GET /health over HTTPS until the model has loaded (503 before)."""
+    deadline = time.monotonic() + 120
+    while (answer := httpx.get(base + "/health", verify=context, timeout=10)).status_code == 503:
+        assert time.monotonic() < deadline, "the verifier never loaded"
+        time.sleep(0.2)
+    return answer
+
+
+def test_the_http_api_uses_the_services_tls_and_client_certificates(tiny_model_dir, certificate, client_certificate):
+    cert, key = (str(path) for path in certificate)
+    client_cert, client_key = (str(path) for path in client_certificate)
+    tls = ["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", client_cert]
+    with running_tiny_verifier(tiny_model_dir, "--http-port", "0", *tls) as verifier:
+        while "http on" not in (line := verifier.read_line()):
+            pass
+        port = line.split()[3].rsplit(":", 1)[1]
+        trusting = ssl.create_default_context(cafile=cert)
+        with pytest.raises(httpx.HTTPError):  # plaintext HTTP to a TLS port
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+        with pytest.raises((httpx.HTTPError, ssl.SSLError)):  # TLS without a client certificate
+            httpx.get(f"https://127.0.0.1:{port}/health", verify=trusting, timeout=10)
+        trusting.load_cert_chain(client_cert, client_key)
+        assert https_when_serving(f"https://127.0.0.1:{port}", trusting).json() == {"status": "ok"}
+        body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+        answer = httpx.post(f"https://127.0.0.1:{port}/v1/completions", json=body, verify=trusting, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import httpx2 as httpx
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -790,7 +792,11 @@ def test_health_is_not_serving_and_calls_unavailable_until_the_model_is_loaded(t
         SPECDEC_TEST_LOAD_GATE=str(fifo),
         PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
     )
-    with running("verifier_service", "--port", "0", "--model", str(tiny_model_dir), "--no-calibrate", env=env) as process:
+    args = ("--port", "0", "--http-port", "0", "--model", str(tiny_model_dir), "--no-calibrate")
+    with running("verifier_service", *args, env=env) as process:
+        while not (http := re.search(r"verifier http on \S+:(\d+)", process.read_line())):
+            pass
+        base = f"http://127.0.0.1:{http.group(1)}"
         health = health_pb2_grpc.HealthStub(process.channel)
         stub = rpc.VerifierStub(process.channel)
         for service in ("", SERVICE):
@@ -801,10 +807,16 @@ def test_health_is_not_serving_and_calls_unavailable_until_the_model_is_loaded(t
                 call(request(PROMPTS[1], 12), timeout=CALL_TIMEOUT_S)
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
             assert raised.value.details() == "the model is still loading; retry when health reports SERVING"
+        # The HTTP API says the same: 503 in OpenAI's error shape.
+        for method, path, body in (("GET", "/health", None), ("POST", "/v1/completions", {"prompt": [5, 6], "max_tokens": 2})):
+            answer = httpx.request(method, base + path, json=body, timeout=CALL_TIMEOUT_S)
+            assert answer.status_code == 503, path
+            assert answer.json()["error"]["code"] == "loading", path
 
         open_gate(fifo, process, TINY_STARTUP_S)
         process.wait_until_serving("", TINY_STARTUP_S)
         process.wait_until_serving(SERVICE, TINY_STARTUP_S)
         response = stub.Generate(request(PROMPTS[1], 12, k=4), timeout=CALL_TIMEOUT_S)
         assert list(response.token_ids) == expected(PROMPTS[1], 12)
+        assert httpx.get(base + "/health", timeout=CALL_TIMEOUT_S).status_code == 200
         assert process.terminate() == 0

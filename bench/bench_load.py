@@ -134,14 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             drafter.wait_until_serving()
             verifier = ServiceProcess(
                 "verifier_service",
-                "--port",
-                "0",
-                "--metrics-port",
-                "-1",
-                "--http-port",
-                "-1",
-                "--drafter",
-                drafter.address,
+                *("--port", "0", "--metrics-port", "-1", "--http-port", "-1", "--drafter", drafter.address),
                 inherit_stderr=True,
             )
             verifier.wait_until_serving()

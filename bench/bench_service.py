@@ -263,14 +263,7 @@ def main(argv: list[str] | None = None) -> None:
             drafter.restart_empty()
             verifier = ServiceProcess(
                 "verifier_service",
-                "--port",
-                "0",
-                "--metrics-port",
-                "-1",
-                "--http-port",
-                "-1",
-                "--drafter",
-                f"127.0.0.1:{drafter.port}",
+                *("--port", "0", "--metrics-port", "-1", "--http-port", "-1", "--drafter", f"127.0.0.1:{drafter.port}"),
                 inherit_stderr=True,
             )
             verifier.wait_until_serving()

@@ -6,27 +6,21 @@ Every field of DrafterConfig is a flag, also read from a SPECDEC_DRAFTER_* varia
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
 from drafter_service.server import DEFAULT_METRICS_PORT, SERVING_FIELDS, DirectoryLocked, DrafterConfig, create_server
-from specdec.flags import add_flags, from_args
-from specdec.serving import add_serving_flags, announce, serving_options, stop_on_signals
+from specdec.serving import announce, parse_service_config, stop_on_signals
 
 ENV_PREFIX = "SPECDEC_DRAFTER_"
 
 
 def parse_config(argv: list[str] | None = None) -> DrafterConfig:
-    parser = argparse.ArgumentParser(prog="python -m drafter_service", description="n-gram drafter gRPC service")
-    add_flags(parser, DrafterConfig, ENV_PREFIX, skip=SERVING_FIELDS)
-    add_serving_flags(parser, ENV_PREFIX, DEFAULT_METRICS_PORT)
-    args = parser.parse_args(argv)
-    serving = serving_options(parser, args)
-    try:
-        return from_args(parser, DrafterConfig, args, skip=SERVING_FIELDS, **serving)
-    except ValueError as error:  # rules across fields: n_min <= n_max, --backup-dir outside --db
-        parser.error(str(error))
+    # DrafterConfig's own checks (n_min <= n_max, --backup-dir outside --db) are usage errors too.
+    _, config = parse_service_config(
+        DrafterConfig, "python -m drafter_service", "n-gram drafter gRPC service", ENV_PREFIX, DEFAULT_METRICS_PORT, SERVING_FIELDS, argv
+    )
+    return config
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,10 +11,13 @@ import threading
 from collections.abc import Sequence
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from specdec.flags import add_flags, from_args
 
 # Both services cap messages alike: a long prompt plus its output as uint32
 # ids is well under 1 MB; 8 MB leaves room and still bounds a hostile client.
@@ -147,6 +150,22 @@ def add_serving_flags(parser: argparse.ArgumentParser, env_prefix: str, default_
         default=env_default(env_prefix, "tls_client_ca", None),
         help="PEM CA: require client certificates it signed (mutual TLS; needs --tls-cert)",
     )
+
+
+def parse_service_config(
+    cls: type, prog: str, description: str, env_prefix: str, default_metrics_port: int, skip: Sequence[str], argv: list[str] | None
+) -> tuple[argparse.ArgumentParser, Any]:
+    """A service's command line: a flag per field of config dataclass ``cls`` (``specdec.flags``)
+    but the serving fields in ``skip``, which ``add_serving_flags`` declares. Returns the parser too,
+    for usage errors about rules across fields; a rule a config's own checks enforce (ValueError) is one."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_flags(parser, cls, env_prefix, skip=skip)
+    add_serving_flags(parser, env_prefix, default_metrics_port)
+    args = parser.parse_args(argv)
+    try:
+        return parser, from_args(parser, cls, args, skip=skip, **serving_options(parser, args))
+    except ValueError as error:
+        parser.error(str(error))
 
 
 def serving_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:

@@ -7,25 +7,26 @@ case, dashes as underscores: SPECDEC_VERIFIER_MAX_BATCH_SIZE); see specdec.flags
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import threading
 
-from specdec.flags import add_flags, from_args
-from specdec.serving import add_serving_flags, announce, serving_options, stop_on_signals
+from specdec.serving import announce, parse_service_config, stop_on_signals
 from verifier_service.server import DEFAULT_METRICS_PORT, SERVING_FIELDS, VerifierConfig, create_server
 
 ENV_PREFIX = "SPECDEC_VERIFIER_"
 
 
 def parse_config(argv: list[str] | None = None) -> VerifierConfig:
-    parser = argparse.ArgumentParser(prog="python -m verifier_service", description="speculative-decoding verifier gRPC service")
-    add_flags(parser, VerifierConfig, ENV_PREFIX, skip=SERVING_FIELDS)
-    add_serving_flags(parser, ENV_PREFIX, DEFAULT_METRICS_PORT)
-    args = parser.parse_args(argv)
-    serving = serving_options(parser, args)
-    config = from_args(parser, VerifierConfig, args, skip=SERVING_FIELDS, **serving)
+    parser, config = parse_service_config(
+        VerifierConfig,
+        "python -m verifier_service",
+        "speculative-decoding verifier gRPC service",
+        ENV_PREFIX,
+        DEFAULT_METRICS_PORT,
+        SERVING_FIELDS,
+        argv,
+    )
     if bool(config.drafter_tls_cert) != bool(config.drafter_tls_key):
         parser.error("--drafter-tls-cert and --drafter-tls-key go together")
     if config.drafter_tls_cert and not config.drafter_tls_ca:

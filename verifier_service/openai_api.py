@@ -426,6 +426,7 @@ class HttpServer:
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self.socket.bind(address)
+            self.socket.listen(2048)  # connections queue from now on, before uvicorn's loop accepts them
         except OSError:
             self.socket.close()
             raise
@@ -434,8 +435,14 @@ class HttpServer:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, name="verifier-http", daemon=True)
 
-    def start(self) -> None:
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Serve, and return once uvicorn accepts connections (RuntimeError if it never does)."""
         self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server on port {self.port} did not start")
+            time.sleep(0.01)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.server.should_exit = True

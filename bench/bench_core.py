@@ -105,13 +105,15 @@ def methods(model, engines: dict, max_new_tokens, workload: Workload) -> dict[st
     return table
 
 
-def measure(model, tokenizer, max_new_tokens: int, rounds: int) -> dict:
+def measure(model, tokenizer, max_new_tokens: int, rounds: int, only: list[str] | None = None) -> dict:
     """Per workload, ``rounds`` rounds of every method over its prompts (interleaved per
     prompt); each method's speedup is the median over rounds of its rate over plain's
     rate in the same round (a shared machine's speed drifts by 10-30% within minutes)."""
     report = {}
     engines = {k: SpeculativeEngine(model, tokenizer) for k in (0, ADAPTIVE, *SPEC_KS)}  # one per method, for the whole run
     for workload in workloads():
+        if only and workload.name not in only:
+            continue
         prompt_ids = [chat_prompt_ids(tokenizer, prompt) for prompt in workload.prompts]
         table = methods(model, engines, max_new_tokens, workload)
         per_round: list[dict] = []
@@ -317,6 +319,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--single-rounds", type=int, default=3, help="rounds of the single-stream run (speedups are medians of same-round ratios)"
     )
+    parser.add_argument(
+        "--workloads", nargs="+", choices=[workload.name for workload in workloads()], help="single-stream workloads to run (default: all)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     loaded = load_model(args.model)
@@ -349,7 +354,7 @@ def main(argv=None) -> None:
         "cpu_count": __import__("os").cpu_count(),
     }
     if args.single:
-        report = measure(model, tokenizer, args.max_new_tokens, args.single_rounds)
+        report = measure(model, tokenizer, args.max_new_tokens, args.single_rounds, args.workloads)
         (args.out / "core.json").write_text(json.dumps({"meta": meta, "workloads": report}, indent=2) + "\n")
         plot(report, args.out / "core_speedup.png")
         print("\n" + markdown_table(report) + "\n\n" + k_table(report))

@@ -12,7 +12,6 @@ decoding beside it, and saves what the page shows.
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import tempfile
 import time
@@ -31,7 +30,6 @@ PROMPT = (
     'Repeat this sentence exactly, twice: "The with statement wraps the execution of a block with methods defined by a '
     'context manager." Then explain it in one sentence.'
 )
-HTTP_LINE = re.compile(r"verifier http on \S+:(\d+)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,10 +47,9 @@ def main(argv: list[str] | None = None) -> None:
                 inherit_stderr=True,
             )
             try:
-                while not (match := HTTP_LINE.search(verifier.read_line())):
-                    pass
+                http_port = verifier.announced_port("http")
                 verifier.wait_until_serving()
-                shoot(verifier, drafter, f"http://127.0.0.1:{match.group(1)}/", args)
+                shoot(verifier, drafter, f"http://127.0.0.1:{http_port}/", args)
             finally:
                 verifier.stop()
         finally:

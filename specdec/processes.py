@@ -88,6 +88,15 @@ class ServiceProcess:
             if match:
                 return int(match.group(1))
 
+    def announced_port(self, what: str, timeout_s: float = STARTUP_TIMEOUT_S) -> int:
+        """The port of the next ``<service> WHAT on HOST:PORT`` line it printed after its listening
+        line (``what``: "metrics", "health", "admin", "http"), skipping the other lines."""
+        pattern = re.compile(rf"^\S+ {re.escape(what)} on \S+:(\d+)")
+        deadline = time.monotonic() + timeout_s
+        while not (match := pattern.search(self.read_line(max(0.0, deadline - time.monotonic())))):
+            pass
+        return int(match.group(1))
+
     def read_line(self, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
         """The next line the process printed on stdout; RuntimeError if none comes in time."""
         try:

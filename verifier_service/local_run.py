@@ -71,11 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             "verifier_service", "--port", "0", "--metrics-port", "-1", "--http-port", "0", "--drafter", drafter.address, inherit_stderr=True
         )
         processes.append(verifier)
-        while "http on" not in (line := verifier.read_line()):
-            pass
-        http = line.split()[3]  # "verifier http on HOST:PORT (...)"
+        http_port = verifier.announced_port("http")
         print(f"drafter on {drafter.address}, verifier on {verifier.address}; waiting for the model...")
-        print(f"(while this runs, its OpenAI-compatible API and live view are at http://{http}/)", flush=True)
+        print(f"(while this runs, its OpenAI-compatible API and live view are at http://127.0.0.1:{http_port}/)", flush=True)
         verifier.wait_until_serving()
         with grpc.insecure_channel(verifier.address) as channel:
             stub = verifier_pb2_grpc.VerifierStub(channel)

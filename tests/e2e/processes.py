@@ -3,8 +3,6 @@ and one that serves the OpenAI-compatible HTTP API."""
 
 from __future__ import annotations
 
-import re
-
 import openai
 
 from specdec.processes import STOP_TIMEOUT_S, ServiceProcess, free_port, running
@@ -13,7 +11,6 @@ from specdec.v1 import verifier_pb2_grpc as rpc
 
 __all__ = ["STOP_TIMEOUT_S", "HttpVerifier", "ServiceProcess", "free_port", "running", "running_tiny_verifier"]
 
-HTTP_LINE = re.compile(r"verifier http on \S+:(\d+)")
 CALL_TIMEOUT_S = 120
 
 
@@ -33,9 +30,7 @@ class HttpVerifier:
             *("--port", "0", "--metrics-port", "-1", "--http-port", "0", "--model", self.model, "--no-calibrate", *args),
         )
         try:
-            while not (match := HTTP_LINE.search(self.process.read_line())):
-                pass
-            self.base = f"http://127.0.0.1:{match.group(1)}"
+            self.base = f"http://127.0.0.1:{self.process.announced_port('http')}"
             self.process.wait_until_serving("specdec.v1.Verifier", CALL_TIMEOUT_S)
         except BaseException:
             self.process.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -511,9 +510,7 @@ def test_a_second_drafter_on_the_same_db_refuses_to_start(tmp_path):
 
 def test_admin_calls_are_served_only_on_the_admin_port(tmp_path):
     with drafter(tmp_path / "db", "--admin-port", "0", "--backup-dir", str(tmp_path / "backups")) as server:
-        lines = [server.read_line() for _ in range(2)]  # metrics, then admin
-        match = re.search(r"drafter admin on [\d.]+:(\d+)", "".join(lines))
-        assert match, lines
+        admin_port = server.announced_port("admin")
         observe(server.stub, "o1", [5, 6, 7, 8, 9, 10])  # verifiers' calls: on the main port
         assert list(propose(server.stub, "s", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]
         for method, request in (("Stats", pb.StatsRequest()), ("Backup", pb.BackupRequest(vocabulary=VOCABULARY, destination="b"))):
@@ -521,7 +518,7 @@ def test_admin_calls_are_served_only_on_the_admin_port(tmp_path):
                 getattr(server.stub, method)(request, timeout=5)
             assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
             assert "admin port" in raised.value.details()
-        with grpc.insecure_channel(f"127.0.0.1:{match.group(1)}") as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{admin_port}") as channel:
             admin = rpc.DrafterStub(channel)
             assert admin.Stats(pb.StatsRequest(), timeout=5).observed_tokens == 6
             assert admin.Backup(pb.BackupRequest(vocabulary=VOCABULARY, destination="b"), timeout=30).bytes > 0

@@ -286,9 +286,7 @@ def test_the_http_api_uses_the_services_tls_and_client_certificates(tiny_model_d
     client_cert, client_key = (str(path) for path in client_certificate)
     tls = ["--tls-cert", cert, "--tls-key", key, "--tls-client-ca", client_cert]
     with running_tiny_verifier(tiny_model_dir, "--http-port", "0", *tls) as verifier:
-        while "http on" not in (line := verifier.read_line()):
-            pass
-        port = line.split()[3].rsplit(":", 1)[1]
+        port = verifier.announced_port("http")
         trusting = ssl.create_default_context(cafile=cert)
         with pytest.raises(httpx.HTTPError):  # plaintext HTTP to a TLS port
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -794,9 +793,7 @@ def test_health_is_not_serving_and_calls_unavailable_until_the_model_is_loaded(t
     )
     args = ("--port", "0", "--http-port", "0", "--model", str(tiny_model_dir), "--no-calibrate")
     with running("verifier_service", *args, env=env) as process:
-        while not (http := re.search(r"verifier http on \S+:(\d+)", process.read_line())):
-            pass
-        base = f"http://127.0.0.1:{http.group(1)}"
+        base = f"http://127.0.0.1:{process.announced_port('http')}"
         health = health_pb2_grpc.HealthStub(process.channel)
         stub = rpc.VerifierStub(process.channel)
         for service in ("", SERVICE):

@@ -173,6 +173,10 @@ def load_model(
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     """``prompt`` as one user message through the chat template (plain tokens without one)."""
     if tokenizer.chat_template:
-        messages = [{"role": "user", "content": prompt}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
     return tokenizer(prompt).input_ids
+
+
+def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """``messages`` ({role, content}) through the chat template, ready for the assistant's turn."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))

@@ -48,6 +48,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from verifier_service.engine import FINISH_LENGTH, GenerationRequest
+from verifier_service.model_loading import chat_ids
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import QueueFull, RequestHandle, ShuttingDown, TokenChunk
 from verifier_service.text import IncrementalDecoder, IncrementalText
@@ -289,7 +290,7 @@ class OpenAIApi:
         if not tokenizer.chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         try:
-            return list(tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False))
+            return chat_ids(tokenizer, plain)
         except Exception as error:  # the template's own rules (role order, ...)
             raise ApiError(400, f"the chat template refused these messages: {error}", param="messages") from None
 

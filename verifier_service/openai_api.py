@@ -93,6 +93,14 @@ def _take(body: dict, name: str, kinds: tuple[type, ...], what: str, default: An
     return value
 
 
+def _float(body: dict, name: str, default: float) -> float:
+    """``body[name]`` as a float; a JSON integer too large for one is the client's error, not ours."""
+    try:
+        return float(_take(body, name, (int, float), "a number", default))
+    except OverflowError:
+        raise ApiError(400, f"{name} must be a finite number; this integer is too large for one", param=name) from None
+
+
 class OpenAIApi:
     """The routes, over a ``VerifierServicer`` (its engine, scheduler, tracing and metrics)."""
 
@@ -100,6 +108,7 @@ class OpenAIApi:
         self.servicer = servicer
         self.model_id = model_id
         self.created = int(time.time())
+        self.page = VIEW.read_text(encoding="utf-8")
         # Waiting on a request's tokens blocks a thread: one per request that may be running or queued.
         config = servicer.config
         self.limiter = anyio.CapacityLimiter(config.engine.max_batch_size + config.scheduler.max_queued + 8)
@@ -121,7 +130,7 @@ class OpenAIApi:
 
     async def view(self, request: Request) -> Response:
         """The live view: one static page that streams a chat completion and colours each token by its source."""
-        return HTMLResponse(VIEW.read_text(encoding="utf-8"))
+        return HTMLResponse(self.page)
 
     async def health(self, request: Request) -> Response:
         if not self.servicer.ready.is_set():
@@ -143,13 +152,10 @@ class OpenAIApi:
     async def _serve(self, request: Request, chat: bool) -> Response:
         if not self.servicer.ready.is_set():
             raise ApiError(503, "the model is still loading; retry when GET /health answers 200", kind="server_error", code="loading")
-        body = await self._body(request)
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
-        generation = self._generation_request(body, chat)
-        stream = _take(body, "stream", (bool,), "true or false", False)
-        options = _take(body, "stream_options", (dict,), "an object", {})
-        include_usage = _take(options, "include_usage", (bool,), "true or false", False)
+        received = await self._body(request)
+        # Parsing, chat templates and tokenizing up to --max-message-bytes take a worker
+        # thread, so the event loop keeps serving the other requests' streams meanwhile.
+        generation, stream, include_usage = await anyio.to_thread.run_sync(self._parse, received, chat, limiter=self.limiter)
         span_context = self.servicer.request_span(propagate.extract(dict(request.headers)))
         span = span_context.__enter__()
         try:
@@ -168,17 +174,27 @@ class OpenAIApi:
         finally:
             reply.close()
 
-    async def _body(self, request: Request) -> Any:
-        """The JSON body, read up to --max-message-bytes (413 beyond it)."""
+    async def _body(self, request: Request) -> bytearray:
+        """The body, read up to --max-message-bytes (413 beyond it)."""
         limit, received = self.servicer.config.max_message_bytes, bytearray()
         async for part in request.stream():
             received += part
             if len(received) > limit:
                 raise ApiError(413, f"the body is over {limit} bytes (--max-message-bytes)", code="body_too_large")
+        return received
+
+    def _parse(self, received: bytearray, chat: bool) -> tuple[GenerationRequest, bool, bool]:
+        """(the request, stream, stream_options.include_usage) from a JSON body."""
         try:
-            return json.loads(received)
+            body = json.loads(received)
         except ValueError:
             raise ApiError(400, "the body must be a JSON object") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        generation = self._generation_request(body, chat)
+        stream = _take(body, "stream", (bool,), "true or false", False)
+        options = _take(body, "stream_options", (dict,), "an object", {})
+        return generation, stream, _take(options, "include_usage", (bool,), "true or false", False)
 
     def _submit(self, generation: GenerationRequest, span) -> RequestHandle:
         try:
@@ -262,9 +278,9 @@ class OpenAIApi:
         if seed is not None and not 0 <= seed < 1 << 64:
             raise ApiError(400, f"seed must be in [0, 2**64), got {seed}", param="seed")
         sampling = SamplingParams(
-            temperature=float(_take(body, "temperature", (int, float), "a number", 1.0)),
+            temperature=_float(body, "temperature", 1.0),
             top_k=_take(body, "top_k", (int,), "an integer", 0),
-            top_p=float(_take(body, "top_p", (int, float), "a number", 1.0)),
+            top_p=_float(body, "top_p", 1.0),
             seed=seed,
         )
         k = _take(body, "num_speculative_tokens", (int,), "an integer (unset: adaptive)")

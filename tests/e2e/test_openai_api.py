@@ -174,10 +174,11 @@ def test_chat_refuses_malformed_messages(server):
     [
         ("POST", "/v1/completions", b"{not json", 400),
         ("POST", "/v1/completions", b"[1, 2]", 400),
+        ("POST", "/v1/completions", b'{"prompt": [5], "temperature": 1' + b"0" * 400 + b"}", 400),  # an int no float holds
         ("GET", "/v1/nothing", None, 404),
         ("GET", "/v1/completions", None, 405),
     ],
-    ids=["not-json", "not-an-object", "no-route", "wrong-method"],
+    ids=["not-json", "not-an-object", "huge-temperature", "no-route", "wrong-method"],
 )
 def test_protocol_errors_have_openais_error_shape(server, method, path, body, status):
     response = httpx.request(method, server.base + path, content=body, timeout=10)
@@ -262,3 +263,11 @@ def test_the_default_model_answers_the_openai_client_as_grpc_does():
         assert tokens == list(reference.token_ids)
     finally:
         verifier.process.stop()
+
+
+def test_a_number_too_large_for_a_float_fails_only_its_own_request(server):
+    body = b'{"prompt": [5], "max_tokens": 2, "temperature": 1' + b"0" * 400 + b"}"
+    response = httpx.post(server.base + "/v1/completions", content=body, timeout=10)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "temperature"
+    assert probe(server)  # the server goes on

@@ -24,7 +24,8 @@ Batch mode (``--batch N``, 0 to skip): N distinct prompts of a kind
 (``bench.workloads.service_prompts``) are prefilled together, then only the
 decoding is timed, for plain, adaptive and fixed K: what batched
 verification and adaptive K control, apart from prefill, which speculation
-cannot speed up. ``--repeats`` rounds of every method; speedups are medians
+cannot speed up. ``oracle-K`` rows draft plain's own output (every draft
+accepted): the most any drafter could give at that K on this machine. ``--repeats`` rounds of every method; speedups are medians
 over rounds of same-round ratios.
 
 Writes ``core.json``, ``core_batch.json``, ``core_speedup.png`` and
@@ -46,7 +47,7 @@ import torch
 
 from bench.workloads import Workload, service_prompts, workloads
 from drafter_service.sessions import NGramDrafter
-from verifier_service.drafting import SessionProposer
+from verifier_service.drafting import DraftProposer, DraftRequest, ProposedDraft, SessionProposer
 from verifier_service.engine import GenerationRequest, SpeculativeEngine
 from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
 
@@ -56,10 +57,36 @@ ADAPTIVE = None  # num_speculative_tokens unset: the engine chooses per step
 # Both are measured and the faster one is the baseline we compare against.
 PLD_KS = (3, 10)
 BATCH_KS = (0, ADAPTIVE, 3, 5, 8)
+# Batch mode's ceiling: a drafter that always proposes plain's own output.
+ORACLE_KS = (2, 4, 8)
 
 
 def method_name(k: int | None) -> str:
     return "plain" if k == 0 else "adaptive" if k is ADAPTIVE else f"spec-{k}"
+
+
+class ReferenceOracle:
+    """A proposer whose every draft is right: the rest of plain decoding's output.
+
+    Run beside the n-gram drafter in batch mode, it measures the ceiling this
+    machine puts on batched verification: what speculation at a fixed K would
+    give if no draft token were ever rejected. If even that is slower than a
+    target, no drafter and no choice of K can reach it here.
+    """
+
+    def __init__(self, references: list[list[int]]) -> None:
+        self.references = references  # prompt + plain's output, per sequence
+
+    def propose(self, requests: list[DraftRequest]) -> list[ProposedDraft]:
+        drafts = []
+        for request in requests:
+            length = len(request.tokens)
+            reference = next((r for r in self.references if r[:length] == request.tokens), [])
+            drafts.append(ProposedDraft(reference[length : length + request.k]))
+        return drafts
+
+    def close(self, finished) -> None:
+        pass
 
 
 def run_engine(engine: SpeculativeEngine, prompt_ids, max_new_tokens, k, drafter):
@@ -228,12 +255,17 @@ def measure_batch(model, tokenizer, batch: int, max_new_tokens: int, repeats: in
         rounds, reference = [], None
         for round_ in range(repeats):
             cells = {}
-            for k in BATCH_KS:
-                engine = SpeculativeEngine(model, tokenizer, SessionProposer(NGramDrafter()))
+            for name, k in [(method_name(k), k) for k in BATCH_KS] + [(f"oracle-{k}", k) for k in ORACLE_KS]:
+                if name.startswith("oracle"):
+                    assert reference is not None  # plain runs first
+                    proposer: DraftProposer = ReferenceOracle([prompt + output for prompt, output in zip(prompts, reference)])
+                else:
+                    proposer = SessionProposer(NGramDrafter())
+                engine = SpeculativeEngine(model, tokenizer, proposer)
                 tokens, seconds, stats = decode_batch(engine, prompts, max_new_tokens, k)
                 reference = tokens if reference is None else reference
                 decoded = sum(map(len, tokens)) - len(tokens)  # the first token of each comes from prefill
-                cells[method_name(k)] = {
+                cells[name] = {
                     "decode_tokens": decoded,
                     "seconds": round(seconds, 3),
                     "tokens_per_s": round(decoded / seconds, 2),
@@ -241,7 +273,7 @@ def measure_batch(model, tokenizer, batch: int, max_new_tokens: int, repeats: in
                     "tokens_per_pass_per_sequence": round(stats["tokens"] / stats["row_passes"], 3),
                     "identical_to_plain": tokens == reference,
                 }
-                print(f"batch {batch} {kind} round {round_} {method_name(k)}: {cells[method_name(k)]}", flush=True)
+                print(f"batch {batch} {kind} round {round_} {name}: {cells[name]}", flush=True)
             for cell in cells.values():
                 cell["speedup_vs_plain"] = round(cell["tokens_per_s"] / cells["plain"]["tokens_per_s"], 3)
             rounds.append(cells)
@@ -279,7 +311,7 @@ def decode_batch(engine: SpeculativeEngine, prompts, max_new_tokens: int, k) -> 
 
 
 def batch_table(report, batch: int) -> str:
-    names = [method_name(k) for k in BATCH_KS]
+    names = [method_name(k) for k in BATCH_KS] + [f"oracle-{k}" for k in ORACLE_KS]
     lines = [f"| {batch} sequences, decode only | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for kind, cells in report.items():
         lines.append(f"| {kind} tok/s (median) | " + " | ".join(f"{cells[m]['tokens_per_s']:.1f}" for m in names) + " |")

@@ -1,0 +1,44 @@
+"""The benchmarks' own tools: bench_core's reference oracle (every draft accepted) and the draft replay."""
+
+from __future__ import annotations
+
+import math
+
+from bench.bench_core import ReferenceOracle, decode_batch
+from bench.draft_replay import ngram, prompt_lookup, replay
+from drafter_service.ngram import NGramConfig
+from drafter_service.sessions import NGramDrafter
+from verifier_service.drafting import DraftRequest, SessionProposer
+from verifier_service.engine import SpeculativeEngine
+
+
+def test_oracle_drafts_the_rest_of_each_reference():
+    oracle = ReferenceOracle([[5, 6, 7, 8, 9], [5, 6, 2, 3]])
+    drafts = oracle.propose([DraftRequest("a", [5, 6, 7], 4), DraftRequest("b", [5, 6, 2], 4), DraftRequest("c", [4], 2)])
+    assert [draft.tokens for draft in drafts] == [[8, 9], [3], []]
+
+
+def test_oracle_at_fixed_k_is_accepted_whole_and_changes_nothing(tiny_model, tiny_tokenizer):
+    prompts = [[2, 3, 4, 5], [7, 8, 9, 10, 11, 12], [20, 21, 22]]
+    k, new = 4, 17
+    plain, _, _ = decode_batch(SpeculativeEngine(tiny_model, tiny_tokenizer, SessionProposer(NGramDrafter())), prompts, new, 0)
+    oracle = ReferenceOracle([prompt + output for prompt, output in zip(prompts, plain)])
+    tokens, _, stats = decode_batch(SpeculativeEngine(tiny_model, tiny_tokenizer, oracle), prompts, new, k)
+    assert tokens == plain
+    # Each row pass after the first token yields k + 1 tokens but for each sequence's last.
+    assert stats["row_passes"] == sum(math.ceil((len(output) - 1) / (k + 1)) for output in plain)
+
+
+def test_replay_advances_by_the_accepted_prefix_plus_one():
+    # Prefill gave 3; the context [1 2 3 4 1 2 3] drafts 4 1 2 3 (cut to the 4 tokens left),
+    # the output goes on 4 1 2 7: three accepted, then the target's 7, in one pass.
+    report = replay(ngram(NGramConfig()), [([1, 2, 3, 4, 1, 2], [3, 4, 1, 2, 7])], k=8)
+    assert report["passes"] == 1
+    assert report["tokens_per_pass"] == 4
+    assert report["accepted_share_of_drafted"] == 0.75
+    assert report["pass_kinds"] == {"partly": 1.0}
+
+
+def test_replay_counts_passes_without_drafts():
+    report = replay(prompt_lookup(most_recent=True), [([5, 6], [7, 8, 9])], k=4)
+    assert report == {"passes": 2, "tokens_per_pass": 1.0, "accepted_share_of_drafted": 0.0, "pass_kinds": {"no draft": 1.0}}

@@ -65,6 +65,10 @@ def method_name(k: int | None) -> str:
     return "plain" if k == 0 else "adaptive" if k is ADAPTIVE else f"spec-{k}"
 
 
+# (name, K, drafts from the oracle) of every batch-mode method, plain first.
+BATCH_METHODS = [(method_name(k), k, False) for k in BATCH_KS] + [(f"oracle-{k}", k, True) for k in ORACLE_KS]
+
+
 class ReferenceOracle:
     """A proposer whose every draft is right: the rest of plain decoding's output.
 
@@ -76,17 +80,22 @@ class ReferenceOracle:
 
     def __init__(self, references: list[list[int]]) -> None:
         self.references = references  # prompt + plain's output, per sequence
+        self._sessions: dict[str, list[int]] = {}  # session -> its reference, found on its first call
 
     def propose(self, requests: list[DraftRequest]) -> list[ProposedDraft]:
         drafts = []
         for request in requests:
             length = len(request.tokens)
-            reference = next((r for r in self.references if r[:length] == request.tokens), [])
+            reference = self._sessions.get(request.session_id)
+            if reference is None:
+                reference = next((r for r in self.references if r[:length] == request.tokens), [])
+                self._sessions[request.session_id] = reference
             drafts.append(ProposedDraft(reference[length : length + request.k]))
         return drafts
 
     def close(self, finished) -> None:
-        pass
+        for session_id, _ in finished:
+            self._sessions.pop(session_id, None)
 
 
 def run_engine(engine: SpeculativeEngine, prompt_ids, max_new_tokens, k, drafter):
@@ -255,8 +264,8 @@ def measure_batch(model, tokenizer, batch: int, max_new_tokens: int, repeats: in
         rounds, reference = [], None
         for round_ in range(repeats):
             cells = {}
-            for name, k in [(method_name(k), k) for k in BATCH_KS] + [(f"oracle-{k}", k) for k in ORACLE_KS]:
-                if name.startswith("oracle"):
+            for name, k, oracle in BATCH_METHODS:
+                if oracle:
                     assert reference is not None  # plain runs first
                     proposer: DraftProposer = ReferenceOracle([prompt + output for prompt, output in zip(prompts, reference)])
                 else:
@@ -311,7 +320,7 @@ def decode_batch(engine: SpeculativeEngine, prompts, max_new_tokens: int, k) -> 
 
 
 def batch_table(report, batch: int) -> str:
-    names = [method_name(k) for k in BATCH_KS] + [f"oracle-{k}" for k in ORACLE_KS]
+    names = [name for name, _, _ in BATCH_METHODS]
     lines = [f"| {batch} sequences, decode only | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for kind, cells in report.items():
         lines.append(f"| {kind} tok/s (median) | " + " | ".join(f"{cells[m]['tokens_per_s']:.1f}" for m in names) + " |")

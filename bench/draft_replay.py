@@ -85,7 +85,7 @@ def replay(draft: Drafter, references: list[tuple[list[int], list[int]]], k: int
     }
 
 
-def single_token_keys(references: list[tuple[list[int], list[int]]], k: int) -> dict:
+def single_token_keys(references: list[tuple[list[int], list[int]]]) -> dict:
     """At positions where 2-token keys find nothing: how often 1-token keys' first draft token is right."""
     short, shorter = ngram(NGramConfig()), ngram(NGramConfig(n_min=1))
     positions = drafted = right = 0
@@ -124,7 +124,7 @@ def main(argv=None) -> None:
         "prompt lookup, first occurrence": prompt_lookup(most_recent=False),
     }
     report = {name: replay(rule, references, args.k) for name, rule in rules.items()}
-    report["1-token keys where 2-token keys find nothing"] = single_token_keys(references, args.k)
+    report["1-token keys where 2-token keys find nothing"] = single_token_keys(references)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"model": args.model, "kind": args.kind, "prompts": len(prompts), "k": args.k, "max_new_tokens": args.max_new_tokens}
     (args.out / "draft_replay.json").write_text(json.dumps({"meta": meta, "rules": report}, indent=2) + "\n")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import sys
 
-from drafter_service.server import DEFAULT_METRICS_PORT, SERVING_FIELDS, DirectoryLocked, DrafterConfig, create_server
+from drafter_service.config import DEFAULT_METRICS_PORT, SERVING_FIELDS, DrafterConfig
+from drafter_service.server import create_server
+from drafter_service.storage import DirectoryLocked
 from specdec.serving import announce, parse_service_config, stop_on_signals
 
 ENV_PREFIX = "SPECDEC_DRAFTER_"

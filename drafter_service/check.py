@@ -18,7 +18,8 @@ from pathlib import Path
 
 import lmdb
 
-from drafter_service.server import LOCK_FILE_NAME, VOCABULARY_PATTERN
+from drafter_service.config import VOCABULARY_PATTERN
+from drafter_service.storage import LOCK_FILE_NAME
 from drafter_service.store import (
     _META_VERSION,
     _OUR_DATABASES,

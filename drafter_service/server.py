@@ -15,27 +15,23 @@ durable. Reads run in their own LMDB read transactions and never wait.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import logging
-import os
 import queue
 import re
 import shutil
 import threading
 import time
-from collections import deque
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
-import lmdb
 from grpc_health.v1 import health
 
+from drafter_service.config import VOCABULARY_PATTERN, DrafterConfig
 from drafter_service.metrics import DrafterMetrics
-from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, NGramConfig, NGramSource
+from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, NGramSource
 from drafter_service.sessions import (
     BAD_FEEDBACK,
     BUSY,
@@ -48,17 +44,17 @@ from drafter_service.sessions import (
     SessionLimits,
     SessionTable,
 )
-from drafter_service.store import MAX_OBSERVE_ID_BYTES, LMDBNGramStore, StoreConfig, StoreFormatError, StoreFull
+from drafter_service.storage import DiskFull, StoreRegistry, TooManyVocabularies
+from drafter_service.store import MAX_OBSERVE_ID_BYTES, LMDBNGramStore, StoreFull
+from drafter_service.writer import CHUNK_SUFFIX_BYTES, ObservationWriter, _Pending
 from specdec import serving, telemetry
-from specdec.flags import check_minimums, setting
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
-# Beside Prometheus' own 9090 without clashing with the usual node exporters.
-DEFAULT_METRICS_PORT = 9101
-VOCABULARY_PATTERN = re.compile(r"[0-9a-f]{16}")  # always with fullmatch: "$" also matches before a final newline
+# Seconds between the janitor's rounds (idle sessions, dead readers' slots).
+JANITOR_INTERVAL_S = 5.0
 # A backup's name: one plain path component, nothing a filesystem reads specially.
 BACKUP_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SOURCES = {SOURCE_CONTEXT: drafter_pb2.DRAFT_SOURCE_CONTEXT, SOURCE_GLOBAL: drafter_pb2.DRAFT_SOURCE_GLOBAL}
@@ -73,277 +69,6 @@ SESSION_STATUS = {
 }
 
 
-@dataclass(frozen=True)
-class DrafterConfig:
-    """The drafter's settings; each field is a flag and a SPECDEC_DRAFTER_* variable
-    (``specdec.flags``), apart from SERVING_FIELDS. Lower bounds hold in-process too."""
-
-    port: int = setting(50051, help="gRPC port (0: a free one; tests, several instances on one host)")
-    host: str = setting("127.0.0.1", help="address to bind")
-    db: str = setting("data/drafter", help="directory of the LMDB tables, one per vocabulary fingerprint")
-    # 1 GiB is days of a busy service's n-grams.
-    max_bytes: int = setting(1 << 30, minimum=1 << 16, help="size bound per vocabulary's table, in bytes")
-    ngram: NGramConfig = field(default_factory=NGramConfig)
-    # Verification cost grows with K, and n-gram chains rarely stay right for
-    # more than a few dozen tokens.
-    max_draft_tokens: int = setting(32, minimum=1, help="draft tokens one sequence may ask for")
-    # Above every real vocabulary (~260k), far below uint32 overflow, so a
-    # corrupt id fails loudly instead of polluting the table.
-    max_token_id: int = setting(1 << 24, minimum=1, help="token ids must be below this")
-    # Each is a small dict of its context's n-grams.
-    max_sessions: int = setting(10_000, minimum=1, help="sessions open at once")
-    # A verifier needs one per in-flight request (a batch is at most a few
-    # hundred), so no single client, broken or hostile, can take every session from the others.
-    max_sessions_per_caller: int = setting(
-        2048, minimum=1, help="sessions one caller (client certificate, else peer address) holds at once"
-    )
-    # Indexed, ~600 bytes each: a 128K-token context, and ~80 MB per session at most.
-    max_session_tokens: int = setting(1 << 17, minimum=1, help="tokens one session may hold")
-    # Its verifier request is surely gone by then.
-    session_idle_timeout_s: float = setting(600.0, minimum=0.001, help="seconds after which an untouched session is closed")
-    # A verifier batch is at most a few hundred.
-    max_sequences_per_call: int = setting(1024, minimum=1, help="sequences in one Propose or Observe")
-    # A 128K-token context; bounds one call's memory and time.
-    max_tokens_per_call: int = setting(1 << 17, minimum=1, help="tokens in one Propose or Observe")
-    max_pending_observations: int = setting(
-        4096, minimum=1, help="observations queued for the writer; beyond, Observe answers RESOURCE_EXHAUSTED"
-    )
-    # 128K uint32 tokens encode to at most ~0.7 MB.
-    max_message_bytes: int = setting(8 << 20, minimum=1, help="gRPC message size cap, both ways, in bytes")
-    grace_s: float = setting(5.0, minimum=0.0, help="seconds SIGTERM gives in-flight calls")
-    max_workers: int = setting(16, minimum=1, help="gRPC worker threads: calls served at once")
-    # One LMDB table each: 3 file descriptors and 8x max_bytes of address space;
-    # a deployment serves one or two models.
-    max_vocabularies: int = setting(8, minimum=1, help="tables (one per tokenizer fingerprint) the drafter creates")
-    dedup_window_hours: int = setting(24, minimum=1, help="hours an observe_id is remembered, so that a retry is not counted twice")
-    # One commit of a 128K-token call dirties ~40 MB; as etcd's NOSPACE alarm,
-    # Propose keeps serving, and writes resume once space is back.
-    min_free_mb: int = setting(
-        64, minimum=1, help="MiB the disk holding --db keeps free: below, writes are refused (RESOURCE_EXHAUSTED) and drafts still served"
-    )
-    # When set, the main port refuses Stats and Backup (PERMISSION_DENIED), so
-    # verifiers' network reaches only Propose, Observe, CloseSessions.
-    admin_port: int | None = setting(
-        None, help="serve Stats and Backup on this port only, on --admin-host (0: a free one; none: on the main port)"
-    )
-    admin_host: str = setting("127.0.0.1", help="address of the admin port")
-    # One folder per backup, named by the caller. Never the --db directory or inside it.
-    backup_dir: str | None = setting(None, help="directory the Backup RPC writes into, outside --db (none: Backup refused)")
-    # The flags every service shares (serving.add_serving_flags):
-    # Prometheus /metrics port (0: a free one; None: not served, the default
-    # for in-process servers; the command line serves on DEFAULT_METRICS_PORT).
-    metrics_port: int | None = None
-    # Plaintext gRPC health Check outside the worker pool (serving.serve_health); None: not served.
-    health_port: int | None = None
-    # PEM certificate and key: serve over TLS when both are set.
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    # PEM CA: require client certificates it signed (mutual TLS).
-    tls_client_ca: str | None = None
-
-    def __post_init__(self) -> None:
-        check_minimums(self)
-        if self.backup_dir is not None:
-            backups, db = Path(self.backup_dir).resolve(), Path(self.db).resolve()
-            if backups == db or db in backups.parents:
-                raise ValueError(f"the backup directory {self.backup_dir!r} must lie outside the table directory {self.db!r}")
-
-
-SERVING_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "metrics_port", "health_port")
-
-
-# Seconds between the janitor's rounds (idle sessions, dead readers' slots).
-JANITOR_INTERVAL_S = 5.0
-# Observed tokens cost about this many table bytes (3 n-gram records with
-# their coldness entries, measured ~250-300 bytes on fresh text).
-TABLE_BYTES_PER_TOKEN = 300
-# Epochs a full table spans: eviction takes the oldest epoch first, so with
-# several epochs per table the newest n-grams are the last to go.
-EPOCHS_PER_TABLE = 4
-
-
-def epoch_tokens(max_bytes: int) -> int:
-    """Tokens per decay epoch for a table of ``max_bytes``: 1 GiB -> 894,784."""
-    return max(1000, max_bytes // (TABLE_BYTES_PER_TOKEN * EPOCHS_PER_TABLE))
-
-
-class TooManyVocabularies(Exception):
-    pass
-
-
-class DiskFull(Exception):
-    """Writes are refused: the disk holding --db is (nearly) full."""
-
-
-class DiskSpace:
-    """Free space on the disk holding --db, and whether writes are refused for want of it.
-
-    Read before every commit and every table creation (a statvfs call), and by
-    the janitor, which clears the refusal once an operator has freed space.
-    """
-
-    def __init__(self, root: Path, min_free_bytes: int) -> None:
-        self.root, self.min_free_bytes = root, min_free_bytes
-        self.full = False
-        self.free_bytes = 0
-        self._lock = threading.Lock()
-        self.check()
-
-    def check(self) -> bool:
-        """Re-read the free space; True while writes are refused."""
-        stat = os.statvfs(self.root)
-        with self._lock:
-            self.free_bytes = stat.f_bavail * stat.f_frsize
-            full = self.free_bytes < self.min_free_bytes
-            if full and not self.full:
-                log.error("%s; drafts are still served", self.refusal())
-            elif self.full and not full:
-                log.warning("the disk holding %s has %d MiB free again: observations are written again", self.root, self.free_bytes >> 20)
-            self.full = full
-        return full
-
-    def refusal(self) -> str:
-        return (
-            f"the disk holding the drafter's tables ({self.root}) has {self.free_bytes >> 20} MiB free, below "
-            f"--min-free-mb {self.min_free_bytes >> 20}: observations are refused until space is freed"
-        )
-
-
-class DirectoryLocked(RuntimeError):
-    pass
-
-
-# In --db: held (flock) by the one drafter process that serves the directory.
-LOCK_FILE_NAME = "drafter.lock"
-
-
-def _lock_directory(root: Path):
-    """Hold ``root``'s lock file for this process's life (the kernel drops it when the process dies)."""
-    handle = open(root / LOCK_FILE_NAME, "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise DirectoryLocked(
-            f"another drafter ({holder}) is serving --db {root}: two processes writing one store would corrupt it; "
-            "stop that one, or give this one its own --db"
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()}\n")
-    handle.flush()
-    return handle
-
-
-class StoreRegistry:
-    """One store per vocabulary fingerprint, opened on first use and kept open.
-
-    Only writes create a table (``get``); reads look one up (``find``), so a
-    stranger's fingerprint in a read-only call costs nothing. At most
-    ``max_vocabularies`` tables are created; those found at start-up always open.
-    """
-
-    def __init__(self, config: DrafterConfig) -> None:
-        self.config = config
-        self.root = Path(config.db)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._directory_lock = _lock_directory(self.root)
-        self.disk = DiskSpace(self.root, config.min_free_mb << 20)
-        self._stores: dict[str, LMDBNGramStore] = {}
-        self._lock = threading.Lock()
-        self.quarantined: list[str] = []  # tables set aside at start-up, as renamed
-        for existing in sorted(self.root.iterdir()):  # reopen warm tables at start-up
-            if not (existing.is_dir() and VOCABULARY_PATTERN.fullmatch(existing.name)):
-                continue
-            if _half_made(existing):
-                log.warning(
-                    "table %s was never completed (its creation was cut short, a full disk?): removed, it held nothing", existing.name
-                )
-                shutil.rmtree(existing)
-                continue
-            try:
-                self.get(existing.name, create=False)
-            except DiskFull as full:  # not the table's fault: opened on first write once there is room
-                log.error("table %s not opened at start-up: %s", existing.name, full)
-            except (StoreFormatError, lmdb.Error) as error:  # one bad table must not stop the others
-                self._quarantine(existing, error)
-
-    def _quarantine(self, table: Path, error: BaseException) -> None:
-        aside = table.with_name(f"{table.name}.quarantined-{time.strftime('%Y%m%dT%H%M%S')}")
-        table.rename(aside)
-        self.quarantined.append(aside.name)
-        log.error(
-            "table %s cannot be served (%s); moved aside to %s, serving the others. python -m drafter_service.check --db %s says more",
-            table.name,
-            error,
-            aside.name,
-            self.root,
-        )
-
-    def find(self, vocabulary: str) -> LMDBNGramStore | None:
-        return self._stores.get(vocabulary)
-
-    def get(self, vocabulary: str, create: bool = True) -> LMDBNGramStore:
-        store = self._stores.get(vocabulary)
-        if store is not None:
-            return store
-        with self._lock:
-            if vocabulary not in self._stores:
-                if create and len(self._stores) >= self.config.max_vocabularies:
-                    raise TooManyVocabularies(
-                        f"the drafter already holds {len(self._stores)} vocabularies (limit {self.config.max_vocabularies}, "
-                        f"--max-vocabularies); {vocabulary} gets no table"
-                    )
-                self._stores[vocabulary] = self._open(vocabulary)
-            return self._stores[vocabulary]
-
-    def _open(self, vocabulary: str) -> LMDBNGramStore:
-        """Open (or create) a table, never on a full disk: LMDB writes its new files
-        through a map, where running out of space is a SIGBUS rather than an error."""
-        table = self.root / vocabulary
-        new = not table.exists()
-        if new and self.disk.check():  # an existing table opens read-mostly: reserve_lock_file guards it
-            raise DiskFull(f"{self.disk.refusal()}; table {vocabulary} not opened")
-        try:
-            store_config = StoreConfig(
-                path=str(table),
-                namespace=bytes.fromhex(vocabulary),
-                n_min=self.config.ngram.n_min,
-                n_max=self.config.ngram.n_max,
-                max_bytes=self.config.max_bytes,
-                epoch_observations=epoch_tokens(self.config.max_bytes),
-                dedup_window_hours=self.config.dedup_window_hours,
-            )
-            return LMDBNGramStore(store_config)
-        except (OSError, lmdb.Error) as error:
-            if new and table.exists():  # leave no half-made table behind
-                shutil.rmtree(table, ignore_errors=True)
-            if self.disk.check() or (isinstance(error, OSError) and error.errno == errno.ENOSPC):
-                raise DiskFull(f"{self.disk.refusal()}; table {vocabulary} not opened") from error
-            raise
-
-    def all(self) -> dict[str, LMDBNGramStore]:
-        return dict(self._stores)
-
-    def close(self) -> None:
-        with self._lock:
-            for store in self._stores.values():
-                store.close()
-            self._stores.clear()
-            if not self._directory_lock.closed:
-                self._directory_lock.close()  # releases the flock
-
-
-def _half_made(table: Path) -> bool:
-    """A table folder whose creation was cut short: a lock file at most, no data."""
-    data_file = table / "data.mdb"
-    if data_file.exists() and data_file.stat().st_size > 0:
-        return False
-    return {entry.name for entry in table.iterdir()} <= {"lock.mdb", "data.mdb"}
-
-
 class _NoTable:
     """What Propose reads for a vocabulary with no table yet: no n-grams."""
 
@@ -355,178 +80,6 @@ class _NoTable:
 
 
 _NO_TABLE = _NoTable()
-
-
-# A long observation is committed in chunks of this many tokens (~0.1 s each
-# here), and one transaction takes at most WRITE_BATCH_TOKENS, so a 128K-token
-# call (~4.5 s to commit whole) never holds the writer while small ones wait.
-CHUNK_TOKENS = 4096
-WRITE_BATCH_TOKENS = 8192
-# Bytes an observe id keeps free for a chunk's "#<index>" suffix.
-CHUNK_SUFFIX_BYTES = 8
-
-
-@dataclass(eq=False)  # hashed by identity
-class _Pending:
-    store: LMDBNGramStore
-    observe_id: str | None
-    tokens: list[int]
-    done: threading.Event = field(default_factory=threading.Event)
-    applied: bool = False
-    error: BaseException | None = None
-    next_chunk: int = 0  # chunks before it are committed
-    deadline: float | None = None  # time.monotonic() when its caller gives up; None: never
-
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() > self.deadline
-
-    @property
-    def chunks(self) -> int:
-        return max(1, -(-len(self.tokens) // CHUNK_TOKENS))
-
-    def chunk(self, index: int) -> tuple[str | None, list[int], int]:
-        """Chunk ``index`` as the store applies it: (id, tokens, start). Each chunk is
-        de-duplicated under its own id, so a retry after a partial commit stores only
-        the rest; it carries the n_max tokens before it as context (see count_ngrams)."""
-        if self.chunks == 1:
-            return self.observe_id, self.tokens, 0
-        low = index * CHUNK_TOKENS
-        context = min(low, self.store.config.n_max)
-        chunk_id = None if self.observe_id is None else f"{self.observe_id}#{index}"
-        return chunk_id, self.tokens[low - context : low + CHUNK_TOKENS], context
-
-
-class ObservationWriter(threading.Thread):
-    """The only writer: commits queued observations in groups, then acknowledges them.
-
-    Fair to small calls: each transaction takes the next chunk of every waiting
-    observation that fits in WRITE_BATCH_TOKENS, round-robin, so a small Observe
-    is stored in the first transaction after it arrives, whatever long ones are
-    in progress, and long ones always advance.
-    """
-
-    def __init__(self, max_pending: int, disk: DiskSpace) -> None:
-        super().__init__(name="drafter-writer", daemon=True)
-        self.queue: queue.Queue[_Pending | None] = queue.Queue(maxsize=max_pending)
-        self.disk = disk
-
-    def submit(self, items: list[_Pending]) -> None:
-        for item in items:
-            self.queue.put_nowait(item)  # queue.Full -> the caller answers RESOURCE_EXHAUSTED
-
-    def run(self) -> None:
-        waiting: deque[_Pending] = deque()  # with chunks left, the longest-waiting first
-        stopping = False
-        while True:
-            while True:  # block only when there is nothing to do
-                try:
-                    item = self.queue.get(block=not (waiting or stopping))
-                except queue.Empty:
-                    break
-                if item is None:
-                    stopping = True
-                else:
-                    waiting.append(item)
-            if not waiting:
-                if stopping:
-                    return
-                continue
-            group: list[tuple[_Pending, int]] = []
-            try:
-                group = self._next_group(waiting)
-                self._commit(group)
-            except Exception as error:  # a bug here must never leave callers waiting forever
-                log.exception("the observation writer failed; failing what it holds")
-                group = [*group, *((item, 0) for item in waiting)]
-                waiting.clear()
-                for item, _ in group:
-                    item.error = item.error or error
-            for item in dict.fromkeys(item for item, _ in group):  # an item may have several chunks in it
-                if item.error is None and item.next_chunk < item.chunks and item.expired():
-                    # Its caller has given up: the chunks stored are kept (a retry skips them by id).
-                    item.error = TimeoutError("the caller's deadline passed before the observation was stored whole")
-                if item.error is None and item.next_chunk < item.chunks:
-                    waiting.append(item)
-                else:
-                    item.done.set()
-
-    @staticmethod
-    def _next_group(waiting: deque[_Pending]) -> list[tuple[_Pending, int]]:
-        """One transaction's chunks, within WRITE_BATCH_TOKENS: the next chunk of every
-        waiting observation that fits, in waiting order (always the first); then, with
-        room left, more chunks of those taken. Those that did not fit stay first in line."""
-        group: list[tuple[_Pending, int]] = []
-        tokens = 0
-
-        def size(item: _Pending) -> int:  # its next chunk's own tokens
-            return min(len(item.tokens) - item.next_chunk * CHUNK_TOKENS, CHUNK_TOKENS)
-
-        def take(item: _Pending) -> None:
-            nonlocal tokens
-            tokens += size(item)
-            group.append((item, item.next_chunk))
-            item.next_chunk += 1
-
-        skipped = []
-        while waiting:
-            item = waiting.popleft()
-            if group and tokens + size(item) > WRITE_BATCH_TOKENS:
-                skipped.append(item)
-            else:
-                take(item)
-        waiting.extend(skipped)
-        for item in list(dict.fromkeys(item for item, _ in group)):
-            while item.next_chunk < item.chunks and tokens + size(item) <= WRITE_BATCH_TOKENS:
-                take(item)
-        return group
-
-    def _commit(self, group: list[tuple[_Pending, int]]) -> None:
-        by_store: dict[int, list[tuple[_Pending, int]]] = {}
-        for item, index in group:
-            by_store.setdefault(id(item.store), []).append((item, index))
-        for chunks in by_store.values():
-            self._commit_table(chunks)
-
-    def _commit_table(self, chunks: list[tuple[_Pending, int]]) -> None:
-        """Store one table's chunks; each item gets its outcome or its own error."""
-        if self.disk.check():
-            self._refuse(chunks)
-            return
-        try:
-            self._apply(chunks)
-        except StoreFull as full:  # those without room answer a retryable error; the rest are stored
-            for (item, _), applied in zip(chunks, full.results):
-                if applied is None:
-                    item.error = full
-                else:
-                    item.applied |= applied
-        except Exception as error:
-            if self.disk.check():  # the commit ran out of disk (LMDB: EIO or ENOSPC); nothing was written
-                log.error("observation commit failed for want of disk space: %s", error)
-                self._refuse(chunks)
-                return
-            for chunk in chunks:  # one item's fault must not fail the others' callers: each alone
-                try:
-                    self._apply([chunk])
-                except Exception as error:  # reported to its caller, never kills the writer
-                    log.exception("observation commit failed")
-                    chunk[0].error = error
-
-    def _refuse(self, chunks: list[tuple[_Pending, int]]) -> None:
-        """Nothing of ``chunks`` is written: the disk is full (their callers retry)."""
-        full = DiskFull(self.disk.refusal())
-        for item, _ in chunks:
-            item.error = full
-
-    @staticmethod
-    def _apply(chunks: list[tuple[_Pending, int]]) -> None:
-        results = chunks[0][0].store.apply([item.chunk(index) for item, index in chunks])
-        for (item, _), applied in zip(chunks, results):
-            item.applied |= applied
-
-    def stop(self) -> None:
-        self.queue.put(None)
-        self.join()
 
 
 def _caller(context) -> str:

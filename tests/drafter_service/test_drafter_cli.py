@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
 from drafter_service.__main__ import parse_config
-from drafter_service.server import SERVING_FIELDS, DrafterConfig
+from drafter_service.config import SERVING_FIELDS, DrafterConfig
 from specdec.flags import flags
 
 SETTINGS = {  # flag -> (config field path, a value other than its default)
@@ -68,3 +70,11 @@ def test_a_bad_value_is_a_usage_error_naming_the_flag(argv, message, capsys):
 def test_limits_hold_in_process_too():
     with pytest.raises(ValueError, match=r"^max_sessions must be >= 1, got 0$"):
         DrafterConfig(max_sessions=0)
+
+
+def test_the_offline_check_imports_neither_grpc_nor_the_server():
+    """``python -m drafter_service.check`` reads a store offline: the store's lifecycle and config
+    live apart from the gRPC servicer, so it loads neither (checked in a fresh interpreter)."""
+    probe = "import sys, drafter_service.check; print(sorted(m for m in ('grpc', 'drafter_service.server') if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"

@@ -9,8 +9,11 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from drafter_service.server import CHUNK_TOKENS, DrafterConfig, DrafterServicer, ObservationWriter, StoreRegistry, _Pending
+from drafter_service.config import DrafterConfig
+from drafter_service.server import DrafterServicer
+from drafter_service.storage import StoreRegistry
 from drafter_service.store import LMDBNGramStore, StoreConfig, StoreFull
+from drafter_service.writer import CHUNK_TOKENS, ObservationWriter, _Pending
 from specdec.v1 import drafter_pb2 as pb
 
 VOCABULARY = "00112233445566aa"

@@ -1,0 +1,188 @@
+"""The drafter's one writer: ``ObservationWriter`` commits queued observations to
+their tables in groups (group commit), then acknowledges them. Knows no gRPC: a
+handler queues ``_Pending`` items and waits on each one's ``done``."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from drafter_service.storage import DiskFull, DiskSpace
+from drafter_service.store import LMDBNGramStore, StoreFull
+
+log = logging.getLogger(__name__)
+
+# A long observation is committed in chunks of this many tokens (~0.1 s each
+# here), and one transaction takes at most WRITE_BATCH_TOKENS, so a 128K-token
+# call (~4.5 s to commit whole) never holds the writer while small ones wait.
+CHUNK_TOKENS = 4096
+WRITE_BATCH_TOKENS = 8192
+# Bytes an observe id keeps free for a chunk's "#<index>" suffix.
+CHUNK_SUFFIX_BYTES = 8
+
+
+@dataclass(eq=False)  # hashed by identity
+class _Pending:
+    store: LMDBNGramStore
+    observe_id: str | None
+    tokens: list[int]
+    done: threading.Event = field(default_factory=threading.Event)
+    applied: bool = False
+    error: BaseException | None = None
+    next_chunk: int = 0  # chunks before it are committed
+    deadline: float | None = None  # time.monotonic() when its caller gives up; None: never
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    @property
+    def chunks(self) -> int:
+        return max(1, -(-len(self.tokens) // CHUNK_TOKENS))
+
+    def chunk(self, index: int) -> tuple[str | None, list[int], int]:
+        """Chunk ``index`` as the store applies it: (id, tokens, start). Each chunk is
+        de-duplicated under its own id, so a retry after a partial commit stores only
+        the rest; it carries the n_max tokens before it as context (see count_ngrams)."""
+        if self.chunks == 1:
+            return self.observe_id, self.tokens, 0
+        low = index * CHUNK_TOKENS
+        context = min(low, self.store.config.n_max)
+        chunk_id = None if self.observe_id is None else f"{self.observe_id}#{index}"
+        return chunk_id, self.tokens[low - context : low + CHUNK_TOKENS], context
+
+
+class ObservationWriter(threading.Thread):
+    """The only writer: commits queued observations in groups, then acknowledges them.
+
+    Fair to small calls: each transaction takes the next chunk of every waiting
+    observation that fits in WRITE_BATCH_TOKENS, round-robin, so a small Observe
+    is stored in the first transaction after it arrives, whatever long ones are
+    in progress, and long ones always advance.
+    """
+
+    def __init__(self, max_pending: int, disk: DiskSpace) -> None:
+        super().__init__(name="drafter-writer", daemon=True)
+        self.queue: queue.Queue[_Pending | None] = queue.Queue(maxsize=max_pending)
+        self.disk = disk
+
+    def submit(self, items: list[_Pending]) -> None:
+        for item in items:
+            self.queue.put_nowait(item)  # queue.Full -> the caller answers RESOURCE_EXHAUSTED
+
+    def run(self) -> None:
+        waiting: deque[_Pending] = deque()  # with chunks left, the longest-waiting first
+        stopping = False
+        while True:
+            while True:  # block only when there is nothing to do
+                try:
+                    item = self.queue.get(block=not (waiting or stopping))
+                except queue.Empty:
+                    break
+                if item is None:
+                    stopping = True
+                else:
+                    waiting.append(item)
+            if not waiting:
+                if stopping:
+                    return
+                continue
+            group: list[tuple[_Pending, int]] = []
+            try:
+                group = self._next_group(waiting)
+                self._commit(group)
+            except Exception as error:  # a bug here must never leave callers waiting forever
+                log.exception("the observation writer failed; failing what it holds")
+                group = [*group, *((item, 0) for item in waiting)]
+                waiting.clear()
+                for item, _ in group:
+                    item.error = item.error or error
+            for item in dict.fromkeys(item for item, _ in group):  # an item may have several chunks in it
+                if item.error is None and item.next_chunk < item.chunks and item.expired():
+                    # Its caller has given up: the chunks stored are kept (a retry skips them by id).
+                    item.error = TimeoutError("the caller's deadline passed before the observation was stored whole")
+                if item.error is None and item.next_chunk < item.chunks:
+                    waiting.append(item)
+                else:
+                    item.done.set()
+
+    @staticmethod
+    def _next_group(waiting: deque[_Pending]) -> list[tuple[_Pending, int]]:
+        """One transaction's chunks, within WRITE_BATCH_TOKENS: the next chunk of every
+        waiting observation that fits, in waiting order (always the first); then, with
+        room left, more chunks of those taken. Those that did not fit stay first in line."""
+        group: list[tuple[_Pending, int]] = []
+        tokens = 0
+
+        def size(item: _Pending) -> int:  # its next chunk's own tokens
+            return min(len(item.tokens) - item.next_chunk * CHUNK_TOKENS, CHUNK_TOKENS)
+
+        def take(item: _Pending) -> None:
+            nonlocal tokens
+            tokens += size(item)
+            group.append((item, item.next_chunk))
+            item.next_chunk += 1
+
+        skipped = []
+        while waiting:
+            item = waiting.popleft()
+            if group and tokens + size(item) > WRITE_BATCH_TOKENS:
+                skipped.append(item)
+            else:
+                take(item)
+        waiting.extend(skipped)
+        for item in list(dict.fromkeys(item for item, _ in group)):
+            while item.next_chunk < item.chunks and tokens + size(item) <= WRITE_BATCH_TOKENS:
+                take(item)
+        return group
+
+    def _commit(self, group: list[tuple[_Pending, int]]) -> None:
+        by_store: dict[int, list[tuple[_Pending, int]]] = {}
+        for item, index in group:
+            by_store.setdefault(id(item.store), []).append((item, index))
+        for chunks in by_store.values():
+            self._commit_table(chunks)
+
+    def _commit_table(self, chunks: list[tuple[_Pending, int]]) -> None:
+        """Store one table's chunks; each item gets its outcome or its own error."""
+        if self.disk.check():
+            self._refuse(chunks)
+            return
+        try:
+            self._apply(chunks)
+        except StoreFull as full:  # those without room answer a retryable error; the rest are stored
+            for (item, _), applied in zip(chunks, full.results):
+                if applied is None:
+                    item.error = full
+                else:
+                    item.applied |= applied
+        except Exception as error:
+            if self.disk.check():  # the commit ran out of disk (LMDB: EIO or ENOSPC); nothing was written
+                log.error("observation commit failed for want of disk space: %s", error)
+                self._refuse(chunks)
+                return
+            for chunk in chunks:  # one item's fault must not fail the others' callers: each alone
+                try:
+                    self._apply([chunk])
+                except Exception as error:  # reported to its caller, never kills the writer
+                    log.exception("observation commit failed")
+                    chunk[0].error = error
+
+    def _refuse(self, chunks: list[tuple[_Pending, int]]) -> None:
+        """Nothing of ``chunks`` is written: the disk is full (their callers retry)."""
+        full = DiskFull(self.disk.refusal())
+        for item, _ in chunks:
+            item.error = full
+
+    @staticmethod
+    def _apply(chunks: list[tuple[_Pending, int]]) -> None:
+        results = chunks[0][0].store.apply([item.chunk(index) for item, index in chunks])
+        for (item, _), applied in zip(chunks, results):
+            item.applied |= applied
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        self.join()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from drafter_service.ngram import NGramConfig
 from specdec.flags import check_minimums, setting
+from specdec.limits import ConnectionLimits
 
 # Beside Prometheus' own 9090 without clashing with the usual node exporters.
 DEFAULT_METRICS_PORT = 9101
@@ -40,8 +41,13 @@ class DrafterConfig:
     max_sessions_per_caller: int = setting(
         2048, minimum=1, help="sessions one caller (client certificate, else peer address) holds at once"
     )
-    # Indexed, ~600 bytes each: a 128K-token context, and ~80 MB per session at most.
+    # A 128K-token context.
     max_session_tokens: int = setting(1 << 17, minimum=1, help="tokens one session may hold")
+    # Context indexes, accounted before any token is indexed (sessions.session_bytes):
+    # 1 GiB holds a full batch of 16 x 8K-token requests ~400 times over.
+    max_session_bytes: int = setting(1 << 30, minimum=1 << 16, help="bytes all sessions' context indexes may take")
+    # A quarter of it: one client, broken or hostile, leaves the rest to the others.
+    max_session_bytes_per_caller: int = setting(1 << 28, minimum=1 << 16, help="bytes one caller's sessions may take")
     # Its verifier request is surely gone by then.
     session_idle_timeout_s: float = setting(600.0, minimum=0.001, help="seconds after which an untouched session is closed")
     # A verifier batch is at most a few hundred.
@@ -51,10 +57,32 @@ class DrafterConfig:
     max_pending_observations: int = setting(
         4096, minimum=1, help="observations queued for the writer; beyond, Observe answers RESOURCE_EXHAUSTED"
     )
+    # ~10 s of the writer's work here (~100k tokens/s), ~40 MB of queued ids.
+    max_pending_write_tokens: int = setting(
+        1 << 20, minimum=1, help="tokens queued for the writer; beyond, Observe and CloseSessions answer RESOURCE_EXHAUSTED"
+    )
+    # A handler waits for its write no longer than its caller's deadline, nor than
+    # this: the verifier's Observe deadline is 10 s, and a backlog of
+    # --max-pending-write-tokens takes ~10 s to commit.
+    max_write_wait_s: float = setting(30.0, minimum=0.001, help="seconds a call waits for its write to be stored")
     # 128K uint32 tokens encode to at most ~0.7 MB.
     max_message_bytes: int = setting(8 << 20, minimum=1, help="gRPC message size cap, both ways, in bytes")
     grace_s: float = setting(5.0, minimum=0.0, help="seconds SIGTERM gives in-flight calls")
-    max_workers: int = setting(16, minimum=1, help="gRPC worker threads: calls served at once")
+    max_workers: int = setting(16, minimum=2, help="gRPC worker threads: calls served at once")
+    # Calls waiting on the writer hold a thread each: at most this many at once
+    # (beyond, RESOURCE_EXHAUSTED), so the other threads always serve Propose.
+    max_write_calls: int | None = setting(
+        None, minimum=1, help="Observe and observing CloseSessions calls served at once, below --max-workers (none: a quarter of them)"
+    )
+    # A verifier makes one Propose per step and one write at a time: half the
+    # threads leave the other half to every other caller.
+    max_calls_per_caller: int | None = setting(
+        None, minimum=1, help="calls one caller has running at once, at most --max-workers (none: half of them)"
+    )
+    # Calls beyond the threads wait for one; beyond this many in all, gRPC
+    # answers RESOURCE_EXHAUSTED without holding a thread.
+    max_concurrent_calls: int = setting(256, minimum=1, help="calls accepted at once, running or waiting for a thread")
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     # One LMDB table each: 3 file descriptors and 8x max_bytes of address space;
     # a deployment serves one or two models.
     max_vocabularies: int = setting(8, minimum=1, help="tables (one per tokenizer fingerprint) the drafter creates")
@@ -86,10 +114,27 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         check_minimums(self)
+        if self.max_write_calls is not None and self.max_write_calls >= self.max_workers:
+            raise ValueError(
+                f"--max-write-calls ({self.max_write_calls}) must be below --max-workers ({self.max_workers}): "
+                "Propose needs threads that writes cannot hold"
+            )
+        if self.max_calls_per_caller is not None and self.max_calls_per_caller > self.max_workers:
+            raise ValueError(f"--max-calls-per-caller ({self.max_calls_per_caller}) cannot exceed --max-workers ({self.max_workers})")
         if self.backup_dir is not None:
             backups, db = Path(self.backup_dir).resolve(), Path(self.db).resolve()
             if backups == db or db in backups.parents:
                 raise ValueError(f"the backup directory {self.backup_dir!r} must lie outside the table directory {self.db!r}")
+
+    @property
+    def write_calls(self) -> int:
+        """--max-write-calls, or a quarter of the threads: 16 -> 4, 2 -> 1."""
+        return self.max_write_calls if self.max_write_calls is not None else max(1, self.max_workers // 4)
+
+    @property
+    def calls_per_caller(self) -> int:
+        """--max-calls-per-caller, or half the threads: 16 -> 8, 2 -> 1."""
+        return self.max_calls_per_caller if self.max_calls_per_caller is not None else max(1, self.max_workers // 2)
 
 
 SERVING_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "metrics_port", "health_port")

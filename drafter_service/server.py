@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import re
 import shutil
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health
 
+from drafter_service.admission import Admission, Refused
 from drafter_service.config import VOCABULARY_PATTERN, DrafterConfig
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, NGramSource
@@ -46,7 +45,7 @@ from drafter_service.sessions import (
 )
 from drafter_service.storage import DiskFull, StoreRegistry, TooManyVocabularies
 from drafter_service.store import MAX_OBSERVE_ID_BYTES, LMDBNGramStore, StoreFull
-from drafter_service.writer import CHUNK_SUFFIX_BYTES, ObservationWriter, _Pending
+from drafter_service.writer import CHUNK_SUFFIX_BYTES, ObservationWriter, WriteQueueFull, _Pending
 from specdec import serving, telemetry
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -55,6 +54,8 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 # Seconds between the janitor's rounds (idle sessions, dead readers' slots).
 JANITOR_INTERVAL_S = 5.0
+# Threads of the admin port: Stats and Backup are an operator's, one at a time.
+ADMIN_WORKERS = 2
 # A backup's name: one plain path component, nothing a filesystem reads specially.
 BACKUP_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SOURCES = {SOURCE_CONTEXT: drafter_pb2.DRAFT_SOURCE_CONTEXT, SOURCE_GLOBAL: drafter_pb2.DRAFT_SOURCE_GLOBAL}
@@ -77,6 +78,9 @@ class _NoTable:
 
     def continuations(self, key):
         return None
+
+    def observe(self, tokens) -> None:
+        raise TypeError("no table to observe into: writes go through the store registry")
 
 
 _NO_TABLE = _NoTable()
@@ -109,6 +113,11 @@ def _check(condition: bool, message: str, code: grpc.StatusCode = grpc.StatusCod
         raise InvalidRequest(code, message)
 
 
+def _check_status(condition: bool, code: grpc.StatusCode, message: str, context) -> None:
+    if not condition:
+        context.abort(code, message)
+
+
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(
         self, config: DrafterConfig, stores: StoreRegistry, writer: ObservationWriter, tracing: telemetry.Tracing | None = None
@@ -117,8 +126,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.stores = stores
         self.writer = writer
         self.tracing = tracing or telemetry.Tracing("specdec-drafter")
-        limits = SessionLimits(config.max_sessions, config.max_sessions_per_caller, config.max_session_tokens)
+        limits = SessionLimits(
+            config.max_sessions,
+            config.max_sessions_per_caller,
+            config.max_session_tokens,
+            config.max_session_bytes,
+            config.max_session_bytes_per_caller,
+        )
         self.sessions = SessionTable(config.ngram, limits)
+        self.admission = Admission(config.calls_per_caller, config.write_calls)
         self.metrics = metrics = DrafterMetrics()
         self.registry = metrics.registry
         metrics.watch("dropped_spans", "Trace spans dropped (collector down or queue full)", lambda: self.tracing.dropped_spans)
@@ -126,6 +142,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         metrics.gauge("disk_full", "1 while observations are refused for want of disk space (--min-free-mb)", lambda: int(stores.disk.full))
         metrics.gauge("disk_free_bytes", "Free bytes on the disk holding --db, as last read", lambda: stores.disk.free_bytes)
         metrics.gauge("open_sessions", "Open sessions", lambda: len(self.sessions))
+        metrics.gauge(
+            "session_bytes", "Bytes charged to open sessions' context indexes (--max-session-bytes)", lambda: self.sessions.bytes_in_use
+        )
+        metrics.gauge("write_queue_tokens", "Tokens queued for the writer (--max-pending-write-tokens)", lambda: writer.pending_tokens)
+        metrics.watch("dropped_writes", "Queued observations dropped because their caller gave up first", lambda: writer.dropped)
+        metrics.watch("refused_calls", "Calls refused over --max-calls-per-caller or --max-write-calls", lambda: self.admission.refused)
         metrics.watch_tables(lambda: {vocabulary: store.stats() for vocabulary, store in stores.all().items()})
 
     # -- validation (always before any state changes) -------------------------
@@ -202,6 +224,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return response
 
     def _propose(self, request, context):
+        caller = _caller(context)
+        with self._admitted(caller, context, write=False):
+            return self._propose_admitted(request, context, caller)
+
+    def _propose_admitted(self, request, context, caller: str):
         """Validate and claim the call's sessions under the lock (cheap); index the new
         tokens and draft outside it (O(tokens): one caller's big call never stalls the
         others). A call whose deadline passed does no work and leaves no session."""
@@ -209,7 +236,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the call was served")
         try:
             self._check_propose(request)
-            sessions = self.sessions.claim(request.vocabulary, _caller(context), request.sequences)
+            sessions = self.sessions.claim(request.vocabulary, caller, request.sequences)
         except InvalidRequest as invalid:
             context.abort(invalid.code, str(invalid))
         except SessionError as refused:
@@ -226,12 +253,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             with store.snapshot() if store is not None else contextlib.nullcontext(_NO_TABLE) as table:
                 drafts = [self._draft(update, session, table) for update, session in updates]
         except BaseException:
-            self.sessions.release(request.sequences, sessions, drop_opened=True)  # a session half-extended is no session
+            self.sessions.release(caller, request.sequences, sessions, drop_opened=True)  # a session half-extended is no session
             raise
         if _expired(context):  # the caller gave up: it will reopen, so keep nothing it opened
-            self.sessions.release(request.sequences, sessions, drop_opened=True)
+            self.sessions.release(caller, request.sequences, sessions, drop_opened=True)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while drafting; no session was kept")
-        self.sessions.release(request.sequences, sessions, drop_opened=False)
+        self.sessions.release(caller, request.sequences, sessions, drop_opened=False)
         self._count([session.last_sources for session in sessions], asked=[update.num_draft_tokens > 0 for update in request.sequences])
         return drafter_pb2.ProposeResponse(drafts=drafts)
 
@@ -276,6 +303,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             self._check_sequences(request.sequences)
         except InvalidRequest as invalid:
             context.abort(invalid.code, str(invalid))
+        with self._admitted(_caller(context), context, write=True):
+            return self._observe_admitted(request, context)
+
+    def _observe_admitted(self, request, context):
         if self.stores.disk.full:  # the janitor clears it once space is back
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.stores.disk.refusal())
         store = self._table(request.vocabulary, context)
@@ -292,39 +323,111 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         )
 
     def CloseSessions(self, request, context):
-        """Close sessions of ``vocabulary``; with ``observe``, their tokens go into its table
-        first, and a session is closed only once that is stored (a failed call can be retried)."""
-        sessions = self.sessions.lookup(request.session_ids)
+        """Close the caller's sessions of ``vocabulary``; with ``observe``, their tokens go into its
+        table first, and a session is closed only once that is stored (a failed call can be retried
+        under the same ``observe_id``; a session closed is observed once, never again)."""
+        caller = _caller(context)
         try:
             self._check_vocabulary(request.vocabulary)
-            if request.observe:
-                self._check_observe_id(request.observe_id, len(request.session_ids))
-            for index, (sid, session) in enumerate(sessions.items()):
-                _check(
-                    session is None or session.vocabulary == request.vocabulary,
-                    f"session_ids[{index}]: session {sid!r} was opened under another vocabulary",
-                )
+            self._check_close(request)
         except InvalidRequest as invalid:
             context.abort(invalid.code, str(invalid))
-        ids = [sid for sid in request.session_ids if sessions[sid] is not None]
-        if request.observe and ids:
-            store = self._table(request.vocabulary, context)
-            items = [_Pending(store, f"{request.observe_id}/{i}", list(sessions[sid].context.tokens)) for i, sid in enumerate(ids)]  # type: ignore[union-attr]
-            self._commit(items, context)
-        closed = self.sessions.close(ids)
+        if not request.observe:  # no writer involved: nothing to wait for
+            try:
+                self.sessions.claim_to_close(request.vocabulary, caller, request.session_ids)  # checks vocabulary and busy
+            except SessionError as refused:
+                context.abort(SESSION_STATUS[refused.kind], str(refused))
+            return drafter_pb2.CloseSessionsResponse(closed=len(self.sessions.close(caller, request.session_ids)))
+        with self._admitted(caller, context, write=True):
+            return self._close_observing(request, context, caller)
+
+    def _close_observing(self, request, context, caller: str):
+        try:
+            found = self.sessions.claim_to_close(request.vocabulary, caller, request.session_ids)
+        except SessionError as refused:
+            context.abort(SESSION_STATUS[refused.kind], str(refused))
+        try:
+            sessions = [session for session in found if session is not None]
+            tokens = sum(len(session.context.tokens) for session in sessions)
+            _check_status(
+                tokens <= self.config.max_tokens_per_call,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"these sessions hold {tokens} tokens, over the {self.config.max_tokens_per_call} one call may observe "
+                "(--max-tokens-per-call); close them in several calls",
+                context,
+            )
+            ids = [sid for sid, session in zip(request.session_ids, found) if session is not None]
+            if ids:
+                if self.stores.disk.full:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.stores.disk.refusal())
+                store = self._table(request.vocabulary, context)
+                items = [_Pending(store, f"{request.observe_id}/{i}", list(session.context.tokens)) for i, session in enumerate(sessions)]
+                self._commit(items, context)
+        except BaseException:
+            self.sessions.unclaim(found)  # not stored: still open, the call can be retried
+            raise
+        closed = self.sessions.close(caller, ids)
         return drafter_pb2.CloseSessionsResponse(closed=len(closed))
 
+    def _check_close(self, request) -> None:
+        """CloseSessions obeys Observe's limits: its ids count as sequences, none twice."""
+        ids = request.session_ids
+        _check(
+            len(ids) <= self.config.max_sequences_per_call,
+            f"{len(ids)} sessions in one call; the limit is {self.config.max_sequences_per_call} (--max-sequences-per-call)",
+        )
+        seen: set[str] = set()
+        for index, sid in enumerate(ids):
+            if sid in seen:
+                _check(False, f"session_ids[{index}]: session {sid[:200]!r} appears twice in one call")
+            seen.add(sid)
+        if request.observe:
+            self._check_observe_id(request.observe_id, len(ids))
+
+    @contextlib.contextmanager
+    def _admitted(self, caller: str, context, write: bool):
+        """Run the body in one of ``caller``'s slots (and a write slot): RESOURCE_EXHAUSTED beyond."""
+        try:
+            self.admission.acquire(caller, write)
+        except Refused as refused:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(refused))
+        try:
+            yield
+        finally:
+            self.admission.release(caller, write)
+
     def _commit(self, items: list[_Pending], context) -> None:
+        """Queue ``items`` and wait until they are stored: no longer than the caller's deadline
+        nor --max-write-wait-s, nor past the caller cancelling. Items the handler stops waiting
+        for are abandoned: the writer commits nothing more of them (a retry stores the rest)."""
         remaining = context.time_remaining()
-        if remaining is not None:
-            for item in items:
-                item.deadline = time.monotonic() + remaining
+        wait_s = self.config.max_write_wait_s if remaining is None else min(remaining, self.config.max_write_wait_s)
+        deadline = time.monotonic() + wait_s
+        for item in items:
+            item.deadline = deadline
         try:
             self.writer.submit(items)
-        except queue.Full:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the drafter's write queue is full; retry with backoff")
+        except WriteQueueFull as full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
+
+        def abandon() -> None:
+            for item in items:
+                item.abandoned = True
+
+        context.add_callback(abandon)  # the caller cancelled or went away: stop committing its items
         for item in items:
-            item.done.wait()
+            if not item.done.wait(max(0.0, deadline - time.monotonic())):
+                abandon()
+                if remaining is not None and remaining <= self.config.max_write_wait_s:
+                    context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        "the deadline passed before the observation was stored; retry with the same observe_id",
+                    )
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the observation was not stored within {self.config.max_write_wait_s:g} s (--max-write-wait); "
+                    "retry with the same observe_id, what was stored is not counted twice",
+                )
         for item in items:
             if isinstance(item.error, DiskFull):
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item.error))
@@ -396,6 +499,18 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             context.abort(grpc.StatusCode.INTERNAL, "the backup failed and was removed; the drafter's log says why")
         return drafter_pb2.BackupResponse(bytes=size)
 
+    def watch_streams(self, guard: serving.AuxiliaryStreamGuard) -> None:
+        """Metrics of the main port's reflection and health Watch streams."""
+        self.metrics.gauge(
+            "auxiliary_streams", "Reflection and health Watch streams open (--max-auxiliary-streams)", lambda: guard.open_streams
+        )
+        self.metrics.watch(
+            "auxiliary_streams_refused", "Reflection and health Watch streams refused for want of a slot", lambda: guard.refused
+        )
+        self.metrics.watch(
+            "auxiliary_streams_ended_idle", "Reflection and health Watch streams ended for silence", lambda: guard.ended_idle
+        )
+
     def expire_idle_sessions(self) -> int:
         return self.sessions.expire(self.config.session_idle_timeout_s)
 
@@ -427,6 +542,7 @@ class DrafterServer:
     health_port: int | None = None  # where the health-only server listens; None: not served
     _metrics_server: Any = None  # telemetry.start_metrics_server's HTTP server
     _health_server: grpc.Server | None = None
+    guard: serving.AuxiliaryStreamGuard | None = None  # the main port's reflection and health Watch streams
     _stop_janitor: threading.Event = field(default_factory=threading.Event)
 
     def start_janitor(self) -> None:
@@ -451,6 +567,8 @@ class DrafterServer:
         """NOT_SERVING, let in-flight calls finish, then flush writes and close the stores."""
         self.health.enter_graceful_shutdown()
         self._stop_janitor.set()
+        if self.guard is not None:
+            self.guard.stop()
         grace = self.servicer.config.grace_s if grace is None else grace
         stopping = [server.stop(grace) for server in (self.server, self.admin_server) if server is not None]
         for stopped in stopping:
@@ -465,27 +583,29 @@ class DrafterServer:
 
 
 def create_server(config: DrafterConfig) -> DrafterServer:
-    options = serving.message_options(config.max_message_bytes)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), options=options)
+    server, guard = serving.grpc_server(config.connections, config.max_workers, config.max_concurrent_calls, config.max_message_bytes)
     health_servicer = serving.add_health_and_reflection(server, SERVICE_NAME)
     stores = StoreRegistry(config)  # first: a locked --db must fail before the port is taken
     admin_server = admin_port = None
     try:
         port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key, config.tls_client_ca)
         if config.admin_port is not None:
-            admin_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=options)
+            admin_server, _ = serving.grpc_server(config.connections, ADMIN_WORKERS, 4 * ADMIN_WORKERS, config.max_message_bytes)
             admin_port = serving.bind(
                 admin_server, config.admin_host, config.admin_port, config.tls_cert, config.tls_key, config.tls_client_ca
             )
     except BaseException:
         stores.close()
         raise
-    writer = ObservationWriter(config.max_pending_observations, stores.disk)
+    writer = ObservationWriter(config.max_pending_observations, stores.disk, config.max_pending_write_tokens)
     servicer = DrafterServicer(config, stores, writer)
+    servicer.watch_streams(guard)
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer if admin_server is None else _ServingOnly(servicer), server)
     if admin_server is not None:
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, admin_server)
-    drafter = DrafterServer(server, port, servicer, health_servicer, stores, writer, admin_server=admin_server, admin_port=admin_port)
+    drafter = DrafterServer(
+        server, port, servicer, health_servicer, stores, writer, admin_server=admin_server, admin_port=admin_port, guard=guard
+    )
     if config.health_port is not None:
         drafter._health_server, drafter.health_port = serving.serve_health(health_servicer, config.host, config.health_port)
     if config.metrics_port is not None:

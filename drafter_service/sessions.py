@@ -3,11 +3,21 @@
 A session is opened with a request's prompt, extended with each step's new
 tokens, drafts from its own context and a global table, and is closed when
 the request ends. ``SessionTable`` holds them for the service: who opened
-which (for per-caller limits), which are in use by a call (a session is
-extended and drafted outside the table's lock, by one call at a time), the
-limits, and the last draft's sources (what the verifier's feedback on it is
-credited to). It knows nothing of gRPC: a request it cannot serve raises
-``SessionError`` with a ``kind`` that the service maps to a status.
+which, which are in use by a call (a session is extended and drafted outside
+the table's lock, by one call at a time), the limits, and the last draft's
+sources (what the verifier's feedback on it is credited to). It knows
+nothing of gRPC: a request it cannot serve raises ``SessionError`` with a
+``kind`` that the service maps to a status.
+
+A session belongs to the caller that opened it: sessions are keyed by
+(caller, session id), so another caller's id is simply unknown to a caller,
+indistinguishable from an id never opened (UNKNOWN either way). Two callers
+may use the same id without meeting.
+
+Memory is accounted in bytes, before any token is indexed: each session is
+charged ``session_bytes(tokens)`` for the tokens it holds or a call is about
+to add, an upper bound of its context index, against a budget in all and one
+per caller.
 """
 
 from __future__ import annotations
@@ -23,11 +33,22 @@ from drafter_service.ngram import ContextIndex, Draft, InMemoryNGramTable, NGram
 
 # SessionError kinds.
 EXISTS = "exists"  # opened twice
-UNKNOWN = "unknown"  # never opened, or closed
+UNKNOWN = "unknown"  # never opened, closed, or another caller's
 WRONG_VOCABULARY = "wrong_vocabulary"  # opened under another vocabulary
 BUSY = "busy"  # in use by another call
 FULL = "full"  # a limit on sessions or their tokens
 BAD_FEEDBACK = "bad_feedback"  # feedback that cannot describe the previous draft
+
+# What one session costs beyond its tokens (the Session, its index's fixed
+# parts, the table's entries): measured ~1.5 KB, rounded up.
+SESSION_OVERHEAD_BYTES = 4096
+# An upper bound of the context index's bytes per token it holds.
+CONTEXT_BYTES_PER_TOKEN = 600
+
+
+def session_bytes(tokens: int) -> int:
+    """What a session holding ``tokens`` tokens is charged: 0 -> 4096, 1000 -> 604,096."""
+    return SESSION_OVERHEAD_BYTES + tokens * CONTEXT_BYTES_PER_TOKEN
 
 
 class SessionError(Exception):
@@ -41,6 +62,9 @@ class SessionLimits:
     max_sessions: int
     max_sessions_per_caller: int
     max_session_tokens: int
+    # Bytes of sessions (session_bytes), in all and per caller; None: unbounded.
+    max_bytes: int | None = None
+    max_bytes_per_caller: int | None = None
 
 
 class SessionUpdate(Protocol):
@@ -56,13 +80,14 @@ class SessionUpdate(Protocol):
 @dataclass(eq=False)
 class Session:
     vocabulary: str
-    caller: str  # what the per-caller limit counts by
+    caller: str  # whose it is: the key's first half, and what the per-caller limits count by
     context: ContextIndex
     last_used: float
     # Sources of the last draft, per token: the verifier's feedback on it
     # (verified/accepted counts in the next update) is credited to them.
     last_sources: list[str] = field(default_factory=list)
-    busy: bool = False  # claimed by a call that is extending or drafting it (outside the lock)
+    busy: bool = False  # claimed by a call that is extending, drafting or closing it (outside the lock)
+    charged_bytes: int = 0  # what the memory budget counts for it: session_bytes of the tokens claimed so far
 
     def draft(self, table: NGramSource, k: int) -> Draft:
         """Up to ``k`` draft tokens from the context, then ``table``; their sources are kept."""
@@ -78,82 +103,121 @@ class Session:
 class SessionTable:
     def __init__(self, ngram: NGramConfig, limits: SessionLimits) -> None:
         self.ngram, self.limits = ngram, limits
-        self._sessions: dict[str, Session] = {}
+        self._sessions: dict[tuple[str, str], Session] = {}  # (caller, session id) -> session
         self._by_caller: Counter[str] = Counter()
+        self._bytes_by_caller: Counter[str] = Counter()
+        self.bytes_in_use = 0  # sum of charged_bytes
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def __contains__(self, session_id: str) -> bool:
-        return session_id in self._sessions
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        """``(caller, session_id) in table``."""
+        return key in self._sessions
 
-    def get(self, session_id: str) -> Session | None:
-        return self._sessions.get(session_id)
+    def get(self, caller: str, session_id: str) -> Session | None:
+        return self._sessions.get((caller, session_id))
 
     def held_by(self, caller: str) -> int:
         return self._by_caller[caller]
+
+    def bytes_held_by(self, caller: str) -> int:
+        return self._bytes_by_caller[caller]
 
     def claim(self, vocabulary: str, caller: str, updates: Sequence[SessionUpdate]) -> list[Session]:
         """Check every update, then open or look up each one's session and mark it busy, all or none.
 
         Errors name the update as ``sequences[i]``. The caller extends and drafts the sessions
-        outside the lock, then calls ``release``."""
+        outside the lock, then calls ``release``. The tokens the updates add are charged now."""
         with self._lock:
             self._check(vocabulary, caller, updates)
             now = time.monotonic()
             claimed = []
             for update in updates:
+                key = (caller, update.session_id)
                 if update.open:
-                    self._sessions[update.session_id] = Session(vocabulary, caller, ContextIndex(self.ngram), now)
+                    self._sessions[key] = Session(vocabulary, caller, ContextIndex(self.ngram), now)
                     self._by_caller[caller] += 1
-                session = self._sessions[update.session_id]
+                session = self._sessions[key]
                 session.busy, session.last_used = True, now
+                self._charge(session, session_bytes(len(session.context.tokens) + len(update.new_tokens)))
                 claimed.append(session)
             return claimed
 
-    def release(self, updates: Sequence[SessionUpdate], sessions: Sequence[Session], drop_opened: bool) -> None:
+    def release(self, caller: str, updates: Sequence[SessionUpdate], sessions: Sequence[Session], drop_opened: bool) -> None:
         """The call is done with ``sessions``; with ``drop_opened``, those it opened are closed
         again (the call failed or its caller gave up, and will open them anew)."""
         with self._lock:
             for update, session in zip(updates, sessions):
                 session.busy = False
-                if drop_opened and update.open and self._sessions.get(update.session_id) is session:
-                    self._forget(update.session_id)
+                if drop_opened and update.open and self._sessions.get((caller, update.session_id)) is session:
+                    self._forget(caller, update.session_id)
 
-    def close(self, session_ids: Sequence[str]) -> list[str]:
-        """Close these sessions; returns those that were open."""
+    def claim_to_close(self, vocabulary: str, caller: str, session_ids: Sequence[str]) -> list[Session | None]:
+        """The caller's sessions among ``session_ids`` (None where it has none of that id), marked
+        busy so that no other call extends, observes or closes them meanwhile, all or none.
+        Then ``close`` them, or ``unclaim`` them if their tokens could not be stored."""
         with self._lock:
-            return [sid for sid in session_ids if self._forget(sid)]
+            found = [self._sessions.get((caller, sid)) for sid in session_ids]
+            for index, (sid, session) in enumerate(zip(session_ids, found)):
+                if session is None:
+                    continue
+                if session.vocabulary != vocabulary:
+                    raise SessionError(WRONG_VOCABULARY, f"session_ids[{index}]: session {sid!r} was opened under another vocabulary")
+                if session.busy:
+                    raise SessionError(BUSY, f"session_ids[{index}]: session {sid!r} is in use by another call; retry")
+            for session in found:
+                if session is not None:
+                    session.busy = True
+            return found
 
-    def lookup(self, session_ids: Sequence[str]) -> dict[str, Session | None]:
+    def unclaim(self, sessions: Iterable[Session | None]) -> None:
         with self._lock:
-            return {sid: self._sessions.get(sid) for sid in session_ids}
+            for session in sessions:
+                if session is not None:
+                    session.busy = False
+
+    def close(self, caller: str, session_ids: Sequence[str]) -> list[str]:
+        """Close the caller's sessions of these ids; returns those that were open."""
+        with self._lock:
+            return [sid for sid in session_ids if self._forget(caller, sid)]
 
     def expire(self, idle_s: float) -> int:
         """Close sessions no call has touched for ``idle_s`` seconds; returns how many."""
         deadline = time.monotonic() - idle_s
         with self._lock:
-            stale = [sid for sid, session in self._sessions.items() if session.last_used < deadline and not session.busy]
-            for sid in stale:
-                self._forget(sid)
+            stale = [key for key, session in self._sessions.items() if session.last_used < deadline and not session.busy]
+            for caller, sid in stale:
+                self._forget(caller, sid)
         return len(stale)
 
-    def _forget(self, session_id: str) -> bool:
-        session = self._sessions.pop(session_id, None)
+    def _charge(self, session: Session, charged: int) -> None:
+        if charged > session.charged_bytes:
+            grown = charged - session.charged_bytes
+            session.charged_bytes = charged
+            self._bytes_by_caller[session.caller] += grown
+            self.bytes_in_use += grown
+
+    def _forget(self, caller: str, session_id: str) -> bool:
+        session = self._sessions.pop((caller, session_id), None)
         if session is None:
             return False
-        self._by_caller[session.caller] -= 1
-        if not self._by_caller[session.caller]:
-            del self._by_caller[session.caller]
+        self._by_caller[caller] -= 1
+        if not self._by_caller[caller]:
+            del self._by_caller[caller]
+        self._bytes_by_caller[caller] -= session.charged_bytes
+        if not self._bytes_by_caller[caller]:
+            del self._bytes_by_caller[caller]
+        self.bytes_in_use -= session.charged_bytes
         return True
 
     def _check(self, vocabulary: str, caller: str, updates: Sequence[SessionUpdate]) -> None:
         # Runs per sequence on every step: each message is formatted only when its check fails.
-        limits, opening = self.limits, 0
+        limits, opening, growth = self.limits, 0, 0
         for index, update in enumerate(updates):
             sid = update.session_id
-            session = self._sessions.get(sid)
+            session = self._sessions.get((caller, sid))
             held = drafted = 0  # what an open session holds: its tokens, and its last draft's length
             if update.open:
                 opening += 1
@@ -179,6 +243,7 @@ class SessionTable:
                     f"sequences[{index}]: feedback needs accepted_draft_tokens ({update.accepted_draft_tokens}) <= "
                     f"verified_draft_tokens ({update.verified_draft_tokens}) <= the previous draft's length ({drafted})",
                 )
+            growth += session_bytes(held + len(update.new_tokens)) - (session.charged_bytes if session is not None else 0)
         held = self._by_caller[caller]
         if held + opening > limits.max_sessions_per_caller:
             raise SessionError(
@@ -188,6 +253,23 @@ class SessionTable:
             )
         if len(self._sessions) + opening > limits.max_sessions:
             raise SessionError(FULL, f"too many open sessions ({len(self._sessions)}, limit {limits.max_sessions}); close finished ones")
+        self._check_bytes(caller, max(growth, 0))
+
+    def _check_bytes(self, caller: str, growth: int) -> None:
+        limits = self.limits
+        mine = self._bytes_by_caller[caller]
+        if limits.max_bytes_per_caller is not None and mine + growth > limits.max_bytes_per_caller:
+            raise SessionError(
+                FULL,
+                f"this caller's ({caller}) sessions would take {(mine + growth) >> 20} MiB of context indexes, over its budget of "
+                f"{limits.max_bytes_per_caller >> 20} MiB (--max-session-bytes-per-caller); close finished sessions or send shorter ones",
+            )
+        if limits.max_bytes is not None and self.bytes_in_use + growth > limits.max_bytes:
+            raise SessionError(
+                FULL,
+                f"the drafter's sessions would take {(self.bytes_in_use + growth) >> 20} MiB of context indexes, over the budget of "
+                f"{limits.max_bytes >> 20} MiB (--max-session-bytes); retry later",
+            )
 
 
 class NGramDrafter:

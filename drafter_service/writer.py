@@ -1,6 +1,15 @@
 """The drafter's one writer: ``ObservationWriter`` commits queued observations to
 their tables in groups (group commit), then acknowledges them. Knows no gRPC: a
-handler queues ``_Pending`` items and waits on each one's ``done``."""
+handler queues ``_Pending`` items and waits on each one's ``done``.
+
+Nothing waits without bound. The queue is bounded in observations and in
+tokens (``submit`` refuses beyond either, all or none: the caller retries).
+A handler waits no longer than its caller's deadline (and the service's
+maximum), then marks its items ``abandoned``; an item whose caller has given
+up is dropped before its next chunk is committed, however few chunks it has,
+so a write nobody waits for never holds the writer. Chunks already committed
+stay (a retry under the same id skips them).
+"""
 
 from __future__ import annotations
 
@@ -35,9 +44,11 @@ class _Pending:
     error: BaseException | None = None
     next_chunk: int = 0  # chunks before it are committed
     deadline: float | None = None  # time.monotonic() when its caller gives up; None: never
+    abandoned: bool = False  # its handler stopped waiting (deadline, cancel, the service's maximum)
 
     def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() > self.deadline
+        """Its caller has given up: nothing more of it is committed."""
+        return self.abandoned or (self.deadline is not None and time.monotonic() > self.deadline)
 
     @property
     def chunks(self) -> int:
@@ -55,6 +66,10 @@ class _Pending:
         return chunk_id, self.tokens[low - context : low + CHUNK_TOKENS], context
 
 
+class WriteQueueFull(Exception):
+    """The queue holds as many observations or tokens as it may; the message names the flag."""
+
+
 class ObservationWriter(threading.Thread):
     """The only writer: commits queued observations in groups, then acknowledges them.
 
@@ -64,14 +79,48 @@ class ObservationWriter(threading.Thread):
     in progress, and long ones always advance.
     """
 
-    def __init__(self, max_pending: int, disk: DiskSpace) -> None:
+    def __init__(self, max_pending: int, disk: DiskSpace, max_pending_tokens: int = 1 << 20) -> None:
         super().__init__(name="drafter-writer", daemon=True)
-        self.queue: queue.Queue[_Pending | None] = queue.Queue(maxsize=max_pending)
+        self.queue: queue.Queue[_Pending | None] = queue.Queue()
         self.disk = disk
+        self.max_pending, self.max_pending_tokens = max_pending, max_pending_tokens
+        self.pending = self.pending_tokens = 0  # submitted and not yet done
+        self.dropped = 0  # items dropped because their caller gave up
+        self._accounting = threading.Lock()
 
     def submit(self, items: list[_Pending]) -> None:
+        """Queue ``items``, all or none: ``WriteQueueFull`` beyond --max-pending-observations
+        or --max-pending-write-tokens (the caller answers RESOURCE_EXHAUSTED)."""
+        tokens = sum(len(item.tokens) for item in items)
+        with self._accounting:
+            if self.pending + len(items) > self.max_pending:
+                raise WriteQueueFull(
+                    f"the drafter's write queue is full ({self.pending} observations queued, --max-pending-observations "
+                    f"{self.max_pending}); retry with backoff"
+                )
+            if self.pending_tokens + tokens > self.max_pending_tokens:
+                raise WriteQueueFull(
+                    f"the drafter's write queue is full ({self.pending_tokens} tokens queued, this call adds {tokens}, "
+                    f"--max-pending-write-tokens {self.max_pending_tokens}); retry with backoff, or send smaller calls"
+                )
+            self.pending += len(items)
+            self.pending_tokens += tokens
         for item in items:
-            self.queue.put_nowait(item)  # queue.Full -> the caller answers RESOURCE_EXHAUSTED
+            self.queue.put_nowait(item)
+
+    def _finish(self, item: _Pending) -> None:
+        with self._accounting:
+            self.pending -= 1
+            self.pending_tokens -= len(item.tokens)
+        item.done.set()
+
+    def _drop_given_up(self, waiting: deque[_Pending]) -> None:
+        """Fail, without committing anything more of them, the items whose caller gave up."""
+        for item in [item for item in waiting if item.expired()]:
+            waiting.remove(item)
+            self.dropped += 1
+            item.error = TimeoutError("the caller's deadline passed before the observation was stored whole")
+            self._finish(item)
 
     def run(self) -> None:
         waiting: deque[_Pending] = deque()  # with chunks left, the longest-waiting first
@@ -86,6 +135,7 @@ class ObservationWriter(threading.Thread):
                     stopping = True
                 else:
                     waiting.append(item)
+            self._drop_given_up(waiting)
             if not waiting:
                 if stopping:
                     return
@@ -107,7 +157,7 @@ class ObservationWriter(threading.Thread):
                 if item.error is None and item.next_chunk < item.chunks:
                     waiting.append(item)
                 else:
-                    item.done.set()
+                    self._finish(item)
 
     @staticmethod
     def _next_group(waiting: deque[_Pending]) -> list[tuple[_Pending, int]]:

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from concurrent import futures
 from pathlib import Path
@@ -18,6 +19,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.flags import add_flags, from_args
+from specdec.limits import ConnectionLimits
+
+log = logging.getLogger(__name__)
 
 # Both services cap messages alike: a long prompt plus its output as uint32
 # ids is well under 1 MB; 8 MB leaves room and still bounds a hostile client.
@@ -56,6 +60,127 @@ def bind(
 def message_options(max_bytes: int) -> list[tuple[str, int]]:
     """gRPC server options capping messages both ways at ``max_bytes``."""
     return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes)]
+
+
+# The streams that wait on their client and that every port offers: server
+# reflection (bidirectional) and health Watch (one request, then updates).
+AUXILIARY_STREAM_PREFIXES = ("/grpc.reflection.", "/grpc.health.v1.Health/Watch")
+# How often the guard looks for streams silent too long.
+AUXILIARY_SWEEP_S = 0.5
+
+
+class AuxiliaryStreamGuard(grpc.ServerInterceptor):
+    """Bounds the reflection and health Watch streams: at most ``max_auxiliary_streams`` at once
+    (RESOURCE_EXHAUSTED beyond, before any worker waits), each cancelled once its client has
+    been silent for ``auxiliary_stream_idle_s``. Other calls pass untouched.
+
+    An idle stream holds one of a synchronous server's worker threads for as long as
+    its client keeps it open: 16 such streams took every thread of the drafter, and 88
+    every RPC slot of the verifier. A sweeper thread cancels the silent ones."""
+
+    def __init__(self, limits: ConnectionLimits) -> None:
+        self.limits = limits
+        self._lock = threading.Lock()
+        self._open: dict[int, list] = {}  # id -> [context, last heard from (monotonic)]
+        self._next_id = 0
+        self.refused = 0  # streams refused for want of a slot
+        self.ended_idle = 0  # streams cancelled for silence
+        self._stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._open)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(AUXILIARY_STREAM_PREFIXES):
+            return handler
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._guarded(handler.stream_stream, streaming_requests=True), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._guarded(handler.unary_stream, streaming_requests=False), handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+    def _guarded(self, behaviour, streaming_requests: bool):
+        def guarded(request, context):
+            stream_id = self._enter(context)
+            done = threading.Event()
+
+            def leave() -> None:
+                if not done.is_set():
+                    done.set()
+                    with self._lock:
+                        self._open.pop(stream_id, None)
+
+            context.add_callback(leave)  # however the call ends, even if this generator is never closed
+            try:
+                yield from behaviour(self._heard(stream_id, request) if streaming_requests else request, context)
+            finally:
+                leave()
+
+        return guarded
+
+    def _enter(self, context) -> int:
+        with self._lock:
+            if len(self._open) >= self.limits.max_auxiliary_streams:
+                self.refused += 1
+                full = True
+            else:
+                full = False
+                self._next_id += 1
+                stream_id = self._next_id
+                self._open[stream_id] = [context, time.monotonic()]
+            if self._sweeper is None:
+                self._sweeper = threading.Thread(target=self._sweep, name="auxiliary-stream-sweeper", daemon=True)
+                self._sweeper.start()
+        if full:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.limits.max_auxiliary_streams} reflection or health Watch streams are open already "
+                "(--max-auxiliary-streams); retry later, or use health Check",
+            )
+        return stream_id
+
+    def _heard(self, stream_id: int, requests):
+        for request in requests:
+            with self._lock:
+                if stream_id in self._open:
+                    self._open[stream_id][1] = time.monotonic()
+            yield request
+
+    def _sweep(self) -> None:
+        while not self._stop.wait(AUXILIARY_SWEEP_S):
+            silent_since = time.monotonic() - self.limits.auxiliary_stream_idle_s
+            with self._lock:
+                silent = [context for context, heard in self._open.values() if heard < silent_since]
+            for context in silent:
+                self.ended_idle += 1
+                context.cancel()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def grpc_server(
+    limits: ConnectionLimits, workers: int, max_concurrent_rpcs: int, max_message_bytes: int, thread_name_prefix: str = ""
+) -> tuple[grpc.Server, AuxiliaryStreamGuard]:
+    """A synchronous gRPC server with ``workers`` threads that accepts at most
+    ``max_concurrent_rpcs`` calls at once (running or waiting for a thread; beyond,
+    RESOURCE_EXHAUSTED from gRPC itself, holding no thread), messages capped at
+    ``max_message_bytes``, and ``limits`` on connections and auxiliary streams."""
+    guard = AuxiliaryStreamGuard(limits)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name_prefix),
+        interceptors=[guard],
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
+        options=message_options(max_message_bytes) + limits.options(),
+    )
+    return server, guard
 
 
 def add_health_and_reflection(server: grpc.Server, service_name: str) -> health.HealthServicer:

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 # gRPC's default reconnect back-off grows to 120 s: a drafter back after a
 # restart would then wait that long for its verifiers. Retry every 100-500 ms.
 RECONNECT_MAX_MS = 500
+# Sessions closed per CloseSessions call: a quarter of the drafter's default
+# --max-sequences-per-call (1024), so one call never exceeds it.
+CLOSE_BATCH = 256
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -221,15 +224,16 @@ class RemoteDrafter:
                     self._observations.popleft()
 
     def _close_sessions(self, session_ids: list[str]) -> None:
-        if not session_ids:
-            return
-        try:  # best effort: the drafter expires idle sessions anyway
-            self.stub.CloseSessions(
-                drafter_pb2.CloseSessionsRequest(vocabulary=self.config.vocabulary, session_ids=session_ids),
-                timeout=self.config.observe_timeout_s,
-            )
-        except grpc.RpcError:
-            pass
+        """Close these sessions, each id once, in calls within the drafter's --max-sequences-per-call."""
+        unique = list(dict.fromkeys(session_ids))
+        for start in range(0, len(unique), CLOSE_BATCH):
+            try:  # best effort: the drafter expires idle sessions anyway
+                self.stub.CloseSessions(
+                    drafter_pb2.CloseSessionsRequest(vocabulary=self.config.vocabulary, session_ids=unique[start : start + CLOSE_BATCH]),
+                    timeout=self.config.observe_timeout_s,
+                )
+            except grpc.RpcError:
+                pass
 
 
 _SOURCES = {drafter_pb2.DRAFT_SOURCE_CONTEXT: SOURCE_CONTEXT, drafter_pb2.DRAFT_SOURCE_GLOBAL: SOURCE_GLOBAL}

@@ -21,6 +21,13 @@ SETTINGS = {  # flag -> (config field path, a value other than its default)
     "--n-min": ("ngram.n_min", 3),
     "--min-global-count": ("ngram.min_global_count", 3),
     "--admin-port": ("admin_port", 50071),
+    "--max-session-bytes-per-caller": ("max_session_bytes_per_caller", 1 << 20),
+    "--max-write-calls": ("max_write_calls", 2),
+    "--max-calls-per-caller": ("max_calls_per_caller", 3),
+    "--max-pending-write-tokens": ("max_pending_write_tokens", 1000),
+    "--max-write-wait": ("max_write_wait_s", 5.0),
+    "--connection-age": ("connections.connection_age_s", 60.0),
+    "--max-auxiliary-streams": ("connections.max_auxiliary_streams", 2),
 }
 
 
@@ -41,8 +48,10 @@ def test_each_setting_reaches_the_config_from_its_flag_and_its_variable(flag, mo
 
 def test_every_field_of_the_config_is_a_flag():
     derived = {".".join(flag.path) for flag in flags(DrafterConfig, skip=SERVING_FIELDS)}
-    leaves = {f.name for f in dataclasses.fields(DrafterConfig) if f.name != "ngram"}
-    leaves |= {f"ngram.{f.name}" for f in dataclasses.fields(DrafterConfig().ngram)}
+    nested = ("ngram", "connections")
+    leaves = {f.name for f in dataclasses.fields(DrafterConfig) if f.name not in nested}
+    for part in nested:
+        leaves |= {f"{part}.{f.name}" for f in dataclasses.fields(getattr(DrafterConfig(), part))}
     assert derived | set(SERVING_FIELDS) == leaves
 
 

@@ -13,7 +13,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.server import DrafterServicer
 from drafter_service.storage import StoreRegistry
 from drafter_service.store import LMDBNGramStore, StoreConfig, StoreFull
-from drafter_service.writer import CHUNK_TOKENS, ObservationWriter, _Pending
+from drafter_service.writer import CHUNK_TOKENS, ObservationWriter, WriteQueueFull, _Pending
 from specdec.v1 import drafter_pb2 as pb
 
 VOCABULARY = "00112233445566aa"
@@ -24,8 +24,20 @@ class Aborted(Exception):
 
 
 class FakeContext:
-    def __init__(self, peer: str = "ipv4:10.0.0.7:51234") -> None:
+    def __init__(self, peer: str = "ipv4:10.0.0.7:51234", remaining: float | None = None, certificate: str | None = None) -> None:
         self._peer = peer
+        self._deadline = None if remaining is None else time.monotonic() + remaining
+        self._certificate = certificate
+        self.callbacks: list = []
+
+    def add_callback(self, callback) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def cancel(self) -> None:
+        """As gRPC does when the client cancels or goes away: the call's callbacks run."""
+        for callback in self.callbacks:
+            callback()
 
     def invocation_metadata(self):
         return ()
@@ -34,10 +46,10 @@ class FakeContext:
         return self._peer
 
     def auth_context(self):
-        return {}
+        return {} if self._certificate is None else {"x509_common_name": [self._certificate.encode()]}
 
     def time_remaining(self):
-        return None
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     def abort(self, code, details):
         self.code, self.details = code, details
@@ -68,7 +80,7 @@ def servicer(tmp_path):
 
 
 def test_full_write_queue_is_resource_exhausted(servicer):
-    servicer.writer.queue.put_nowait(None)  # one slot, taken
+    servicer.writer.submit([_Pending(servicer.stores.get(VOCABULARY), "first", [1, 2])])  # one slot, taken (never written)
     context = FakeContext()
     request = pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="o", sequences=[pb.TokenSequence(tokens=[1, 2, 3])])
     with pytest.raises(Aborted):
@@ -246,12 +258,15 @@ def test_a_long_observation_whose_caller_gave_up_stops_and_a_retry_stores_only_t
         store = stores.get(VOCABULARY)
         rng = random.Random(2)
         tokens = [rng.randrange(100, 40_000) for _ in range(8 * CHUNK_TOKENS)]
-        gave_up = _Pending(store, "late/0", tokens, deadline=time.monotonic() - 1)
+        gave_up = _Pending(store, "late/0", tokens)
         writer.submit([gave_up])
+        while gave_up.next_chunk == 0:  # the writer has started on it
+            time.sleep(0.001)
+        gave_up.abandoned = True  # its handler stopped waiting (deadline, cancel, --max-write-wait)
         assert gave_up.done.wait(60)
         assert isinstance(gave_up.error, TimeoutError)
         stored = gave_up.next_chunk
-        assert 1 <= stored < gave_up.chunks  # stopped after its first transaction
+        assert 1 <= stored < gave_up.chunks  # stopped after the transaction in progress
         retry = _Pending(store, "late/0", tokens)
         writer.submit([retry])
         assert retry.done.wait(60) and retry.error is None and retry.applied
@@ -260,4 +275,32 @@ def test_a_long_observation_whose_caller_gave_up_stops_and_a_retry_stores_only_t
         writer.submit([again])
         assert again.done.wait(60) and again.error is None and not again.applied
         assert store.stats()["entries"] == before
-        assert store.best(tuple(tokens[-4:-1]))[0] == tokens[-1]
+
+
+def test_a_queued_write_that_outlived_its_caller_is_dropped_however_short(tmp_path):
+    # Before, only a long observation stopped between chunks; a one-chunk write whose
+    # caller had left was still committed, so a pile of them held the writer for a minute.
+    with started_writer(tmp_path) as (config, stores, writer):
+        store = stores.get(VOCABULARY)
+        late = [_Pending(store, f"late-{i}/0", [5, 6, 7, i], deadline=time.monotonic() - 1) for i in range(50)]
+        writer.submit(late)
+        for item in late:
+            assert item.done.wait(60)
+        assert all(isinstance(item.error, TimeoutError) and not item.applied and item.next_chunk == 0 for item in late)
+        assert store.best((5, 6, 7)) is None and writer.dropped == 50
+        assert (writer.pending, writer.pending_tokens) == (0, 0)  # their room in the queue is free again
+
+
+def test_the_write_queue_is_bounded_in_tokens_all_or_none(tmp_path):
+    config = DrafterConfig(db=str(tmp_path / "db"))
+    stores = StoreRegistry(config)
+    try:
+        store = stores.get(VOCABULARY)
+        writer = ObservationWriter(100, stores.disk, max_pending_tokens=1000)  # never started: nothing drains
+        writer.submit([_Pending(store, "a", [1] * 600)])
+        with pytest.raises(WriteQueueFull, match="600 tokens queued, this call adds 500, --max-pending-write-tokens 1000"):
+            writer.submit([_Pending(store, "b", [1] * 100), _Pending(store, "c", [1] * 400)])
+        assert (writer.pending, writer.pending_tokens, writer.queue.qsize()) == (1, 600, 1)  # none of the refused call queued
+        writer.submit([_Pending(store, "d", [1] * 400)])  # what fits still goes in
+    finally:
+        stores.close()

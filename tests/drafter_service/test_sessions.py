@@ -7,7 +7,18 @@ from dataclasses import dataclass
 import pytest
 
 from drafter_service.ngram import SOURCE_CONTEXT, InMemoryNGramTable, NGramConfig
-from drafter_service.sessions import BAD_FEEDBACK, BUSY, EXISTS, FULL, UNKNOWN, WRONG_VOCABULARY, SessionError, SessionLimits, SessionTable
+from drafter_service.sessions import (
+    BAD_FEEDBACK,
+    BUSY,
+    EXISTS,
+    FULL,
+    UNKNOWN,
+    WRONG_VOCABULARY,
+    SessionError,
+    SessionLimits,
+    SessionTable,
+    session_bytes,
+)
 
 VOCABULARY = "0123456789abcdef"
 
@@ -34,12 +45,12 @@ def refusal(sessions: SessionTable, updates, vocabulary=VOCABULARY, caller="a") 
 def test_claim_opens_and_marks_busy_release_frees_and_close_forgets():
     sessions = table()
     [session] = sessions.claim(VOCABULARY, "a", [Update("s", open=True)])
-    assert session.busy and "s" in sessions and sessions.held_by("a") == 1
+    assert session.busy and ("a", "s") in sessions and sessions.held_by("a") == 1
     assert refusal(sessions, [Update("s")]).kind == BUSY
-    sessions.release([Update("s", open=True)], [session], drop_opened=False)
+    sessions.release("a", [Update("s", open=True)], [session], drop_opened=False)
     assert not session.busy
     assert sessions.claim(VOCABULARY, "a", [Update("s")]) == [session]
-    assert sessions.close(["s", "never"]) == ["s"]
+    assert sessions.close("a", ["s", "never"]) == ["s"]
     assert len(sessions) == 0 and sessions.held_by("a") == 0
 
 
@@ -53,11 +64,11 @@ def test_a_refused_call_claims_nothing():
 def test_release_with_drop_opened_closes_only_what_the_call_opened():
     sessions = table()
     [old] = sessions.claim(VOCABULARY, "a", [Update("old", open=True)])
-    sessions.release([Update("old", open=True)], [old], drop_opened=False)
+    sessions.release("a", [Update("old", open=True)], [old], drop_opened=False)
     updates = [Update("old"), Update("new", open=True)]
     claimed = sessions.claim(VOCABULARY, "a", updates)
-    sessions.release(updates, claimed, drop_opened=True)
-    assert "old" in sessions and "new" not in sessions and sessions.held_by("a") == 1
+    sessions.release("a", updates, claimed, drop_opened=True)
+    assert ("a", "old") in sessions and ("a", "new") not in sessions and sessions.held_by("a") == 1
 
 
 @pytest.mark.parametrize(
@@ -72,7 +83,7 @@ def test_each_refusal_has_its_kind(update, kind, message):
     sessions = table()
     [session] = sessions.claim(VOCABULARY, "a", [Update("s", open=True, new_tokens=(1, 2))])
     session.context.extend([1, 2])
-    sessions.release([Update("s")], [session], drop_opened=False)
+    sessions.release("a", [Update("s")], [session], drop_opened=False)
     error = refusal(sessions, [update])
     assert error.kind == kind and message in str(error)
     assert refusal(sessions, [Update("s")], vocabulary="f" * 16).kind == WRONG_VOCABULARY
@@ -92,9 +103,9 @@ def test_expire_closes_idle_sessions_but_not_busy_ones():
     sessions = table()
     [busy] = sessions.claim(VOCABULARY, "a", [Update("busy", open=True)])
     [idle] = sessions.claim(VOCABULARY, "a", [Update("idle", open=True)])
-    sessions.release([Update("idle")], [idle], drop_opened=False)
+    sessions.release("a", [Update("idle")], [idle], drop_opened=False)
     assert sessions.expire(idle_s=-1.0) == 1  # everything is older than "one second in the future"
-    assert "busy" in sessions and "idle" not in sessions
+    assert ("a", "busy") in sessions and ("a", "idle") not in sessions
 
 
 def test_a_draft_keeps_its_sources_for_the_feedback_on_it():
@@ -104,3 +115,51 @@ def test_a_draft_keeps_its_sources_for_the_feedback_on_it():
     draft = session.draft(InMemoryNGramTable(2, 4), 3)
     assert draft.tokens == [3, 1, 2] and session.last_sources == [SOURCE_CONTEXT] * 3
     assert session.feedback(verified=3, accepted=1) == [(SOURCE_CONTEXT, True), (SOURCE_CONTEXT, False), (SOURCE_CONTEXT, False)]
+
+
+def test_a_session_belongs_to_its_caller_another_callers_id_is_unknown():
+    # The same id from another caller is a session never opened: UNKNOWN, in the very
+    # words a missing id gets, so a caller cannot even learn that the id exists.
+    sessions = table()
+    [mine] = sessions.claim(VOCABULARY, "victim", [Update("s", open=True, new_tokens=(1, 2, 3))])
+    sessions.release("victim", [Update("s", open=True)], [mine], drop_opened=False)
+    probe = refusal(sessions, [Update("s", new_tokens=(4,))], caller="thief")
+    missing = refusal(sessions, [Update("s", new_tokens=(4,))], caller="nobody-opened-anything")
+    assert (probe.kind, str(probe)) == (missing.kind, str(missing)) == (UNKNOWN, "sequences[0]: unknown session 's' (open it first)")
+    assert sessions.close("thief", ["s"]) == []  # closing it is no more possible than reading it
+    assert sessions.claim_to_close(VOCABULARY, "thief", ["s"]) == [None]
+    # The thief may open its own "s": two sessions, neither sees the other's tokens.
+    [theirs] = sessions.claim(VOCABULARY, "thief", [Update("s", open=True, new_tokens=(9,))])
+    assert theirs is not mine and sessions.get("victim", "s") is mine and len(sessions) == 2
+    assert sessions.close("victim", ["s"]) == ["s"] and sessions.get("thief", "s") is theirs
+
+
+def test_claim_to_close_holds_the_sessions_so_they_are_observed_once():
+    sessions = table()
+    [session] = sessions.claim(VOCABULARY, "a", [Update("s", open=True)])
+    sessions.release("a", [Update("s", open=True)], [session], drop_opened=False)
+    assert sessions.claim_to_close(VOCABULARY, "a", ["s", "gone"]) == [session, None]
+    with pytest.raises(SessionError) as second:  # a second close racing the first
+        sessions.claim_to_close(VOCABULARY, "a", ["s"])
+    assert second.value.kind == BUSY and str(second.value) == "session_ids[0]: session 's' is in use by another call; retry"
+    assert refusal(sessions, [Update("s")]).kind == BUSY  # nor may a Propose extend it meanwhile
+    sessions.unclaim([session, None])  # its tokens could not be stored: still open, retried later
+    assert not session.busy and sessions.close("a", ["s"]) == ["s"]
+
+
+def test_memory_is_charged_before_indexing_per_caller_and_in_all():
+    cost = session_bytes(1000) - session_bytes(0)
+    sessions = SessionTable(
+        NGramConfig(), SessionLimits(100, 100, 10_000, max_bytes=3 * session_bytes(1000), max_bytes_per_caller=2 * session_bytes(1000))
+    )
+    sessions.claim(VOCABULARY, "a", [Update("a1", open=True, new_tokens=(1,) * 1000)])
+    assert sessions.bytes_in_use == sessions.bytes_held_by("a") == session_bytes(1000)
+    error = refusal(sessions, [Update("a2", open=True, new_tokens=(1,) * 1001)])
+    assert error.kind == FULL and "over its budget of" in str(error) and "--max-session-bytes-per-caller" in str(error)
+    assert len(sessions) == 1 and sessions.bytes_in_use == session_bytes(1000)  # the refused call was charged nothing
+    sessions.claim(VOCABULARY, "b", [Update("b1", open=True, new_tokens=(1,) * 1000), Update("b2", open=True, new_tokens=(1,) * 1000)])
+    error = refusal(sessions, [Update("c1", open=True, new_tokens=(1,) * 10)], caller="c")
+    assert error.kind == FULL and "--max-session-bytes)" in str(error)
+    assert sessions.close("b", ["b1"]) == ["b1"]
+    assert sessions.bytes_in_use == 2 * session_bytes(1000)  # closing gives the bytes back
+    assert cost == 1000 * (session_bytes(1) - session_bytes(0))  # linear in tokens

@@ -166,7 +166,7 @@ def test_later_proposes_send_only_the_new_tokens_and_the_feedback(drafters, clie
     assert update.open is False
     assert list(update.new_tokens) == [4, 2]
     assert (update.verified_draft_tokens, update.accepted_draft_tokens) == (3, 2)
-    session = server.servicer.sessions.get(update.session_id)
+    [session] = [s for (_, sid), s in server.servicer.sessions._sessions.items() if sid == update.session_id]  # any caller's
     assert session.context.tokens == LONGER  # nothing sent twice
     stats = drafters.stats(server)
     assert (stats.context_verified, stats.context_accepted) == (3, 2)
@@ -235,6 +235,11 @@ def test_a_session_the_drafter_forgot_is_reopened_on_the_next_step_without_back_
     assert update.session_id.endswith("-seq-0-1")
 
 
+def open_ids(server) -> set[str]:
+    """The ids of the drafter's open sessions, whoever opened them (keys are (caller, id))."""
+    return {sid for _, sid in list(server.servicer.sessions._sessions)}
+
+
 def test_sessions_left_behind_by_a_reopen_are_closed_on_the_drafter(drafters, clients):
     # After an error every session is reopened under a new generation of ids; the
     # old ones would hold the caller's --max-sessions-per-caller room until they expire.
@@ -242,11 +247,11 @@ def test_sessions_left_behind_by_a_reopen_are_closed_on_the_drafter(drafters, cl
     client = clients(server.port, backoff_s=60.0)
     client.propose([DraftRequest("seq-0", CONTEXT, 3), DraftRequest("seq-1", CONTEXT, 3)])
     old = [update.session_id for update in client.stub.proposes[0].sequences]
-    assert all(sid in server.servicer.sessions for sid in old)
+    assert all(sid in open_ids(server) for sid in old)
     drafters.stub(server).CloseSessions(pb.CloseSessionsRequest(vocabulary=VOCABULARY, session_ids=old[:1]), timeout=5)
     assert tokens(client.propose([DraftRequest("seq-0", LONGER, 3), DraftRequest("seq-1", LONGER, 3)])) == [[], []]  # NOT_FOUND
     deadline = time.monotonic() + 5
-    while old[1] in server.servicer.sessions:
+    while old[1] in open_ids(server):
         assert time.monotonic() < deadline, "the left-behind session was never closed"
         time.sleep(0.01)
     assert tokens(client.propose([DraftRequest("seq-0", LONGER, 3), DraftRequest("seq-1", LONGER, 3)])) == [[3, 4, 2]] * 2
@@ -380,3 +385,24 @@ def test_drafts_come_back_within_a_second_of_a_restarted_drafter_serving(drafter
     serving_at = time.monotonic()
     wait_until(lambda: client.propose([DraftRequest("seq-0", CONTEXT, 3)])[0].tokens, "drafts come back")
     assert time.monotonic() - serving_at < 1.0
+
+
+def test_closing_many_sessions_stays_within_the_drafters_per_call_limits():
+    # The drafter refuses a CloseSessions with an id twice or over --max-sequences-per-call
+    # (1024): after an outage a verifier may close thousands at once.
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[list[str]] = []
+
+        def CloseSessions(self, request, timeout=None):
+            self.calls.append(list(request.session_ids))
+
+    client = RemoteDrafter(DrafterClientConfig(target="127.0.0.1:1", vocabulary=VOCABULARY))
+    try:
+        client.stub = recorder = Recorder()
+        ids = [f"s{i}" for i in range(600)]
+        client._close_sessions(ids + ids[:10])
+        assert [len(call) for call in recorder.calls] == [256, 256, 88]
+        assert sum(recorder.calls, []) == ids  # each once, in order
+    finally:
+        client.stop(timeout_s=0)

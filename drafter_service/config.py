@@ -68,7 +68,9 @@ class DrafterConfig:
     # 128K uint32 tokens encode to at most ~0.7 MB.
     max_message_bytes: int = setting(8 << 20, minimum=1, help="gRPC message size cap, both ways, in bytes")
     grace_s: float = setting(5.0, minimum=0.0, help="seconds SIGTERM gives in-flight calls")
-    max_workers: int = setting(16, minimum=2, help="gRPC worker threads: calls served at once")
+    # Threads wait more than they compute (the GIL serialises the work): 32 let one
+    # caller's half (--max-calls-per-caller) hold a 16-client burst, as the load bench sends.
+    max_workers: int = setting(32, minimum=2, help="gRPC worker threads: calls served at once")
     # Calls waiting on the writer hold a thread each: at most this many at once
     # (beyond, RESOURCE_EXHAUSTED), so the other threads always serve Propose.
     max_write_calls: int | None = setting(
@@ -128,12 +130,12 @@ class DrafterConfig:
 
     @property
     def write_calls(self) -> int:
-        """--max-write-calls, or a quarter of the threads: 16 -> 4, 2 -> 1."""
+        """--max-write-calls, or a quarter of the threads: 32 -> 8, 2 -> 1."""
         return self.max_write_calls if self.max_write_calls is not None else max(1, self.max_workers // 4)
 
     @property
     def calls_per_caller(self) -> int:
-        """--max-calls-per-caller, or half the threads: 16 -> 8, 2 -> 1."""
+        """--max-calls-per-caller, or half the threads: 32 -> 16, 2 -> 1."""
         return self.max_calls_per_caller if self.max_calls_per_caller is not None else max(1, self.max_workers // 2)
 
 

@@ -2,13 +2,15 @@
 
     python -m verifier_service.client "prompt" [--stream] [--json] [--k K] [--max-new-tokens N]
         [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop STR ...] [--no-chat]
-        [--target HOST:PORT] [--timeout SECONDS] [--tls-ca PATH [--tls-cert PATH --tls-key PATH]]
+        [--target HOST:PORT] [--timeout SECONDS] [--tls-ca PATH [--tls-cert PATH --tls-key PATH]] [--api-key KEY]
 
 Prints the generated text on stdout (chunk by chunk with --stream) and a
 one-line summary of the request's statistics on stderr; with --json, one JSON
 object (text, token_ids, finish_reason, stats) on stdout instead, the same for
 --stream and unary calls. Without --k the server chooses the number of draft
-tokens per step; --k 0 disables speculation.
+tokens per step; --k 0 disables speculation. A verifier that requires an API key
+gets it from --api-key or SPECDEC_VERIFIER_API_KEY (the variable keeps it off
+the command line, which other local users can read).
 
 Exit status: 0 on success, 2 for INVALID_ARGUMENT (the request itself is
 wrong: fix the flags) or unreadable TLS files, 1 for every other gRPC error.
@@ -31,6 +33,7 @@ from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 
 TARGET_ENV = "SPECDEC_VERIFIER_TARGET"
+API_KEY_ENV = "SPECDEC_VERIFIER_API_KEY"  # the verifier's own variable for its keys: one key here
 DEFAULT_TARGET = "127.0.0.1:50052"
 # Long enough for a few hundred tokens on CPU behind a full batch; a deadline
 # is still set so a wedged server cannot hang the client forever.
@@ -73,7 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="client certificate (PEM) for a server that requires one (mutual TLS; with --tls-key and --tls-ca)",
     )
     parser.add_argument("--tls-key", type=Path, default=None)
+    parser.add_argument(
+        "--api-key", default=os.environ.get(API_KEY_ENV) or None, help=f"sent as 'authorization: Bearer KEY' (${API_KEY_ENV})"
+    )
     args = parser.parse_args(argv)
+    if args.api_key is not None and "," in args.api_key:
+        parser.error(f"--api-key (or ${API_KEY_ENV}) takes one key; this one has a comma")
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_cert and not args.tls_ca:
@@ -129,10 +137,16 @@ def print_flushed(text: str) -> None:
     print(text, end="", flush=True)
 
 
+def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata every call sends: the API key, when there is one."""
+    return (("authorization", f"Bearer {api_key.strip()}"),) if api_key else ()
+
+
 def generate(stub: rpc.VerifierStub, request: pb.GenerateRequest, args: argparse.Namespace) -> pb.GenerateResponse:
+    metadata = call_metadata(getattr(args, "api_key", None))
     if not args.stream:
-        return stub.Generate(request, timeout=args.timeout)
-    call = stub.GenerateStream(request, timeout=args.timeout)
+        return stub.Generate(request, timeout=args.timeout, metadata=metadata)
+    call = stub.GenerateStream(request, timeout=args.timeout, metadata=metadata)
     try:
         response = join_chunks(call, on_text=None if args.json else print_flushed)
     finally:

@@ -21,31 +21,51 @@ extra field, and each streamed chunk's ``specdec`` lists its tokens with
 the text each added and where each came from (``sources``).
 
 A client that disconnects frees its batch slot at the next step, as a
-cancelled gRPC call does.
+cancelled gRPC call does, and the log says so in one line naming the request.
+
+Hostile callers: with API keys configured every ``/v1`` route needs
+``Authorization: Bearer <key>`` (401 otherwise; ``/``, the live view, and
+``/health`` stay open); a caller has at most ``--max-requests-per-caller``
+requests in flight (429); a body over ``--http-max-body-bytes`` is refused
+from its Content-Length before a byte of it is read (413), and prompt text
+over ``--max-prompt-chars`` before any template or tokenizer runs (400).
+Every malformed body (any nesting depth, lone surrogates, invalid UTF-8,
+wrong types) is a 400, and anything unexpected a 500, both in OpenAI's shape.
+The server (``HttpServer``) caps open connections (``--http-max-connections``)
+and gives a request's headers and its body deadlines of their own
+(``--http-header-timeout``, ``--http-body-timeout``), which uvicorn lacks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
 import socket
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
+import h11
 import uvicorn
 from google.protobuf import json_format
 from opentelemetry import propagate
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from verifier_service.engine import FINISH_LENGTH, GenerationRequest
 from verifier_service.model_loading import chat_ids
@@ -74,13 +94,42 @@ PARAMS = {
 class ApiError(Exception):
     """An answer in OpenAI's error shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        # A message may quote the client's text: a lone surrogate in it could not be encoded.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.status, self.message, self.param, self.kind, self.code, self.headers = status, message, param, kind, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    def raw(self) -> bytes:
+        """The whole HTTP/1.1 response, closing the connection, for the protocol to write itself."""
+        body = json.dumps(self.body()).encode()
+        head = (
+            f"HTTP/1.1 {self.status} {HTTPStatus(self.status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        return head.encode() + body
+
+
+def _shown(value: Any) -> str:
+    """A short rendering of a client's value for an error message (a container by its kind:
+    rendering one nested thousands deep would itself overflow the recursion limit)."""
+    if isinstance(value, list | dict):
+        return "a list" if isinstance(value, list) else "an object"
+    return json.dumps(value)[:80]
 
 
 def _take(body: dict, name: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
@@ -89,7 +138,18 @@ def _take(body: dict, name: str, kinds: tuple[type, ...], what: str, default: An
     if value is None:
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise ApiError(400, f"{name} must be {what}, got {json.dumps(value)[:80]}", param=name)
+        raise ApiError(400, f"{name} must be {what}, got {_shown(value)}", param=name)
+    return value
+
+
+def _text(value: str, where: str, param: str) -> str:
+    """``value`` if it is Unicode text a tokenizer takes: JSON's escapes can spell a lone
+    surrogate ("\\ud800"), which Python keeps in a str and tokenizers refuse."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        surrogate = ascii(value[error.start])
+        raise ApiError(400, f"{where} holds a lone surrogate ({surrogate}) at character {error.start}: not text", param) from None
     return value
 
 
@@ -102,7 +162,7 @@ def _float(body: dict, name: str, default: float) -> float:
 
 
 class OpenAIApi:
-    """The routes, over a ``VerifierServicer`` (its engine, scheduler, tracing and metrics)."""
+    """The routes, over a ``VerifierServicer`` (its engine, scheduler, tracing, metrics, API keys and per-caller limit)."""
 
     def __init__(self, servicer, model_id: str) -> None:
         self.servicer = servicer
@@ -120,6 +180,7 @@ class OpenAIApi:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             ],
+            middleware=[Middleware(_Unexpected), Middleware(_Callers, keys=servicer.keys)],
             exception_handlers={
                 ApiError: lambda request, error: error.response(),
                 HTTPException: lambda request, error: ApiError(error.status_code, str(error.detail)).response(),
@@ -150,12 +211,30 @@ class OpenAIApi:
     # -- one request --------------------------------------------------------------------
 
     async def _serve(self, request: Request, chat: bool) -> Response:
+        """The answer, with the caller's place under --max-requests-per-caller held from
+        before its body is read until its answer ends (streamed: until the stream closes)."""
         if not self.servicer.ready.is_set():
             raise ApiError(503, "the model is still loading; retry when GET /health answers 200", kind="server_error", code="loading")
-        received = await self._body(request)
-        # Parsing, chat templates and tokenizing up to --max-message-bytes take a worker
+        caller = request.scope["state"]["caller"]  # _Callers'
+        callers = self.servicer.callers
+        release = callers.admit(caller)
+        if release is None:
+            raise ApiError(429, callers.refusal(caller), kind="rate_limit_error", code="too_many_requests_per_caller")
+        try:
+            response = await self._answer(request, chat, release)
+        except BaseException:
+            release()
+            raise
+        if not isinstance(response, _EventStream):  # a stream releases its place when it closes
+            release()
+        return response
+
+    async def _answer(self, request: Request, chat: bool, release: Callable[[], None]) -> Response:
+        request_id = f"http-{secrets.token_hex(6)}"
+        received = await self._body(request, request_id)
+        # Parsing, chat templates and tokenizing up to --http-max-body-bytes take a worker
         # thread, so the event loop keeps serving the other requests' streams meanwhile.
-        generation, stream, include_usage = await anyio.to_thread.run_sync(self._parse, received, chat, limiter=self.limiter)
+        generation, stream, include_usage = await anyio.to_thread.run_sync(self._parse, received, chat, request_id, limiter=self.limiter)
         span_context = self.servicer.request_span(propagate.extract(dict(request.headers)))
         span = span_context.__enter__()
         try:
@@ -165,7 +244,7 @@ class OpenAIApi:
             raise
         reply = _Reply(self, handle, chat, span, span_context)
         if stream:
-            return _EventStream(self._events(reply, include_usage), reply.close)
+            return _EventStream(self._events(reply, include_usage), reply.close, release)
         try:
             return JSONResponse(await self._complete(request, reply))
         except BaseException as error:
@@ -174,24 +253,35 @@ class OpenAIApi:
         finally:
             reply.close()
 
-    async def _body(self, request: Request) -> bytearray:
-        """The body, read up to --max-message-bytes (413 beyond it)."""
-        limit, received = self.servicer.config.max_message_bytes, bytearray()
-        async for part in request.stream():
-            received += part
-            if len(received) > limit:
-                raise ApiError(413, f"the body is over {limit} bytes (--max-message-bytes)", code="body_too_large")
+    async def _body(self, request: Request, request_id: str) -> bytearray:
+        """The body, up to --http-max-body-bytes (413 beyond: from its Content-Length before
+        a byte is read, else while a chunked one arrives)."""
+        limit, received = self.servicer.config.http_max_body_bytes, bytearray()
+        too_large = ApiError(413, f"the body is over {limit} bytes (--http-max-body-bytes)", code="body_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:  # h11 has refused any other Content-Length
+            raise too_large
+        try:
+            async for part in request.stream():
+                received += part
+                if len(received) > limit:
+                    raise too_large
+        except ClientDisconnect:
+            log.info("request %s: the connection closed after %d bytes of its body; nothing to answer", request_id, len(received))
+            raise ApiError(400, "the connection closed before the whole body came", code="client_disconnected") from None
         return received
 
-    def _parse(self, received: bytearray, chat: bool) -> tuple[GenerationRequest, bool, bool]:
+    def _parse(self, received: bytearray, chat: bool, request_id: str) -> tuple[GenerationRequest, bool, bool]:
         """(the request, stream, stream_options.include_usage) from a JSON body."""
         try:
             body = json.loads(received)
-        except ValueError:
-            raise ApiError(400, "the body must be a JSON object") from None
+        except RecursionError:  # the parser's own depth limit (about 1,000 levels): no body of ours nests past 4
+            raise ApiError(400, "the body nests too deeply to be a request") from None
+        except ValueError as error:  # UnicodeDecodeError (not UTF-8) is one too
+            raise ApiError(400, f"the body must be a JSON object in UTF-8: {error}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
-        generation = self._generation_request(body, chat)
+        generation = self._generation_request(body, chat, request_id)
         stream = _take(body, "stream", (bool,), "true or false", False)
         options = _take(body, "stream_options", (dict,), "an object", {})
         return generation, stream, _take(options, "include_usage", (bool,), "true or false", False)
@@ -200,9 +290,7 @@ class OpenAIApi:
         try:
             return self.servicer.submit(generation, span)
         except ValueError as error:
-            message = str(error).replace("max_new_tokens", "max_tokens")
-            param = next((PARAMS[name] for name in PARAMS if str(error).startswith(name)), None)
-            raise ApiError(400, message, param=param) from None
+            raise _invalid(error) from None
         except QueueFull as error:
             raise ApiError(429, str(error), kind="rate_limit_error", code="queue_full") from None
         except ShuttingDown as error:
@@ -210,12 +298,11 @@ class OpenAIApi:
 
     async def _complete(self, request: Request, reply: _Reply) -> dict:
         """The whole answer; a client that disconnects first cancels the request."""
-        scheduler = self.servicer.scheduler
 
         async def cancel_on_disconnect() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            scheduler.cancel(reply.handle)
+            reply.client_left()
 
         async with anyio.create_task_group() as group:
             group.start_soon(cancel_on_disconnect)
@@ -232,24 +319,25 @@ class OpenAIApi:
             tokens = iter(reply.handle.stream())
             while (piece := await anyio.to_thread.run_sync(next, tokens, None, abandon_on_cancel=True, limiter=self.limiter)) is not None:
                 yield json.dumps(reply.token_chunk(piece))
-            try:
-                result = reply.result()
-            except ApiError as error:  # the request failed after its stream began: say so in the stream
-                reply.close(error)
-                yield json.dumps({"error": {"message": error.message, "type": error.kind, "param": None, "code": error.code}})
-                return
+            result = reply.result()
             stats = self.servicer.finished(reply.handle, result, reply.span)
             yield json.dumps(reply.final_chunk(result, stats, include_usage))
             if include_usage:
                 yield json.dumps(reply.usage_chunk(result))
             yield "[DONE]"
-        except BaseException as error:
+        except Exception as error:  # the request failed after its stream began: say so in the stream
+            if not isinstance(error, ApiError):
+                _log_unexpected(f"request {reply.handle.request.request_id}'s stream", error)
+                error = ApiError(500, "the server failed on this request; it is logged", kind="server_error", code="internal_error")
+            reply.close(error)
+            yield json.dumps(error.body())
+        except BaseException as error:  # the client left (cancelled, or the generator closed)
             reply.close(error)
             raise
 
     # -- the request ----------------------------------------------------------------------
 
-    def _generation_request(self, body: dict, chat: bool) -> GenerationRequest:
+    def _generation_request(self, body: dict, chat: bool, request_id: str) -> GenerationRequest:
         model = _take(body, "model", (str,), "a string")
         if model is not None and model != self.model_id:
             raise ApiError(
@@ -257,6 +345,16 @@ class OpenAIApi:
             )
         if _take(body, "n", (int,), "an integer", 1) != 1:
             raise ApiError(400, "n must be 1: this server returns one choice per request", param="n")
+        # Stop strings are checked first: cheap, and the prompt's tokenizing is not.
+        stop = body.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        elif stop is None:
+            stop = []
+        elif not isinstance(stop, list) or not all(isinstance(item, str) for item in stop):
+            raise ApiError(400, "stop must be a string or a list of strings", param="stop")
+        for index, item in enumerate(stop):
+            _text(item, f"stop[{index}]", "stop")
         prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
         engine = self.servicer.engine
         if chat:
@@ -267,13 +365,6 @@ class OpenAIApi:
                 max_tokens = _take(body, "max_tokens", (int,), "an integer", default_max)
         else:
             max_tokens = _take(body, "max_tokens", (int,), "an integer", COMPLETIONS_DEFAULT_MAX_TOKENS)
-        stop = body.get("stop")
-        if isinstance(stop, str):
-            stop = [stop]
-        elif stop is None:
-            stop = []
-        elif not isinstance(stop, list) or not all(isinstance(item, str) for item in stop):
-            raise ApiError(400, "stop must be a string or a list of strings", param="stop")
         seed = _take(body, "seed", (int,), "an integer")
         if seed is not None and not 0 <= seed < 1 << 64:
             raise ApiError(400, f"seed must be in [0, 2**64), got {seed}", param="seed")
@@ -284,7 +375,13 @@ class OpenAIApi:
             seed=seed,
         )
         k = _take(body, "num_speculative_tokens", (int,), "an integer (unset: adaptive)")
-        return GenerationRequest(prompt_ids, max_tokens, sampling, tuple(stop), k, request_id=f"http-{secrets.token_hex(6)}")
+        return GenerationRequest(prompt_ids, max_tokens, sampling, tuple(stop), k, request_id=request_id)
+
+    def _check_prompt_chars(self, chars: int, param: str) -> None:
+        try:
+            self.servicer.check_prompt_chars(chars)
+        except ValueError as error:
+            raise ApiError(400, str(error), param=param) from None
 
     def _chat_prompt(self, body: dict) -> list[int]:
         messages = body.get("messages")
@@ -301,7 +398,8 @@ class OpenAIApi:
                 content = "".join(part["text"] for part in content)
             if not isinstance(content, str):
                 raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts", param="messages")
-            plain.append({"role": message["role"], "content": content})
+            plain.append({"role": message["role"], "content": _text(content, f"messages[{index}].content", "messages")})
+        self._check_prompt_chars(sum(len(message["content"]) for message in plain), "messages")
         tokenizer = self.servicer.engine.tokenizer
         if not tokenizer.chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -315,18 +413,93 @@ class OpenAIApi:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
+            self._check_prompt_chars(len(_text(prompt, "prompt", "prompt")), "prompt")
             return list(self.servicer.engine.tokenizer(prompt).input_ids)
         if isinstance(prompt, list) and all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
             return prompt
         raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
 
 
+def _invalid(error: ValueError) -> ApiError:
+    """The engine's ValueError as a 400 naming OpenAI's parameter."""
+    message = str(error).replace("max_new_tokens", "max_tokens")
+    param = next((PARAMS[name] for name in PARAMS if str(error).startswith(name)), None)
+    return ApiError(400, message, param=param)
+
+
+def _log_unexpected(what: str, error: BaseException) -> None:
+    """One line for a failure nobody foresaw: what failed, the exception, and where it was raised."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    detail = str(error)[:300].encode("ascii", "backslashreplace").decode("ascii")
+    log.error("%s failed: %s: %s%s", what, type(error).__name__, detail, where)
+
+
+class _Unexpected:
+    """Any exception a route did not turn into an ``ApiError``: a 500 in OpenAI's shape (when
+    no response has begun) and one log line, instead of Starlette's plain "Internal Server
+    Error" and uvicorn's traceback."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def watched(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as error:
+            _log_unexpected(f"{scope.get('method', '')} {scope.get('path', '')}", error)
+            if scope["type"] == "http" and not started:
+                failed = ApiError(500, "the server failed on this request; it is logged", kind="server_error", code="internal_error")
+                await failed.response()(scope, receive, send)
+
+
+class _Callers:
+    """Who calls each ``/v1`` route, in ``scope["state"]["caller"]``: the API key's name when
+    keys are configured (a 401 in OpenAI's shape, with ``WWW-Authenticate: Bearer``, without
+    a valid one), else the peer's host. Other paths (the live view, /health) pass open."""
+
+    def __init__(self, app, keys) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            await self.app(scope, receive, send)
+            return
+        if self.keys.required:
+            values = Headers(scope=scope).getlist("authorization")
+            caller = self.keys.caller(bearer(values[0]) if values else None)
+            if caller is None:
+                refused = ApiError(
+                    401, self.keys.refusal(bool(values)), code="invalid_api_key", headers={"www-authenticate": 'Bearer realm="specdec"'}
+                )
+                await refused.response()(scope, receive, send)
+                return
+        else:
+            client = scope.get("client")
+            caller = client[0] if client else "unknown"
+        scope.setdefault("state", {})["caller"] = caller
+        await self.app(scope, receive, send)
+
+
+def bearer(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` value; None for any other value."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
+
+
 class _EventStream(EventSourceResponse):
     """Server-sent events (sse-starlette's framing, a comment every 15 s to keep proxies from
-    timing out) that call ``on_close`` however the response ends: finished, failed, or the
-    client gone, even before the first event."""
+    timing out) that call each of ``on_close`` however the response ends: finished, failed,
+    or the client gone, even before the first event."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncIterator[str], *on_close: Callable[[], None]) -> None:
         super().__init__(events, ping=15)
         self._on_close = on_close
 
@@ -334,7 +507,8 @@ class _EventStream(EventSourceResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_close()
+            for close in self._on_close:
+                close()
 
 
 class _Reply:
@@ -344,18 +518,34 @@ class _Reply:
         self.api, self.handle, self.chat, self.span = api, handle, chat, span
         self._span_context = span_context  # servicer.request_span's, entered
         self._closed = False
+        self._answered = False  # the last chunk, or the whole answer, was made
+        self._left = False  # the client disconnected first
+        self.tokens_sent = 0
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.text = _StreamText(api.servicer.engine.tokenizer, handle.request.stop)
 
+    def client_left(self) -> None:
+        """The client disconnected before its answer: cancel the request (freeing its slot at the next step)."""
+        self._left = True
+        self.api.servicer.scheduler.cancel(self.handle)
+
     def close(self, error: BaseException | None = None) -> None:
         """Once: cancel the request (a no-op once it ended; it frees the slot of a client that
-        left) and end its span, with ``error`` unless that is the client going away."""
+        left) and end its span, with ``error`` unless that is the client going away, which
+        is one line in the log instead."""
         if self._closed:
             return
         self._closed = True
         self.api.servicer.scheduler.cancel(self.handle)
-        if error is None or isinstance(error, anyio.get_cancelled_exc_class() | GeneratorExit):
+        gone = isinstance(error, anyio.get_cancelled_exc_class() | GeneratorExit) or self._left or error is None and not self._answered
+        if gone:
+            log.info(
+                "request %s: the client disconnected after %d tokens, before its answer ended; cancelled",
+                self.handle.request.request_id,
+                self.tokens_sent,
+            )
+        if error is None or gone:
             self._span_context.__exit__(None, None, None)
         else:
             self._span_context.__exit__(type(error), error, error.__traceback__)
@@ -382,11 +572,13 @@ class _Reply:
         return self._envelope(self.object, [self._choice("", None, role=True)])
 
     def token_chunk(self, chunk: TokenChunk) -> dict:
+        self.tokens_sent += len(chunk.tokens)
         delta, pieces = self.text.push(chunk.tokens)
         extra = {"token_ids": chunk.tokens, "token_texts": pieces, "sources": chunk.sources, "verified": chunk.verified}
         return self._envelope(self.object, [self._choice(delta, None)]) | {"specdec": extra}
 
     def final_chunk(self, result, stats, usage: bool) -> dict:
+        self._answered = True
         out = self._envelope(self.object, [self._choice(self.text.finish(result.text), _finish(result))])
         out["specdec"] = _speculation(stats)
         if usage:
@@ -397,6 +589,7 @@ class _Reply:
         return self._envelope(self.object, []) | {"usage": _usage(self.handle, result)}
 
     def whole(self, result, stats) -> dict:
+        self._answered = True
         obj = "chat.completion" if self.chat else "text_completion"
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None}
@@ -434,10 +627,108 @@ def _speculation(stats) -> dict:
     return json_format.MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-class HttpServer:
-    """uvicorn on a thread of its own, on a socket bound here (so port 0 works and the port is known)."""
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one HTTP connection may hold of the server (VerifierConfig's http_* fields say why these defaults)."""
 
-    def __init__(self, app: Callable, host: str, port: int, ssl: dict[str, Any] | None = None, grace_s: float = 10.0) -> None:
+    max_connections: int = 256
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+
+
+class _LimitedH11(H11Protocol):
+    """uvicorn's h11 protocol with the limits it lacks (``limits``, set per server).
+
+    A cap on open connections: past it, a new one is answered 503 and closed
+    (uvicorn's ``limit_concurrency`` keeps such a connection, refuses only its
+    requests, in plain text, and never one that sends nothing). And deadlines
+    for a request's headers (from the connection, or the previous answer) and
+    for its body (from its headers): uvicorn has only the keep-alive timeout,
+    which any byte received cancels, so a client trickling a request held its
+    connection, and what its body had sent, for ever. Past a deadline the
+    request is answered 408 (while it has no answer) and the connection closed.
+    """
+
+    limits: ClassVar[HttpLimits] = HttpLimits()
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self._deadline: asyncio.TimerHandle | None = None
+        self._phase: object = None  # h11's state of the client: IDLE (sending headers), SEND_BODY, ...
+        self._heard = False  # bytes came in this phase
+        if len(self.connections) >= self.limits.max_connections:
+            self.transport = transport
+            log.info("HTTP: refused a connection: %d are open (--http-max-connections)", len(self.connections))
+            message = f"the server has {len(self.connections)} open HTTP connections (--http-max-connections); retry shortly"
+            transport.write(ApiError(503, message, kind="server_error", code="too_many_connections").raw())
+            transport.close()
+            return
+        super().connection_made(transport)
+        self._watch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_deadline()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self._heard = True
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._watch()
+
+    def send_400_response(self, msg: str) -> None:
+        """What h11 cannot parse, in OpenAI's shape too."""
+        self.transport.write(ApiError(400, f"{msg} (not an HTTP/1.1 request this server reads)", code="invalid_http").raw())
+        self.transport.close()
+
+    def _watch(self) -> None:
+        """A deadline for the phase the client is in, set as it enters the phase."""
+        phase = self.conn.their_state
+        if phase is self._phase:
+            return
+        self._phase, self._heard = phase, False
+        self._cancel_deadline()
+        timeouts = {h11.IDLE: ("headers", self.limits.header_timeout_s), h11.SEND_BODY: ("body", self.limits.body_timeout_s)}
+        if phase in timeouts and not self.transport.is_closing():
+            what, seconds = timeouts[phase]
+            self._deadline = self.loop.call_later(seconds, self._expire, what, seconds)
+
+    def _expire(self, what: str, seconds: float) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        flag = f"--http-{'header' if what == 'headers' else 'body'}-timeout"
+        peer = "%s:%d" % self.client if self.client else "a client"
+        cycle = self.cycle if what == "body" else None
+        if cycle is not None and not cycle.response_started or what == "headers" and self._heard:
+            log.info("HTTP %s: closed, its request's %s took over %g s (%s)", peer, what, seconds, flag)
+            if cycle is not None:  # the route sees the client gone, and what it sends goes nowhere
+                cycle.disconnected, cycle.keep_alive = True, False
+                cycle.message_event.set()
+            message = f"the request's {what} took over {seconds:g} s ({flag})"
+            self.transport.write(ApiError(408, message, code="request_timeout").raw())
+        self.transport.close()
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+
+class HttpServer:
+    """uvicorn on a thread of its own, on a socket bound here (so port 0 works and the port is known),
+    with ``limits`` on connections and on how long a request may take to arrive."""
+
+    def __init__(
+        self,
+        app: Callable,
+        host: str,
+        port: int,
+        ssl: dict[str, Any] | None = None,
+        grace_s: float = 10.0,
+        limits: HttpLimits = HttpLimits(),
+    ) -> None:
         family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         self.socket = socket.socket(family, kind)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -448,7 +739,10 @@ class HttpServer:
             self.socket.close()
             raise
         self.port = self.socket.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=int(grace_s) + 1, **(ssl or {}))
+        protocol = type("LimitedH11", (_LimitedH11,), {"limits": limits})
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=int(grace_s) + 1, http=protocol, **(ssl or {})
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, name="verifier-http", daemon=True)
 

@@ -7,6 +7,15 @@ RESOURCE_EXHAUSTED at once. A client that cancels, or whose deadline passes,
 frees its batch slot at the next step (gRPC's termination callback cancels
 the handle).
 
+Callers: with API keys configured (``--api-key``, ``--api-key-file``), both
+front doors (gRPC metadata and HTTP headers ``authorization: Bearer <key>``)
+require one (UNAUTHENTICATED, HTTP 401); health and reflection stay open.
+Each caller (its key; else its client certificate's common name under mutual
+TLS; else its address) has at most ``--max-requests-per-caller`` requests in
+flight across both front doors (RESOURCE_EXHAUSTED, HTTP 429), so one client
+cannot hold every batch slot and queue place. Prompt text is bounded in
+characters (``--max-prompt-chars``) before any chat template or tokenizer runs.
+
 Start-up: the port is bound and health says NOT_SERVING while the model
 loads, the step-cost model is calibrated and one request is decoded as a
 warm-up; only then SERVING. The drafter is optional: without one (or while
@@ -16,12 +25,18 @@ it is away) every step is plain decoding.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
+import re
 import ssl
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -51,7 +66,7 @@ from verifier_service.engine import (
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
 from verifier_service.observability import ServiceObserver
-from verifier_service.openai_api import HttpServer, OpenAIApi
+from verifier_service.openai_api import HttpLimits, HttpServer, OpenAIApi, bearer
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import Cancelled, QueueFull, RequestHandle, Scheduler, SchedulerConfig, ShuttingDown
 from verifier_service.text import IncrementalText
@@ -102,6 +117,45 @@ class VerifierConfig:
     max_message_bytes: int = setting(serving.MAX_MESSAGE_BYTES, minimum=1, help="gRPC message size cap, both ways")
     grace_s: float = setting(10.0, minimum=0.0, help="seconds SIGTERM gives in-flight requests")
     http_port: int = setting(8000, minimum=-1, help="OpenAI-compatible HTTP API and the live view at / (0: a free one, -1: off)")
+    # Off by default, so make run, the benchmarks and a loopback-only deployment need
+    # none; anything reachable from a network should set keys. Not in the config's repr
+    # (the start-up log). The flag can take one key only (flags.py has no repeated flags):
+    # several go comma-separated, or one a line in --api-key-file.
+    api_key: str | None = setting(
+        None,
+        repr=False,
+        help="API key(s), comma-separated, that /v1 and gRPC Generate/GenerateStream require as "
+        "'authorization: Bearer KEY' (none: open). A command line is visible to local users: prefer the variable or --api-key-file",
+    )
+    api_key_file: str | None = setting(None, help="file of API keys, one a line ('#' comments and blank lines skipped); adds to --api-key")
+    # Half of the default batch and queue (16 + 64): one client cannot take every
+    # slot and queue place, while 16-client benchmarks from one host still fit.
+    max_requests_per_caller: int = setting(
+        40,
+        minimum=1,
+        help="requests one caller (API key; else client certificate; else address) may have in flight, over HTTP and gRPC together",
+    )
+    # None: what the cache can hold could never need more characters: a position
+    # per token, each at most the tokenizer's longest token plus one separator a
+    # whitespace pre-tokenizer drops (SmolLM2: 4,096 x 17). Checked before any
+    # template or tokenizer runs, so a huge text costs no tokenizing.
+    max_prompt_chars: int | None = setting(
+        None,
+        minimum=1,
+        help="characters of prompt text (a chat's contents together) accepted before tokenizing "
+        "(none: the per-request cache positions x (the tokenizer's longest token + 1))",
+    )
+    # A 4,096-token prompt is ~20-100 KB of JSON; 1 MiB holds a 128K-token one, and with
+    # --http-max-connections bounds what half-sent bodies can hold (256 MiB).
+    http_max_body_bytes: int = setting(1 << 20, minimum=1, help="HTTP request body cap in bytes (413 beyond; from Content-Length first)")
+    # Headers arrive in one packet; 10 s allows a very slow link and still frees a
+    # slow-loris connection quickly.
+    http_header_timeout_s: float = setting(10.0, minimum=0.001, help="seconds a client may take to send a request's headers")
+    # The whole body, from its headers: a 1 MiB body at ~20 KB/s.
+    http_body_timeout_s: float = setting(60.0, minimum=0.001, help="seconds a client may take to send a request's body")
+    # 3x the 80 requests the scheduler holds (16 + 64), room for clients' idle
+    # keep-alive connections, and well inside a 1,024 open-file limit.
+    http_max_connections: int = setting(256, minimum=1, help="open HTTP connections; beyond, new ones get 503 and are closed")
     calibrate: bool = setting(
         True, help="measure the step cost at start-up (without: a flat cost refined by real steps; for tests and tiny models)"
     )
@@ -119,8 +173,123 @@ class VerifierConfig:
     # Plaintext gRPC health Check outside the request limit (serving.serve_health); None: not served.
     health_port: int | None = None
 
+    def __post_init__(self) -> None:
+        self.api_keys()  # fail fast: an unreadable key file or a malformed key is a usage error
+
+    def api_keys(self) -> tuple[str, ...]:
+        """The configured keys, from --api-key and --api-key-file (ValueError naming where,
+        never the key, for a key that cannot travel in a header, or an unreadable file)."""
+        keys = [(key.strip(), f"key {index} of --api-key") for index, key in enumerate((self.api_key or "").split(","), 1)]
+        keys = [(key, where) for key, where in keys if key]
+        if self.api_key_file:
+            try:
+                lines = Path(self.api_key_file).read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as error:
+                raise ValueError(f"cannot read --api-key-file {self.api_key_file}: {error}") from None
+            listed = [(line.strip(), f"line {number} of --api-key-file") for number, line in enumerate(lines, 1)]
+            listed = [(key, where) for key, where in listed if key and not key.startswith("#")]
+            if not listed:
+                raise ValueError(f"--api-key-file {self.api_key_file} holds no key")
+            keys += listed
+        for key, where in keys:
+            if not KEY_PATTERN.fullmatch(key):
+                raise ValueError(f"{where}: an API key is printable ASCII without spaces or commas")
+        return tuple(key for key, _ in keys)
+
 
 SERVING_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "metrics_port", "health_port")
+# What an HTTP header and gRPC metadata carry unchanged, less the --api-key separator.
+KEY_PATTERN = re.compile(r"[!-+\--~]+")
+
+
+class ApiKeys:
+    """The keys a caller must present, when any are configured. No gRPC and no HTTP here."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        # Compared as digests, so neither a key's length nor where a guess first
+        # differs from it shows in the time a check takes.
+        self._digests = [hashlib.sha256(key.encode()).digest() for key in keys]
+
+    @property
+    def required(self) -> bool:
+        return bool(self._digests)
+
+    def caller(self, token: str | None) -> str | None:
+        """ "api key #N" for the Nth configured key, None for anything else. Every key is
+        compared, with no early exit, in constant time (hmac.compare_digest)."""
+        digest = hashlib.sha256((token or "").encode("utf-8", "surrogatepass")).digest()
+        found = None
+        for index, key in enumerate(self._digests):
+            if hmac.compare_digest(digest, key):
+                found = index
+        return None if found is None else f"api key #{found + 1}"
+
+    @staticmethod
+    def refusal(sent: bool) -> str:
+        """What a caller without a valid key is told (never what it sent)."""
+        if not sent:
+            return (
+                "this verifier requires an API key: send 'authorization: Bearer <key>' (an HTTP header, or gRPC "
+                "metadata; the CLI client's --api-key or SPECDEC_VERIFIER_API_KEY)"
+            )
+        return "the API key sent is not one this verifier accepts (its --api-key or --api-key-file): check the key the client sends"
+
+
+class CallerLimit:
+    """Requests in flight per caller, shared by the HTTP and gRPC front doors. No gRPC here.
+
+    limit=2: a caller's third request at once is refused; another caller's is not."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._in_flight: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def in_flight(self, caller: str) -> int:
+        return self._in_flight[caller]
+
+    def admit(self, caller: str) -> Callable[[], None] | None:
+        """A function that gives the place back (once, however often it is called), or None
+        when ``caller`` already has ``limit`` requests in flight."""
+        with self._lock:
+            if self._in_flight[caller] >= self.limit:
+                return None
+            self._in_flight[caller] += 1
+        released = threading.Event()
+
+        def release() -> None:
+            with self._lock:
+                if released.is_set():
+                    return
+                released.set()
+                self._in_flight[caller] -= 1
+                if not self._in_flight[caller]:
+                    del self._in_flight[caller]
+
+        return release
+
+    def refusal(self, caller: str) -> str:
+        return (
+            f"{caller} has {self._in_flight[caller]} requests in flight, the most one caller may "
+            f"(--max-requests-per-caller {self.limit}); retry when one ends"
+        )
+
+
+def peer_host(peer: str) -> str:
+    """A gRPC peer's host, as HTTP names it: "ipv4:10.0.0.7:51234" -> "10.0.0.7",
+    "ipv6:[::1]:51234" -> "::1"; anything else (a unix socket) as it is."""
+    kind, _, address = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return peer
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") if host and port.isdigit() else address
+
+
+def longest_token_chars(tokenizer) -> int:
+    """Characters of the vocabulary's longest token as the tokenizer spells it, which is at
+    least what it stands for: byte-level BPE spells a byte per character ("Ġthe"),
+    SentencePiece a character per character ("▁the"), byte fallback "<0xE3>" for a byte."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -130,14 +299,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.ready = threading.Event()
         self.engine: SpeculativeEngine | None = None
         self.scheduler: Scheduler | None = None
+        self.keys = ApiKeys(config.api_keys())
+        self.callers = CallerLimit(config.max_requests_per_caller)
+        self.max_prompt_chars = config.max_prompt_chars or 1
 
     def attach(self, engine: SpeculativeEngine, scheduler: Scheduler) -> None:
         self.engine, self.scheduler = engine, scheduler
+        self.max_prompt_chars = self.config.max_prompt_chars or engine.cache.capacity * (longest_token_chars(engine.tokenizer) + 1)
         self.ready.set()
 
     # -- RPCs ---------------------------------------------------------------------
 
     def Generate(self, request, context):
+        self._admit(context)
         with self.request_span(telemetry.incoming_context(context)) as span:
             handle = self._submit(request, context, span)
             result = self._result(handle, context)
@@ -147,6 +321,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
 
     def GenerateStream(self, request, context):
+        self._admit(context)
         with self.request_span(telemetry.incoming_context(context)) as span:
             handle = self._submit(request, context, span)
             text = IncrementalText(self.engine.tokenizer, handle.request.stop)
@@ -158,6 +333,43 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             yield verifier_pb2.GenerateChunk(text=text.finish(result.text), finish_reason=FINISH_REASONS[result.finish_reason], stats=stats)
 
     # -- helpers --------------------------------------------------------------------
+
+    def _admit(self, context) -> None:
+        """The call's caller, checked (UNAUTHENTICATED without a valid key when keys are
+        configured) and admitted under --max-requests-per-caller (RESOURCE_EXHAUSTED beyond)
+        until the call ends."""
+        caller = self._caller(context)
+        release = self.callers.admit(caller)
+        if release is None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.callers.refusal(caller))
+            raise AssertionError("abort raises")  # for the type checker
+        if not context.add_callback(release):  # the call already ended
+            release()
+
+    def _caller(self, context) -> str:
+        """Who calls: the API key when keys are configured; else the client certificate's
+        common name under mutual TLS; else the peer's host (its port changes per connection)."""
+        if self.keys.required:
+            values = [value for name, value in context.invocation_metadata() if name == "authorization"]
+            token = bearer(values[0]) if values else None
+            caller = self.keys.caller(token)
+            if caller is None:
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, self.keys.refusal(bool(values)))
+                raise AssertionError("abort raises")  # for the type checker
+            return caller
+        names = context.auth_context().get("x509_common_name")
+        if names:
+            return "certificate " + names[0].decode("utf-8", "replace")
+        return peer_host(context.peer() or "unknown")
+
+    def check_prompt_chars(self, chars: int) -> None:
+        """ValueError for prompt text longer than --max-prompt-chars, before it costs any tokenizing."""
+        if chars > self.max_prompt_chars:
+            assert self.engine is not None
+            raise ValueError(
+                f"prompt is {chars} characters; at most {self.max_prompt_chars} fit a request's "
+                f"{self.engine.cache.capacity} cache positions (--max-prompt-chars)"
+            )
 
     @contextlib.contextmanager
     def request_span(self, parent):
@@ -262,6 +474,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise ValueError("chat applies to a text prompt; prompt_token_ids are used as given")
         assert self.engine is not None
         tokenizer = self.engine.tokenizer
+        self.check_prompt_chars(len(request.prompt))
         if has_ids:
             prompt_ids = list(request.prompt_token_ids)
         elif request.chat:
@@ -385,8 +598,13 @@ def create_server(config: VerifierConfig) -> VerifierServer:
         verifier._metrics_server, verifier.metrics_port = telemetry.start_metrics_server(metrics.registry, config.host, config.metrics_port)
     if config.http_port >= 0:
         api = OpenAIApi(servicer, config.model)
-        verifier.http = HttpServer(api.app, config.host, config.http_port, http_tls(config), config.grace_s)
+        limits = HttpLimits(config.http_max_connections, config.http_header_timeout_s, config.http_body_timeout_s)
+        verifier.http = HttpServer(api.app, config.host, config.http_port, http_tls(config), config.grace_s, limits)
         verifier.http.start()
+    if servicer.keys.required:
+        log.info("API keys required (%d configured) on /v1 and gRPC Generate/GenerateStream", len(config.api_keys()))
+    else:
+        log.info("no API keys configured: /v1 and gRPC Generate/GenerateStream are open to any caller that reaches the port")
     return verifier
 
 

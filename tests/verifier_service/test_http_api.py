@@ -1,0 +1,418 @@
+"""The HTTP API in process (Starlette's TestClient, or the ASGI app called directly) over a
+real servicer, engine and scheduler on the tiny model: API keys, per-caller limits, body
+and prompt bounds, malformed bodies, the fallback for the unexpected, and dropped bodies.
+
+The tiny model's word-level tokenizer reads "t5 t9" as tokens [5, 9]; its longest token
+("t63") is 3 characters, so --max-prompt-chars defaults to 4 characters per cache position.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import json
+import logging
+
+import pytest
+from starlette.testclient import TestClient
+
+from specdec import telemetry
+from specdec.v1 import verifier_pb2 as pb
+from verifier_service import openai_api
+from verifier_service.engine import EngineConfig, SpeculativeEngine
+from verifier_service.metrics import VerifierMetrics
+from verifier_service.openai_api import OpenAIApi
+from verifier_service.scheduler import Scheduler, SchedulerConfig
+from verifier_service.server import ApiKeys, CallerLimit, VerifierConfig, VerifierServicer, peer_host
+
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+KEYS = ("key-one", "key-two")
+CAPACITY = 256  # cache positions per request: prompt text up to 256 x (3 + 1) characters
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tiny_tokenizer):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def started(tiny_model, tokenizer, **fields) -> VerifierServicer:
+    config = VerifierConfig(engine=EngineConfig(max_batch_size=2, max_sequence_tokens=CAPACITY), **fields)
+    servicer = VerifierServicer(config, telemetry.Tracing("test"), VerifierMetrics())
+    engine = SpeculativeEngine(tiny_model, tokenizer, None, config.engine)
+    scheduler = Scheduler(engine, SchedulerConfig())
+    scheduler.start()
+    servicer.attach(engine, scheduler)
+    return servicer
+
+
+@pytest.fixture(scope="module")
+def open_servicer(tiny_model, chat_tokenizer):
+    servicer = started(tiny_model, chat_tokenizer, max_requests_per_caller=1)
+    yield servicer
+    servicer.scheduler.stop(1.0)
+
+
+@pytest.fixture(scope="module")
+def keyed_servicer(tiny_model, chat_tokenizer):
+    servicer = started(tiny_model, chat_tokenizer, api_key=",".join(KEYS), max_requests_per_caller=1)
+    yield servicer
+    servicer.scheduler.stop(1.0)
+
+
+@pytest.fixture(scope="module")
+def client(open_servicer):
+    return TestClient(OpenAIApi(open_servicer, MODEL).app)
+
+
+@pytest.fixture(scope="module")
+def keyed(keyed_servicer):
+    return TestClient(OpenAIApi(keyed_servicer, MODEL).app)
+
+
+def completion(**fields) -> dict:
+    return {"prompt": [5, 9, 14], "max_tokens": 2, "temperature": 0} | fields
+
+
+def assert_openai_error(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+# -- API keys ------------------------------------------------------------------------------
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_without_keys_every_route_is_open_whatever_authorization_says(client):
+    for headers in ({}, bearer("anything"), {"Authorization": "garbage"}):
+        assert client.get("/v1/models", headers=headers).status_code == 200
+        assert client.post("/v1/completions", json=completion(), headers=headers).status_code == 200
+
+
+REFUSED_AUTHORIZATIONS = {
+    "none": ({}, "requires an API key"),
+    "wrong": (bearer("key-three"), "not one this verifier accepts"),
+    "prefix of a key": (bearer("key-on"), "not one this verifier accepts"),
+    "another scheme": ({"Authorization": "Basic a2V5LW9uZTo="}, "not one this verifier accepts"),
+    "no token": ({"Authorization": "Bearer"}, "not one this verifier accepts"),
+    "garbage": ({"Authorization": b"\x01\x7f\xff" * 100}, "not one this verifier accepts"),
+    "bearer garbage": ({"Authorization": b"Bearer \xed\xa0\x80\xff"}, "not one this verifier accepts"),
+}
+
+
+@pytest.mark.parametrize("sent", REFUSED_AUTHORIZATIONS, ids=list(REFUSED_AUTHORIZATIONS))
+@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/v1/nothing")])
+def test_with_keys_each_v1_route_answers_401_without_a_valid_one(keyed, sent, method, path):
+    headers, says = REFUSED_AUTHORIZATIONS[sent]
+    response = keyed.request(method, path, headers=headers, json=completion() if method == "POST" else None)
+    error = assert_openai_error(response, 401)
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_api_key")
+    assert says in error["message"]
+    assert response.headers["www-authenticate"].startswith("Bearer")
+    for key in (*KEYS, "key-three", "key-on"):  # neither the keys nor what was sent is echoed
+        assert key not in response.text
+
+
+def test_with_keys_each_configured_key_is_accepted_and_health_and_the_view_stay_open(keyed):
+    for key in KEYS:
+        assert keyed.get("/v1/models", headers=bearer(key)).status_code == 200
+        response = keyed.post("/v1/completions", json=completion(), headers={"authorization": f"bearer  {key} "})
+        assert response.status_code == 200
+    assert keyed.get("/health").status_code == 200
+    assert keyed.get("/").status_code == 200
+
+
+def test_a_key_check_compares_every_key_in_constant_time(monkeypatch):
+    calls = []
+    compare = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append((len(a), len(b))) or compare(a, b))
+    keys = ApiKeys(["k1", "a much longer second key", "k3"])
+    assert keys.caller("k1") == "api key #1"  # the first key matches: the others are compared all the same
+    assert keys.caller("k3") == "api key #3"
+    assert keys.caller("nope") is None
+    assert keys.caller(None) is None
+    assert calls == [(32, 32)] * 12  # SHA-256 digests: every comparison is of equal lengths, whatever the keys'
+    assert not ApiKeys([]).required
+
+
+def test_keys_come_from_the_flag_the_variable_and_a_file_and_stay_out_of_the_config_repr(tmp_path, monkeypatch):
+    from verifier_service.__main__ import parse_config
+
+    listed = tmp_path / "keys"
+    listed.write_text("# deploy keys\nfile-key-1\n\n  file-key-2  \n")
+    config = parse_config(["--api-key", "flag-key", "--api-key-file", str(listed)])
+    assert config.api_keys() == ("flag-key", "file-key-1", "file-key-2")
+    assert "flag-key" not in repr(config)  # the start-up log prints the config
+    monkeypatch.setenv("SPECDEC_VERIFIER_API_KEY", "env-key-1, env-key-2")
+    assert parse_config([]).api_keys() == ("env-key-1", "env-key-2")
+    assert VerifierConfig().api_keys() == ()
+
+
+@pytest.mark.parametrize(
+    "fields, says",
+    [
+        ({"api_key": "good,bad key"}, "key 2 of --api-key: an API key is printable ASCII"),
+        ({"api_key_file": "/nonexistent/keys"}, "cannot read --api-key-file /nonexistent/keys"),
+    ],
+    ids=["space", "missing-file"],
+)
+def test_a_malformed_key_or_an_unreadable_file_is_a_config_error_that_names_no_key(fields, says):
+    with pytest.raises(ValueError) as raised:
+        VerifierConfig(**fields)
+    assert says in str(raised.value)
+    assert "bad key" not in str(raised.value)
+
+
+def test_a_key_file_without_a_key_is_a_config_error(tmp_path):
+    empty = tmp_path / "keys"
+    empty.write_text("# none yet\n\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        VerifierConfig(api_key_file=str(empty))
+
+
+# -- per-caller limit -------------------------------------------------------------------------
+
+
+def test_caller_limit_counts_per_caller_and_releases_once():
+    limit = CallerLimit(2)
+    first, second = limit.admit("a"), limit.admit("a")
+    assert first and second and limit.admit("a") is None
+    assert limit.admit("b") is not None  # another caller is not refused
+    first()
+    first()  # twice: still one place back
+    assert limit.in_flight("a") == 1
+    assert limit.admit("a") is not None and limit.admit("a") is None
+    assert "--max-requests-per-caller 2" in limit.refusal("a")
+
+
+def test_a_caller_at_its_limit_gets_429_naming_the_flag_while_others_are_served(keyed_servicer, keyed):
+    release = keyed_servicer.callers.admit("api key #1")  # one request of key-one in flight
+    try:
+        error = assert_openai_error(keyed.post("/v1/completions", json=completion(), headers=bearer("key-one")), 429)
+        assert (error["type"], error["code"]) == ("rate_limit_error", "too_many_requests_per_caller")
+        assert "--max-requests-per-caller 1" in error["message"]
+        assert keyed.post("/v1/completions", json=completion(), headers=bearer("key-two")).status_code == 200
+    finally:
+        release()
+    assert keyed.post("/v1/completions", json=completion(), headers=bearer("key-one")).status_code == 200
+
+
+def test_without_keys_the_caller_is_the_peer_address(open_servicer, client):
+    release = open_servicer.callers.admit("testclient")  # TestClient's peer host
+    try:
+        assert assert_openai_error(client.post("/v1/completions", json=completion()), 429)["code"] == "too_many_requests_per_caller"
+    finally:
+        release()
+
+
+def test_every_way_a_request_ends_gives_its_callers_place_back(client):
+    """The limit is 1: each request below would be refused if an earlier one kept its place."""
+    for _ in range(2):
+        assert client.post("/v1/completions", json=completion()).status_code == 200
+        with client.stream("POST", "/v1/completions", json=completion(stream=True)) as stream:
+            assert stream.read().decode().rstrip().endswith("data: [DONE]")
+        assert client.post("/v1/completions", json=completion(max_tokens=0)).status_code == 400
+        assert client.post("/v1/completions", content=b"{not json").status_code == 400
+        assert client.post("/v1/completions", json=completion(prompt=[999])).status_code == 400
+
+
+def test_grpc_peers_are_named_as_http_names_them():
+    assert peer_host("ipv4:10.0.0.7:51234") == "10.0.0.7"
+    assert peer_host("ipv6:[::1]:51234") == "::1"
+    assert peer_host("unix:/run/verifier.sock") == "unix:/run/verifier.sock"
+
+
+# -- body and prompt bounds -----------------------------------------------------------------------
+
+
+def call_asgi(app, headers: list[tuple[bytes, bytes]], parts: list[bytes], disconnect: bool = False):
+    """One POST /v1/completions straight into the ASGI app: (status, body, the number of body parts it read)."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("10.1.2.3", 5000),
+        "server": ("127.0.0.1", 8000),
+        "state": {},
+    }
+    pending = list(parts)
+    read = []
+    sent: list[dict] = []
+
+    async def receive():
+        if pending:
+            read.append(pending.pop(0))
+            return {"type": "http.request", "body": read[-1], "more_body": bool(pending) or disconnect}
+        if disconnect:
+            return {"type": "http.disconnect"}
+        await asyncio.sleep(3600)  # a client that sends nothing more
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    status = next(message["status"] for message in sent if message["type"] == "http.response.start")
+    body = b"".join(message.get("body", b"") for message in sent if message["type"] == "http.response.body")
+    return status, json.loads(body), len(read)
+
+
+def test_a_body_over_the_limit_is_refused_from_its_content_length_before_a_byte_is_read(tiny_model, chat_tokenizer):
+    servicer = started(tiny_model, chat_tokenizer, http_max_body_bytes=1000)
+    try:
+        app = OpenAIApi(servicer, MODEL).app
+        status, body, parts_read = call_asgi(app, [(b"content-length", b"7340032")], [b"{" * 65536] * 3)
+        assert (status, body["error"]["code"], parts_read) == (413, "body_too_large", 0)
+        assert "--http-max-body-bytes" in body["error"]["message"]
+        # Chunked (no Content-Length): refused as soon as the parts read pass the limit.
+        status, body, parts_read = call_asgi(app, [(b"transfer-encoding", b"chunked")], [b" " * 600] * 5)
+        assert (status, body["error"]["code"], parts_read) == (413, "body_too_large", 2)
+    finally:
+        servicer.scheduler.stop(1.0)
+
+
+class NoTokenizing:
+    """The tokenizer, but calling it (or its chat template) fails the test."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        if name == "apply_chat_template":
+            raise AssertionError("the chat template ran on a prompt already known to be too long")
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("the tokenizer ran on a prompt already known to be too long")
+
+
+def test_prompt_text_longer_than_the_cache_could_hold_is_refused_before_any_template_or_tokenizer(open_servicer, client, monkeypatch):
+    limit = CAPACITY * (3 + 1)
+    assert open_servicer.max_prompt_chars == limit
+    monkeypatch.setattr(open_servicer.engine, "tokenizer", NoTokenizing(open_servicer.engine.tokenizer))
+    text = "t5 " * (limit // 3 + 1)
+    error = assert_openai_error(client.post("/v1/completions", json=completion(prompt=text)), 400)
+    assert error["param"] == "prompt" and f"at most {limit}" in error["message"] and "--max-prompt-chars" in error["message"]
+    halves = [{"role": "user", "content": text[: len(text) // 2]}, {"role": "user", "content": text[len(text) // 2 :]}]
+    error = assert_openai_error(client.post("/v1/chat/completions", json={"messages": halves}), 400)
+    assert error["param"] == "messages" and "--max-prompt-chars" in error["message"]
+
+
+def test_a_prompt_within_the_character_bound_but_past_the_cache_is_still_the_engines_400(client):
+    error = assert_openai_error(client.post("/v1/completions", json=completion(prompt="t5 " * (CAPACITY + 1))), 400)
+    assert "cache positions" in error["message"]
+
+
+def test_grpc_prompt_text_is_bounded_before_tokenizing_too(open_servicer, monkeypatch):
+    monkeypatch.setattr(open_servicer.engine, "tokenizer", NoTokenizing(open_servicer.engine.tokenizer))
+    for chat in (False, True):
+        with pytest.raises(ValueError, match="--max-prompt-chars"):
+            open_servicer._generation_request(pb.GenerateRequest(prompt="t5" * CAPACITY * 4, chat=chat, max_new_tokens=1))
+
+
+def test_max_prompt_chars_set_by_flag_wins(tiny_model, chat_tokenizer):
+    servicer = started(tiny_model, chat_tokenizer, max_prompt_chars=10)
+    try:
+        error = assert_openai_error(
+            TestClient(OpenAIApi(servicer, MODEL).app).post("/v1/completions", json=completion(prompt="t5 t6 t7 t8")), 400
+        )
+        assert "at most 10" in error["message"]
+    finally:
+        servicer.scheduler.stop(1.0)
+
+
+# -- malformed bodies ------------------------------------------------------------------------------
+
+DEEP = 100_000
+MALFORMED = {
+    "nested-100000-deep": b"[" * DEEP + b"]" * DEEP,
+    "nested-100000-deep-object": b'{"a":' * DEEP + b"1" + b"}" * DEEP,
+    "deep-inside-a-field": b'{"prompt": [5], "temperature": ' + b"[" * 900 + b"]" * 900 + b"}",
+    "lone-surrogate-prompt": b'{"prompt": "t5 \\ud800 t9", "max_tokens": 2}',
+    "lone-surrogate-message": b'{"messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}',
+    "lone-surrogate-text-part": b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "t5\\ud800"}]}]}',
+    "lone-surrogate-stop": b'{"prompt": [5], "max_tokens": 2, "stop": ["\\ud800"]}',
+    "surrogate-as-raw-bytes": b'{"prompt": "t5 \xed\xa0\x80", "max_tokens": 2}',
+    "invalid-utf8": b'{"prompt": "t5 \xff\xfe", "max_tokens": 2}',
+    "truncated": b'{"prompt": [5',
+    "empty": b"",
+    "array": b"[1, 2]",
+    "number": b"7",
+    "null": b"null",
+    "string": b'"t5"',
+    "nan-temperature": b'{"prompt": [5], "temperature": NaN}',
+    "prompt-object": b'{"prompt": {"text": "t5"}}',
+    "prompt-floats": b'{"prompt": [5.5]}',
+    "max-tokens-string": b'{"prompt": [5], "max_tokens": "4"}',
+    "max-tokens-huge": b'{"prompt": [5], "max_tokens": 1' + b"0" * 400 + b"}",
+    "int-too-long-for-python": b'{"prompt": [5], "max_tokens": 1' + b"0" * 5000 + b"}",
+    "stream-number": b'{"prompt": [5], "stream": 1}',
+    "stream-options-list": b'{"prompt": [5], "stream_options": []}',
+    "messages-string": b'{"messages": "hi"}',
+    "message-not-object": b'{"messages": [[]]}',
+    "token-id-huge": b'{"prompt": [1' + b"0" * 400 + b"]}",
+    "seed-negative": b'{"prompt": [5], "seed": -1}',
+    "model-list": b'{"prompt": [5], "model": ["tiny"]}',
+}
+CHAT_BODIES = {"lone-surrogate-message", "lone-surrogate-text-part", "messages-string", "message-not-object"}
+
+
+@pytest.mark.parametrize("name", MALFORMED, ids=list(MALFORMED))
+def test_every_malformed_body_is_a_400_in_openais_shape(client, name):
+    path = "/v1/chat/completions" if name in CHAT_BODIES else "/v1/completions"
+    error = assert_openai_error(client.post(path, content=MALFORMED[name]), 400)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_a_lone_surrogate_is_named_with_its_field(client):
+    error = assert_openai_error(client.post("/v1/chat/completions", content=MALFORMED["lone-surrogate-message"]), 400)
+    assert error["param"] == "messages" and "messages[0].content holds a lone surrogate ('\\udc00')" in error["message"]
+
+
+def test_an_unexpected_exception_is_a_500_in_openais_shape_and_one_log_line(open_servicer, client, monkeypatch, caplog):
+    def broken(generation, span):
+        raise RuntimeError("the engine fell over")
+
+    monkeypatch.setattr(open_servicer, "submit", broken)
+    with caplog.at_level(logging.INFO):
+        response = client.post("/v1/completions", json=completion())
+    error = assert_openai_error(response, 500)
+    assert (error["type"], error["code"]) == ("server_error", "internal_error")
+    assert "fell over" not in error["message"]  # the client is told it failed, not our internals
+    [record] = [record for record in caplog.records if record.levelno >= logging.WARNING]
+    assert record.name == "verifier_service.openai_api"
+    assert "POST /v1/completions failed: RuntimeError: the engine fell over at " in record.getMessage()
+    assert "\n" not in record.getMessage() and record.exc_info is None
+    assert client.post("/v1/completions", json=completion()).status_code == 500  # its caller's place came back
+
+
+def test_a_body_the_client_abandons_logs_one_line_naming_the_request(open_servicer, caplog):
+    app = OpenAIApi(open_servicer, MODEL).app
+    with caplog.at_level(logging.INFO):
+        call_asgi(app, [(b"content-length", b"1000")], [b'{"prompt": '], disconnect=True)
+    [record] = [record for record in caplog.records if record.name.startswith(("verifier_service", "uvicorn", "starlette"))]
+    assert record.levelno == logging.INFO and record.exc_info is None
+    assert "request http-" in record.getMessage() and "closed after 11 bytes of its body" in record.getMessage()
+    assert open_servicer.callers.in_flight("10.1.2.3") == 0
+
+
+def test_the_module_keeps_one_bearer_parser():
+    assert openai_api.bearer("Bearer  abc ") == "abc"
+    assert openai_api.bearer("bearer abc") == "abc"
+    assert openai_api.bearer("Basic abc") is None
+    assert openai_api.bearer("Bearer") is None
+    assert openai_api.bearer(None) is None

@@ -115,11 +115,10 @@ def _channel(address: str) -> grpc.Channel:
 # -- gRPC ----------------------------------------------------------------------------------
 
 
-def _nothing_until(stop: threading.Event, ended: threading.Event) -> Iterator:
-    """A request stream that sends nothing, and ends when the call or the abuse does
-    (so gRPC's thread that reads it never outlives its call by more than STOP_POLL_S)."""
-    while not (stop.is_set() or ended.wait(STOP_POLL_S)):
-        pass
+def _nothing_until(ended: threading.Event) -> Iterator:
+    """A request stream that sends nothing and never half-closes: it ends once its call has ended
+    (``_hold`` cancels it at the stop), so gRPC's thread that reads it never outlives the call."""
+    ended.wait()
     return
     yield
 
@@ -142,7 +141,7 @@ def idle_streams(targets: Targets, index: int, stop: threading.Event, tally: Tal
         while not stop.is_set():
             ended = threading.Event()
             if method == "reflection":
-                call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(_nothing_until(stop, ended))
+                call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(_nothing_until(ended))
             else:
                 call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
             opened = time.monotonic()

@@ -56,6 +56,7 @@ import json
 import os
 import platform
 import random
+import re
 import resource
 import select
 import shlex
@@ -413,6 +414,16 @@ def run_hostile(args: argparse.Namespace, processes: dict[str, ServiceProcess], 
     }
 
 
+def settings(args: argparse.Namespace) -> dict:
+    """The run's flags for load.json, API keys left out: "--api-key k --x 1" -> "--api-key *** --x 1"."""
+    return vars(args) | {
+        "out": str(args.out),
+        "hostile_mix": list(args.hostile_mix),
+        "api_key": "***" if args.api_key else None,
+        "verifier_arg": [re.sub(r"(--api-key[= ]\s*)\S+", r"\1***", line) for line in args.verifier_arg],
+    }
+
+
 def stop_timed(service: ServiceProcess) -> dict:
     """Stop a service (``ServiceProcess.stop``): how long it took and its exit status (-9: it had to be killed)."""
     started = time.monotonic()
@@ -487,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
 
     report = {
         "machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count()},
-        "settings": vars(args) | {"out": str(args.out), "hostile_mix": list(args.hostile_mix)},
+        "settings": settings(args),
         "phases": results,
         "shutdown": shutdown,
     }

@@ -274,9 +274,10 @@ def huge_bodies(targets: Targets, index: int, stop: threading.Event, tally: Tall
                         if stop.is_set():
                             return
                         connection.sendall(payload[start : start + SEND_CHUNK_BYTES])
-                except OSError as error:  # the server may answer (413) and close before reading it all
-                    outcome = _answer(connection, stop, SOCKET_TIMEOUT_S)
-                    tally.add("huge_bodies", f"send failed ({type(error).__name__}), then {outcome}")
+                except OSError as error:  # the server may answer (401, 413) and close before reading it all
+                    answer = _answer(connection, stop, SOCKET_TIMEOUT_S)
+                    early = answer.startswith("HTTP")
+                    tally.add("huge_bodies", f"{answer} (before the whole body)" if early else f"{type(error).__name__}; {answer}")
                     continue
                 tally.add("huge_bodies", _answer(connection, stop, ANSWER_WAIT_S))
         except OSError as error:

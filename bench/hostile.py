@@ -16,16 +16,18 @@ already running on this host, and prints what they met. Kinds (``KINDS``):
   ``CLOSE_REPEATS`` times in one call, with a 1 s deadline, in a loop;
 * ``huge_bodies``: ``POST /v1/chat/completions`` with a ~7 MiB JSON body (one
   long message), one connection per request, in a loop;
-* ``slow_bodies``: headers announcing a ``SLOW_BODY_DECLARED_BYTES`` body,
+* ``slow_bodies``: headers announcing a body of ``SLOW_BODY_DECLARED_BYTES``
+  (abusers 0, 1, 4, 5, ...) or ``SLOW_BODY_UNDER_CAP_BYTES`` (2, 3, 6, 7, ...),
   then the body trickled ``TRICKLE_BYTES`` a second (even abusers) or not at
   all (odd ones), holding the connection until the server closes it;
 * ``idle_http``: a TCP connection to the HTTP port that never sends a request;
 * ``bogus_propose``: ``Propose`` continuing made-up session ids, in a loop.
 
 Every abuser is one thread with at most one call or connection open at a
-time, on 127.0.0.1 only; it looks at ``stop`` at least every ``STOP_POLL_S``
-and returns within ``STOP_BOUND_S`` of it being set. HTTP abusers send a
-wrong API key (odd abusers) or none (even ones). Outcomes are counted per
+time, on 127.0.0.1 only, starting one at most every ``MIN_ATTEMPT_INTERVAL_S``;
+it looks at ``stop`` at least every ``STOP_POLL_S`` and returns within
+``STOP_BOUND_S`` of it being set. HTTP abusers send a wrong API key (half of
+each kind's) or none. Outcomes are counted per
 kind: a gRPC method and status name, ``HTTP <code> <message>``, ``cut``
 (the server closed first) or an exception's type; held streams and
 connections also record how long the server let them stay.
@@ -55,6 +57,9 @@ from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
 LOOPBACK = "127.0.0.1"
 STOP_POLL_S = 0.5  # how often a waiting abuser looks at ``stop``
+# An abuser's attempts at most 20 a second: refused at once, 64 tight loops on a 2-core machine
+# would measure this benchmark's own CPU more than the services' (still ~1,000 attempts a second).
+MIN_ATTEMPT_INTERVAL_S = 0.05
 SOCKET_TIMEOUT_S = 5.0  # one connect, send or recv; bounds how long an abuser can miss ``stop``
 STOP_BOUND_S = SOCKET_TIMEOUT_S + 2 * STOP_POLL_S + 5.0  # plus a gRPC call's own deadline (CALL_TIMEOUT_S)
 CALL_TIMEOUT_S = 5.0  # the abusers' gRPC calls but CloseSessions' and the held streams
@@ -67,6 +72,7 @@ HUGE_BODY_BYTES = 7 * 2**20
 SEND_CHUNK_BYTES = 256 * 2**10  # a huge body goes out in chunks, ``stop`` looked at between them
 ANSWER_WAIT_S = 60.0  # a huge body's answer: longer than any tokenizing of 7 MiB should take
 SLOW_BODY_DECLARED_BYTES = 6 * 2**20
+SLOW_BODY_UNDER_CAP_BYTES = 900 * 2**10  # under the 1 MiB --http-max-body-bytes: only a body timeout ends it
 TRICKLE_BYTES = 4  # a second
 BOGUS_SESSIONS_PER_CALL = 64
 WORDS = ("the", "model", "token", "draft", "verify", "accept", "batch", "cache", "t7", "t42", "1234", "naïve", "Ωmega", "{}", "\\n")
@@ -123,6 +129,16 @@ def _nothing_until(ended: threading.Event) -> Iterator:
     yield
 
 
+def _attempts(stop: threading.Event) -> Iterator[int]:
+    """0, 1, 2, ... until ``stop``, at most one per MIN_ATTEMPT_INTERVAL_S."""
+    for attempt in itertools.count():
+        if stop.is_set():
+            return
+        next_at = time.monotonic() + MIN_ATTEMPT_INTERVAL_S
+        yield attempt
+        stop.wait(max(0.0, next_at - time.monotonic()))
+
+
 def _hold(call, stop: threading.Event, ended: threading.Event) -> str:
     """Wait until the server ends ``call`` (its status) or ``stop`` (cancel it: "held to the end")."""
     call.add_done_callback(lambda _: ended.set())
@@ -138,7 +154,7 @@ def idle_streams(targets: Targets, index: int, stop: threading.Event, tally: Tal
     method = ("reflection", "watch")[index // 2 % 2]
     what = f"{method}@{service}"
     with _channel(address) as channel:
-        while not stop.is_set():
+        for _ in _attempts(stop):
             ended = threading.Event()
             if method == "reflection":
                 call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(_nothing_until(ended))
@@ -148,17 +164,13 @@ def idle_streams(targets: Targets, index: int, stop: threading.Event, tally: Tal
             outcome = _hold(call, stop, ended)
             tally.held(what, time.monotonic() - opened)
             tally.add("idle_streams", f"{what} {outcome}")
-            if outcome != "held to the end":
-                stop.wait(0.1)  # reopen at once, but never spin on a server that refuses
 
 
 def repeated_closes(targets: Targets, index: int, stop: threading.Event, tally: Tally) -> None:
     rng = random.Random(index)
     with _channel(targets.drafter) as channel:
         stub = drafter_pb2_grpc.DrafterStub(channel)
-        for n in itertools.count():
-            if stop.is_set():
-                return
+        for n in _attempts(stop):
             session = f"hostile-close-{index}-{n}-{secrets.token_hex(4)}"
             tokens = [rng.randrange(TOKEN_ID_RANGE) for _ in range(CLOSE_CONTEXT_TOKENS)]
             update = drafter_pb2.SequenceUpdate(session_id=session, new_tokens=tokens, open=True, num_draft_tokens=0)
@@ -166,7 +178,6 @@ def repeated_closes(targets: Targets, index: int, stop: threading.Event, tally: 
                 stub.Propose(drafter_pb2.ProposeRequest(vocabulary=targets.vocabulary, sequences=[update]), timeout=CALL_TIMEOUT_S)
             except grpc.RpcError as error:
                 tally.add("repeated_closes", f"Propose {error.code().name}")
-                stop.wait(0.1)
                 continue
             request = drafter_pb2.CloseSessionsRequest(
                 vocabulary=targets.vocabulary, session_ids=[session] * CLOSE_REPEATS, observe=True, observe_id=session
@@ -181,9 +192,7 @@ def repeated_closes(targets: Targets, index: int, stop: threading.Event, tally: 
 def bogus_propose(targets: Targets, index: int, stop: threading.Event, tally: Tally) -> None:
     with _channel(targets.drafter) as channel:
         stub = drafter_pb2_grpc.DrafterStub(channel)
-        for n in itertools.count():
-            if stop.is_set():
-                return
+        for n in _attempts(stop):
             updates = [
                 drafter_pb2.SequenceUpdate(session_id=f"{index}-{n}-{i}", new_tokens=[i], num_draft_tokens=8)
                 for i in range(BOGUS_SESSIONS_PER_CALL)
@@ -205,9 +214,9 @@ def _connect(targets: Targets) -> socket.socket:
     return connection
 
 
-def _head(targets: Targets, index: int, length: int) -> bytes:
-    """Request headers for ``POST /v1/chat/completions`` with a body of ``length`` bytes; a wrong API key on odd abusers."""
-    key = f"Authorization: Bearer wrong-key-{index}\r\n" if index % 2 else ""
+def _head(targets: Targets, length: int, wrong_key: bool) -> bytes:
+    """Request headers for ``POST /v1/chat/completions`` with a body of ``length`` bytes, and a wrong API key or none."""
+    key = f"Authorization: Bearer wrong-key-{secrets.token_hex(4)}\r\n" if wrong_key else ""
     return (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: {LOOPBACK}:{targets.http_port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {length}\r\n{key}Connection: close\r\n\r\n"
@@ -265,8 +274,10 @@ def _error_message(body: bytes) -> str:
 
 
 def huge_bodies(targets: Targets, index: int, stop: threading.Event, tally: Tally) -> None:
-    payload = memoryview(_head(targets, index, len(huge_body())) + huge_body())
-    while not stop.is_set():
+    if targets.http_port is None:
+        return
+    payload = memoryview(_head(targets, len(huge_body()), wrong_key=index % 2 == 1) + huge_body())
+    for _ in _attempts(stop):
         try:
             with _connect(targets) as connection:
                 try:
@@ -282,7 +293,6 @@ def huge_bodies(targets: Targets, index: int, stop: threading.Event, tally: Tall
                 tally.add("huge_bodies", _answer(connection, stop, ANSWER_WAIT_S))
         except OSError as error:
             tally.add("huge_bodies", type(error).__name__)
-            stop.wait(0.1)
 
 
 def _held_connection(
@@ -307,8 +317,6 @@ def _held_connection(
         outcome = type(error).__name__
     tally.held(what, time.monotonic() - opened)
     tally.add(kind, f"{what} {outcome}")
-    if outcome != "held to the end":
-        stop.wait(0.1)
 
 
 def _trickled_body() -> Iterator[bytes]:
@@ -323,16 +331,17 @@ def _trickled_body() -> Iterator[bytes]:
 def slow_bodies(targets: Targets, index: int, stop: threading.Event, tally: Tally) -> None:
     if targets.http_port is None:
         return
-    what = "stalled" if index % 2 else "trickled"
-    while not stop.is_set():
+    declared = SLOW_BODY_DECLARED_BYTES if index // 2 % 2 == 0 else SLOW_BODY_UNDER_CAP_BYTES
+    what = f"{'stalled' if index % 2 else 'trickled'} {declared >> 10} KiB"
+    for _ in _attempts(stop):
         body = None if index % 2 else _trickled_body()
-        _held_connection(targets, stop, tally, "slow_bodies", what, _head(targets, index, SLOW_BODY_DECLARED_BYTES), body)
+        _held_connection(targets, stop, tally, "slow_bodies", what, _head(targets, declared, wrong_key=index // 4 % 2 == 1), body)
 
 
 def idle_http(targets: Targets, index: int, stop: threading.Event, tally: Tally) -> None:
     if targets.http_port is None:
         return
-    while not stop.is_set():
+    for _ in _attempts(stop):
         _held_connection(targets, stop, tally, "idle_http", "silent", b"", None)
 
 

@@ -541,8 +541,9 @@ class _Reply:
         gone = isinstance(error, anyio.get_cancelled_exc_class() | GeneratorExit) or self._left or error is None and not self._answered
         if gone:
             log.info(
-                "request %s: the client disconnected after %d tokens, before its answer ended; cancelled",
+                "request %s (%s): the client disconnected after %d tokens, before its answer ended; cancelled",
                 self.handle.request.request_id,
+                self.id,
                 self.tokens_sent,
             )
         if error is None or gone:

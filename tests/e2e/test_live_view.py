@@ -23,12 +23,14 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
+from specdec.v1 import verifier_pb2 as pb
 
 from processes import HttpVerifier, ServiceProcess
 
 PROMPT = "t5 t9 t14 t20"
 MAX_TOKENS = 48
 PAGE_TIMEOUT_S = 120
+API_KEY = "view-key-0123"
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +100,40 @@ def test_the_page_streams_an_answer_coloured_by_source_with_live_counters(servic
     assert float(browser.find_element(By.ID, "tokens-per-pass").text) > 1
     assert browser.find_element(By.ID, "acceptance").text.endswith("%")
     assert browser.find_element(By.ID, "speedup").text.endswith("x")
+
+
+@pytest.fixture(scope="module")
+def keyed_verifier(chat_model_dir):
+    verifier = HttpVerifier(chat_model_dir, "--api-key", API_KEY)
+    try:
+        yield verifier
+    finally:
+        verifier.process.stop()
+
+
+def generate_on_the_page(browser, max_tokens: int) -> str:
+    """Click Generate with PROMPT; the status line once it settles."""
+    prompt = browser.find_element(By.ID, "prompt")
+    prompt.clear()
+    prompt.send_keys(PROMPT)
+    tokens = browser.find_element(By.ID, "max-tokens")
+    tokens.clear()
+    tokens.send_keys(str(max_tokens))
+    browser.find_element(By.ID, "run").click()
+    status = browser.find_element(By.ID, "status")
+    WebDriverWait(browser, PAGE_TIMEOUT_S).until(lambda _: status.text == "done" or status.text.startswith("error"))
+    return status.text
+
+
+def test_with_api_keys_the_page_asks_for_one_sends_it_and_keeps_it(keyed_verifier, browser):
+    request = pb.GenerateRequest(prompt=PROMPT, chat=True, max_new_tokens=8)
+    reference = keyed_verifier.stub.Generate(request, metadata=[("authorization", f"Bearer {API_KEY}")], timeout=PAGE_TIMEOUT_S)
+    browser.get(keyed_verifier.base + "/")  # the page itself is open
+    status = generate_on_the_page(browser, 8)
+    assert status.startswith("error: this verifier requires an API key") and status.endswith("(enter the API key above)")
+    browser.find_element(By.ID, "api-key").send_keys(API_KEY)
+    assert generate_on_the_page(browser, 8) == "done"
+    assert browser.find_element(By.ID, "output").get_attribute("textContent") == reference.text
+    browser.get(keyed_verifier.base + "/")  # a reload keeps the key (localStorage)
+    assert browser.find_element(By.ID, "api-key").get_attribute("value") == API_KEY
+    assert generate_on_the_page(browser, 8) == "done"

@@ -202,17 +202,18 @@ def test_curl_receives_server_sent_events_ending_with_done(server):
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == server.generate(prompt=PROMPT, max_new_tokens=8).text
 
 
-def long_stream(server) -> tuple[httpx.Client, httpx.Response, object]:
+def long_stream(server) -> tuple[httpx.Client, httpx.Response, object, dict]:
     """A streamed request that decodes for minutes, opened and read up to its first token.
-    Returns its line iterator too: dropping that would close the connection, which cancels the request."""
+    Returns its line iterator too (dropping that would close the connection, which cancels
+    the request), and its first chunk."""
     client = httpx.Client(timeout=CALL_TIMEOUT_S)
     body = {"model": server.model, "prompt": CYCLING_PROMPT_IDS, "max_tokens": LONG_RUNNING_TOKENS, "temperature": 0, "stream": True}
     response = client.send(client.build_request("POST", server.base + "/v1/completions", json=body), stream=True)
     assert response.status_code == 200
     lines = response.iter_lines()
-    while not next(lines).startswith("data: "):
+    while not (line := next(lines)).startswith("data: "):
         pass
-    return client, response, lines
+    return client, response, lines, json.loads(line.removeprefix("data: "))
 
 
 def probe(server) -> str:
@@ -221,11 +222,17 @@ def probe(server) -> str:
     return client.completions.create(model=server.model, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
-    client, response, _ = long_stream(server)
+def test_a_client_that_disconnects_mid_stream_frees_its_slot_and_the_log_says_so_in_one_line(server):
+    before = len(server.process.log().splitlines())
+    client, response, _, first = long_stream(server)
     response.close()
     client.close()
     assert probe(server) == server.generate(prompt=PROMPT, max_new_tokens=4).text
+    logged = server.process.log().splitlines()[before:]
+    [line] = [line for line in logged if "disconnected" in line]
+    assert f"({first['id']})" in line  # names the request the client knew
+    assert "INFO" in line and "request http-" in line and "before its answer ended; cancelled" in line
+    assert not [line for line in logged if "Traceback" in line or "ERROR" in line], "\n".join(logged)
 
 
 def test_a_full_queue_raises_rate_limit_error(server):
@@ -234,12 +241,12 @@ def test_a_full_queue_raises_rate_limit_error(server):
         client = httpx.Client(timeout=CALL_TIMEOUT_S)
         body = {"model": server.model, "prompt": CYCLING_PROMPT_IDS, "max_tokens": LONG_RUNNING_TOKENS, "temperature": 0, "stream": True}
         queued = client.send(client.build_request("POST", server.base + "/v1/completions", json=body), stream=True)
-        held.append((client, queued, None))  # in the queue place: its headers came, its first token never will
+        held.append((client, queued, None, None))  # in the queue place: its headers came, its first token never will
         with pytest.raises(openai.RateLimitError) as raised:
             server.client.completions.create(model=server.model, prompt=PROMPT, max_tokens=4)
         assert "1 queued (limit 1)" in raised.value.message
     finally:
-        for client, response, _ in held:
+        for client, response, *_ in held:
             response.close()
             client.close()
     assert probe(server)
@@ -271,3 +278,16 @@ def test_a_number_too_large_for_a_float_fails_only_its_own_request(server):
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "temperature"
     assert probe(server)  # the server goes on
+
+
+def test_a_chat_body_over_the_http_limit_is_refused_413_through_the_openai_client(server):
+    """7 MiB of chat text: refused from its Content-Length (--http-max-body-bytes, 1 MiB), never parsed or tokenized."""
+    with pytest.raises(openai.APIStatusError) as raised:
+        server.client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "t5 " * ((7 << 20) // 3)}])
+    assert raised.value.status_code == 413
+    assert raised.value.code == "body_too_large" and "--http-max-body-bytes" in raised.value.message
+    assert probe(server)
+
+
+def test_the_start_up_log_says_no_api_keys_are_required(server):
+    assert "no API keys configured: /v1 and gRPC Generate/GenerateStream are open" in server.process.log()

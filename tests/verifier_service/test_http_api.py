@@ -416,3 +416,36 @@ def test_the_module_keeps_one_bearer_parser():
     assert openai_api.bearer("Basic abc") is None
     assert openai_api.bearer("Bearer") is None
     assert openai_api.bearer(None) is None
+
+
+NEW_SETTINGS = {  # flag -> (config field, a value other than its default)
+    "--max-requests-per-caller": ("max_requests_per_caller", 7),
+    "--max-prompt-chars": ("max_prompt_chars", 1000),
+    "--http-max-body-bytes": ("http_max_body_bytes", 4096),
+    "--http-header-timeout": ("http_header_timeout_s", 2.5),
+    "--http-body-timeout": ("http_body_timeout_s", 3.5),
+    "--http-max-connections": ("http_max_connections", 9),
+}
+
+
+@pytest.mark.parametrize("flag", NEW_SETTINGS)
+def test_each_limit_has_a_flag_and_a_variable(flag, monkeypatch):
+    from verifier_service.__main__ import parse_config
+
+    field, value = NEW_SETTINGS[flag]
+    assert getattr(VerifierConfig(), field) != value
+    assert getattr(parse_config([flag, str(value)]), field) == value
+    monkeypatch.setenv("SPECDEC_VERIFIER_" + flag[2:].replace("-", "_").upper(), str(value))
+    assert getattr(parse_config([]), field) == value
+
+
+def test_the_http_limits_reach_the_server(tiny_model, chat_tokenizer):
+    from verifier_service.server import create_server
+
+    config = VerifierConfig(port=0, http_port=0, http_max_connections=9, http_header_timeout_s=2.5, http_body_timeout_s=3.5)
+    verifier = create_server(config)
+    try:
+        limits = verifier.http.server.config.http_protocol_class.limits
+        assert (limits.max_connections, limits.header_timeout_s, limits.body_timeout_s) == (9, 2.5, 3.5)
+    finally:
+        verifier.stop(0)

@@ -168,11 +168,13 @@ def idle_streams(targets: Targets, index: int, stop: threading.Event, tally: Tal
 
 def repeated_closes(targets: Targets, index: int, stop: threading.Event, tally: Tally) -> None:
     rng = random.Random(index)
+    own = [rng.randrange(TOKEN_ID_RANGE) for _ in range(CLOSE_CONTEXT_TOKENS)]
     with _channel(targets.drafter) as channel:
         stub = drafter_pb2_grpc.DrafterStub(channel)
         for n in _attempts(stop):
             session = f"hostile-close-{index}-{n}-{secrets.token_hex(4)}"
-            tokens = [rng.randrange(TOKEN_ID_RANGE) for _ in range(CLOSE_CONTEXT_TOKENS)]
+            turn = n * 7 % CLOSE_CONTEXT_TOKENS  # a new context each time, for what it costs this process: a rotation
+            tokens = own[turn:] + own[:turn]
             update = drafter_pb2.SequenceUpdate(session_id=session, new_tokens=tokens, open=True, num_draft_tokens=0)
             try:
                 stub.Propose(drafter_pb2.ProposeRequest(vocabulary=targets.vocabulary, sequences=[update]), timeout=CALL_TIMEOUT_S)

@@ -389,6 +389,7 @@ def run_hostile(args: argparse.Namespace, processes: dict[str, ServiceProcess], 
         still_running = hostile.stop_abusers(abusers, stop)
         stop_s = time.monotonic() - stopping
     cpu_after_abuse = cpu_seconds(processes)
+    print(json.dumps(under_abuse.summary() | {"abusers": tally.summary()["outcomes"]}), flush=True)
     time.sleep(RECOVERY_S)
     after_recovery = memory_of(processes)
     sampler.stop()

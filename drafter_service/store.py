@@ -117,6 +117,28 @@ transaction each. An item that still finds no room is not stored and
 ``StoreFull`` says which: the caller retries it under the same id. Nothing is
 evicted below the low-water mark because of it: readers, not data, take the room.
 
+Checking a table, and damage
+----------------------------
+LMDB keeps no checksums and trusts its pages: a damaged one reads as an error
+(``is_corruption``: MDB_CORRUPTED, MDB_PAGE_NOTFOUND, ...), as plausible but wrong
+records, or aborts the process (an LMDB assertion; 5 of 60 tables given 20 random
+pages did so here). ``walk_table`` reads every record of every sub-database through
+its cursor, so every B-tree page holding one, and checks each against the format
+above: keys rising and shaped as specified; each ``ngrams`` value of version 1 with
+1..255 pairs, distinct tokens, counts most frequent first summing to its total
+(saturated), touched no later than the current epoch, and with its ``coldness``
+entry; as many ``coldness`` entries as n-grams; empty ``coldness`` and ``applied``
+values; the five meta records. ``max_records`` bounds it (shared out in proportion
+to the sub-databases' sizes, each walked from its first key): measured here ~1 s
+per million records with the file cached, ~2 s from disk, so a 1 GiB table (~24
+million records) takes ~25-50 s whole. ``walk_tables`` runs walks in child
+processes, so an abort condemns the table, not the caller. The free-page database
+is not walked (py-lmdb cannot open it): damage there surfaces at the next write.
+
+A store given ``on_corruption`` reports a damaged page or record met by any call to
+it; its owner may ``retire`` it (new calls raise ``StoreClosed``, the environment
+closes when the last call in flight ends), and the call then raises ``StoreCorrupted``.
+
 Durability and concurrency
 --------------------------
 Commits use LMDB's default durability (fsync on commit), so whatever
@@ -128,16 +150,22 @@ by a lock, so any thread may call ``apply``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import resource
+import signal
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent import futures
 from contextlib import contextmanager
-from dataclasses import dataclass
-from itertools import chain
+from dataclasses import asdict, dataclass
+from itertools import chain, islice
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -209,6 +237,34 @@ class StoreFull(RuntimeError):
 
 class StoreFormatError(RuntimeError):
     """The file was written in a format this code does not read, or is not ours, or is damaged."""
+
+
+class StoreClosed(RuntimeError):
+    """The store no longer serves: closed, or set aside (``retire``). Nothing of the call
+    was read or written; a retry finds another table (a registry opens a fresh one)."""
+
+
+class StoreCorrupted(StoreClosed):
+    """A read or write found the table's pages or records damaged, and the store's owner
+    (``on_corruption``) set it aside; nothing of the call was read or written."""
+
+
+# What LMDB raises on damaged pages (lmdb.h): MDB_CORRUPTED (a page of the wrong type),
+# MDB_PAGE_NOTFOUND (a page number past the end), MDB_PROBLEM (an inconsistency found
+# inside a transaction), MDB_BAD_CHECKSUM (LMDB 1.0), and MDB_BAD_TXN: this code never
+# goes on in a transaction after an error, so a transaction blocked under it was blocked
+# by LMDB itself on a damaged page (LMDB 0.9's mdb_cursor_init drops the MDB_CORRUPTED of
+# a named database's first lookup, and the call reports MDB_BAD_TXN instead). Not
+# MDB_PANIC (a failed meta write: the environment is unusable until reopened, the file
+# is not known to be damaged), nor MDB_BAD_VALSIZE (an oversized key from the caller:
+# this code bounds every key).
+_LMDB_CORRUPTION = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.ProblemError, lmdb.BadChecksumError, lmdb.BadTxnError)
+
+
+def is_corruption(error: BaseException) -> bool:
+    """Whether ``error`` says the table's file is damaged (not the caller's fault, not the disk's
+    being full): LMDB's corruption errors, and a stored record that does not decode."""
+    return isinstance(error, (*_LMDB_CORRUPTION, StoreFormatError))
 
 
 # LMDB's meta pages (lmdb.h, 64-bit): page header (16 bytes), then mm_magic,
@@ -369,8 +425,8 @@ def decode_value(value: bytes) -> tuple[int, int, list[tuple[int, int]]]:
     if not value or value[0] != VALUE_VERSION:
         version = value[0] if value else None
         raise StoreFormatError(f"n-gram value has version {version}; this code reads version {VALUE_VERSION}")
-    if (len(value) - _HEADER.size) % _PAIR_BYTES:
-        raise StoreFormatError(f"n-gram value of {len(value)} bytes is not a header plus whole pairs")
+    if len(value) < _HEADER.size + _PAIR_BYTES or (len(value) - _HEADER.size) % _PAIR_BYTES:
+        raise StoreFormatError(f"n-gram value of {len(value)} bytes is not a header plus one or more whole pairs")
     _version, epoch, total = _HEADER.unpack_from(value)
     flat = struct.unpack_from(f">{(len(value) - _HEADER.size) // 4}I", value, _HEADER.size)
     return epoch, total, list(zip(flat[0::2], flat[1::2]))
@@ -486,8 +542,10 @@ class StoreSnapshot:
         value = self._value(key)
         if value is None:
             return None
+        if len(value) < _HEADER.size + _PAIR_BYTES:
+            return best_of(self.continuations(key))  # damaged: decode_value says how
         version, last_touched, total = _HEADER.unpack_from(value)
-        if version == VALUE_VERSION and last_touched == self._epoch and len(value) > _HEADER.size:
+        if version == VALUE_VERSION and last_touched == self._epoch:
             # Pairs are stored most frequent first: the head is the answer.
             # (A plain tuple: this runs per draft token, and unpacks like a Continuation.)
             return (*_FIRST_PAIR.unpack_from(value, _HEADER.size), total)  # type: ignore[return-value]
@@ -511,9 +569,17 @@ class StoreSnapshot:
 class LMDBNGramStore:
     """The global n-gram table on disk; an ``NGramSource`` (see module docstring)."""
 
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: StoreConfig, on_corruption: Callable[[LMDBNGramStore, BaseException], None] | None = None) -> None:
+        """``on_corruption(store, error)``: called when a read or write finds the table damaged
+        (``is_corruption``), before the error reaches the caller; a registry sets the table
+        aside there (``retire``), and the caller then gets ``StoreCorrupted``."""
         self.config = config
+        self.on_corruption = on_corruption
         self._write_lock = threading.Lock()
+        # Guards _users and _closed: calls in flight, and why no new one may start (None: serving).
+        self._state = threading.Lock()
+        self._users = 0
+        self._closed: str | None = None
         # n -> (key prefix, packer for n tokens): built once, used by every lookup.
         self._key_packers = {n: (config.namespace + bytes((n,)), struct.Struct(f">{n}I")) for n in range(config.n_min, config.n_max + 1)}
         os.makedirs(config.path, exist_ok=True)
@@ -558,7 +624,7 @@ class LMDBNGramStore:
     def snapshot(self) -> Iterator[StoreSnapshot]:
         """One read transaction for many lookups (a whole Propose batch): a
         consistent view, and no per-lookup transaction cost. Never blocks the writer."""
-        with self._env.begin() as txn:
+        with self._use() as env, env.begin() as txn:
             epoch = _UINT32.unpack(txn.get(_META_EPOCH, db=self._meta))[0]  # type: ignore[arg-type]  # written at creation
             yield StoreSnapshot(self, txn, epoch)
 
@@ -582,14 +648,14 @@ class LMDBNGramStore:
         observations = [self._validate(*item) for item in batch]
         if not observations:
             return []
-        with self._write_lock:
+        with self._use(), self._write_lock:
             return self._commit_with_recovery(observations)
 
     def advance_epoch(self, epochs: int = 1) -> None:
         """Age every count by ``epochs`` epochs now (tests; a time-based policy)."""
         if epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {epochs}")
-        with self._write_lock, self._env.begin(write=True) as txn:
+        with self._use() as env, self._write_lock, env.begin(write=True) as txn:
             meta = self._read_meta(txn)
             self._advance_epoch(txn, meta, epochs)
             self._write_meta(txn, meta)
@@ -597,7 +663,7 @@ class LMDBNGramStore:
     # -- inspection and lifecycle
 
     def stats(self) -> dict[str, int]:
-        with self._env.begin() as txn:
+        with self._use() as env, env.begin() as txn:
             meta = self._read_meta(txn)
             entries = txn.stat(self._ngrams)["entries"]
             applied_ids = txn.stat(self._applied)["entries"]
@@ -606,7 +672,7 @@ class LMDBNGramStore:
         return {
             "entries": entries,  # n-gram keys, all namespaces
             "bytes": meta.tracked_bytes,  # what max_bytes bounds
-            "page_bytes": pages * self._env.stat()["psize"],  # live B-tree pages
+            "page_bytes": pages * env.stat()["psize"],  # live B-tree pages
             "file_bytes": os.path.getsize(os.path.join(self.config.path, "data.mdb")),
             "epoch": meta.epoch,
             "epoch_tokens": meta.epoch_tokens,
@@ -617,14 +683,64 @@ class LMDBNGramStore:
     def backup(self, destination_path: str | os.PathLike[str]) -> None:
         """A consistent, compacted copy in ``destination_path`` (created; must be empty), while serving."""
         os.makedirs(destination_path, exist_ok=True)
-        self._env.copy(os.fspath(destination_path), compact=True)
+        with self._use() as env:
+            env.copy(os.fspath(destination_path), compact=True)
 
     def close(self) -> None:
-        with self._write_lock:
-            if self._env is not None:
-                self._env.sync(True)
-                self._env.close()
-                self._env = None  # type: ignore[assignment]  # closed: every later use raises, as LMDB's would
+        """Refuse new calls (``StoreClosed``) and close the environment once those in flight end."""
+        self.retire("is closed")
+
+    def retire(self, reason: str) -> None:
+        """Refuse new calls with ``StoreClosed`` naming ``reason`` ("was set aside: ...") and close
+        the environment when the last call in flight ends (now, if none is). Safe from any thread,
+        idempotent: closing an LMDB environment under a thread still in one of its transactions
+        would unmap pages that thread is reading."""
+        with self._state:
+            if self._closed is None:
+                self._closed = reason
+            last = self._users == 0
+        if last:
+            self._close_environment()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    @contextmanager
+    def _use(self) -> Iterator[lmdb.Environment]:
+        """The environment for one call: counted, so that ``retire`` never closes it under the call;
+        a damaged page or record met on the way is reported to ``on_corruption``."""
+        with self._state:
+            if self._closed is not None:
+                raise StoreClosed(f"table {self.config.path} {self._closed}")
+            self._users += 1
+        try:
+            yield self._env
+        except Exception as error:
+            if self.on_corruption is None or not is_corruption(error):
+                raise
+            self.on_corruption(self, error)  # the owner sets it aside (retire), or lets it serve on
+            if self._closed is None:
+                raise
+            raise StoreCorrupted(
+                f"table {self.config.path} is damaged ({type(error).__name__}: {error}) and was set aside; "
+                "nothing of this call was read or written"
+            ) from error
+        finally:
+            with self._state:
+                self._users -= 1
+                last = self._users == 0 and self._closed is not None
+            if last:
+                self._close_environment()
+
+    def _close_environment(self) -> None:
+        with self._state:
+            env, self._env = self._env, None  # type: ignore[assignment]  # closed: _use refuses every later call
+        if env is not None:
+            try:
+                env.sync(True)  # commits are already durable (fsync per commit): belt and braces
+            finally:
+                env.close()
 
     def __enter__(self) -> LMDBNGramStore:
         return self
@@ -728,7 +844,8 @@ class LMDBNGramStore:
     def check_readers(self) -> int:
         """Free the reader slots of dead processes (their snapshots pin pages the writer
         could reuse); returns how many. Cheap: the drafter calls it every few seconds."""
-        return self._env.reader_check()
+        with self._use() as env:
+            return env.reader_check()
 
     def _commit_batch(self, observations: list[_Observation]) -> list[bool]:
         with self._env.begin(write=True) as txn:
@@ -873,3 +990,223 @@ class LMDBNGramStore:
 
 def _tree_pages(stat: Mapping[str, Any]) -> int:
     return stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+
+
+# --- checking a table: the start-up walk and drafter_service.check -------------------------
+
+# Records the drafter's start-up walk reads per table (walk_table's max_records): measured
+# 0.85 s here with the file cached, 2.3 s from disk, so a drafter with a few big tables
+# reaches SERVING in seconds, not minutes; a table of up to ~40 MB tracked (~44 bytes a
+# record) holds fewer and is walked whole.
+STARTUP_WALK_RECORDS = 1_000_000
+# The meta records (see the format above) and each one's length.
+_META_LAYOUT = {_META_VERSION: 1, _META_EPOCH: 4, _META_EPOCH_TOKENS: 8, _META_TRACKED: 8, _META_EVICTIONS: 8}
+_READABLE_VERSIONS = (MIGRATED_FORMAT_VERSION, FORMAT_VERSION)
+_NGRAM_KEY_MAX = NAMESPACE_BYTES + 1 + 4 * MAX_N
+# Signals LMDB dies of on a damaged page: an assertion (abort), or a pointer into nowhere.
+_DAMAGE_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
+_CHILD_WALK = "import sys; from drafter_service.store import _walk_in_child; _walk_in_child(sys.argv[1:])"
+
+
+@dataclass(frozen=True)
+class TableWalk:
+    """What ``walk_table`` found in one table."""
+
+    problem: str | None  # why it cannot be served; None: every record walked is sound
+    records: int = 0  # records walked, over all sub-databases
+    entries: int = 0  # records the table holds (0 when unreadable)
+    version: int | None = None  # format version read; None: unreadable, or a table never written
+
+    @property
+    def whole(self) -> bool:
+        """Every record was walked (a bound left none unread)."""
+        return self.records >= self.entries
+
+
+class _Unsound(Exception):
+    """A record that breaks the format: the walk stops at the first."""
+
+
+class _Walker:
+    """One read transaction's walk over a table: every record of every sub-database read
+    through its cursor (so every B-tree page holding one), in key order, and checked against
+    the format above. ``max_records`` is shared out in proportion to the sub-databases' sizes;
+    each is walked from its first key."""
+
+    def __init__(self, env: lmdb.Environment, max_records: int | None) -> None:
+        self.env, self.max_records = env, max_records
+        self.records = self.entries = 0
+        self.version: int | None = None
+
+    def walk(self) -> None:
+        with self.env.begin() as self.txn:
+            self._walk()
+
+    def _walk(self) -> None:
+        names = set(self.txn.cursor().iternext(keys=True, values=False))
+        if not names:
+            return  # an environment never written (creation cut short): the store sets it up
+        if names != _OUR_DATABASES:
+            raise _Unsound(f"its sub-databases are {sorted(names)}, not this store's")
+        dbs = {name: self.env.open_db(name, txn=self.txn, create=False) for name in names}
+        epoch = self._meta(dbs[b"meta"])
+        sizes = {name: self.txn.stat(dbs[name])["entries"] for name in (b"ngrams", b"coldness", b"applied")}
+        self.entries = len(_META_LAYOUT) + sum(sizes.values())
+        if sizes[b"ngrams"] != sizes[b"coldness"]:
+            raise _Unsound(f"it holds {sizes[b'ngrams']} n-gram records but {sizes[b'coldness']} coldness entries (one each)")
+        limits = dict(sizes)
+        if self.max_records is not None and sum(sizes.values()) > self.max_records:
+            # Rounded up: every sub-database holding records has some walked.
+            limits = {name: -(-self.max_records * size // sum(sizes.values())) for name, size in sizes.items()}
+        self._ngrams(dbs[b"ngrams"], dbs[b"coldness"], limits[b"ngrams"], sizes[b"ngrams"], epoch)
+        self._coldness(dbs[b"coldness"], limits[b"coldness"], sizes[b"coldness"], epoch)
+        self._applied(dbs[b"applied"], limits[b"applied"], sizes[b"applied"])
+
+    def _meta(self, db: Any) -> int:
+        """Check the meta records; the current epoch."""
+        records = dict(self.txn.cursor(db=db))
+        self.records += len(records)
+        version = records.get(_META_VERSION)
+        if version is None or len(version) != 1 or version[0] not in _READABLE_VERSIONS:
+            raise _Unsound(f"format version {version!r}; this code reads {MIGRATED_FORMAT_VERSION} (migrating it) and {FORMAT_VERSION}")
+        self.version = version[0]
+        if {key: len(value) for key, value in records.items()} != _META_LAYOUT:
+            raise _Unsound(f"its meta records are {sorted(records)}, not this format's")
+        return _UINT32.unpack(records[_META_EPOCH])[0]
+
+    def _cursor(self, db: Any, limit: int) -> Iterator[tuple[bytes, bytes]]:
+        return islice(self.txn.cursor(db=db), limit)
+
+    def _walked(self, what: str, walked: int, limit: int, entries: int) -> None:
+        """Count a loop's records; a tree that ends before its header's count is damaged."""
+        self.records += walked
+        if walked < min(limit, entries):
+            raise _Unsound(f"the {what} tree ends after {walked} records; its header counts {entries}")
+
+    # The three loops below run per record (millions): inlined checks, no helper calls.
+
+    def _ngrams(self, db: Any, coldness: Any, limit: int, entries: int, epoch: int) -> None:
+        get, previous, header, pair = self.txn.get, b"", _HEADER.size, _PAIR_BYTES
+        walked = 0
+        for key, value in self._cursor(db, limit):
+            walked += 1
+            if key <= previous:  # a damaged tree can loop
+                raise _Unsound(f"n-gram keys out of order at {key.hex()}")
+            previous = key
+            size = len(key)
+            if size <= NAMESPACE_BYTES or size != NAMESPACE_BYTES + 1 + 4 * key[NAMESPACE_BYTES] or size > _NGRAM_KEY_MAX:
+                raise _Unsound(f"n-gram key {key.hex()} is not namespace | n | n tokens")
+            pairs, odd = divmod(len(value) - header, pair)
+            if odd or not 0 < pairs <= MAX_CONTINUATIONS or value[0] != VALUE_VERSION:
+                raise _Unsound(f"n-gram value of {key.hex()} is not version {VALUE_VERSION}, a header and 1..{MAX_CONTINUATIONS} pairs")
+            _version, touched, total = _HEADER.unpack_from(value)
+            if pairs == 1:
+                count = _UINT32.unpack_from(value, header + 4)[0]
+                sound = touched <= epoch and total == count
+            else:
+                sound = touched <= epoch and _sound_pairs(_PAIRS[pairs].unpack_from(value, header), total)
+            if not sound:
+                raise _Unsound(f"n-gram value of {key.hex()} breaks the format (epoch, total, or its continuations' order)")
+            if get(_EPOCH_TOTAL.pack(touched, total) + key, db=coldness) is None:
+                raise _Unsound(f"n-gram record {key.hex()} has no coldness entry")
+        self._walked("n-gram", walked, limit, entries)
+
+    def _coldness(self, db: Any, limit: int, entries: int, epoch: int) -> None:
+        previous, head = b"", _EPOCH_TOTAL.size + NAMESPACE_BYTES + 1  # epoch, total, namespace, n
+        walked = 0
+        for key, value in self._cursor(db, limit):
+            walked += 1
+            if key <= previous:
+                raise _Unsound(f"coldness keys out of order at {key.hex()}")
+            previous = key
+            size = len(key)
+            if value or size < head or size != head + 4 * key[head - 1] or size > head + 4 * MAX_N:
+                raise _Unsound(f"coldness entry {key.hex()} is not epoch | total | n-gram key, with no value")
+            if _UINT32.unpack_from(key)[0] > epoch:
+                raise _Unsound(f"coldness entry {key.hex()} is from an epoch after the current {epoch}")
+        self._walked("coldness", walked, limit, entries)
+
+    def _applied(self, db: Any, limit: int, entries: int) -> None:
+        previous, head = b"", _UINT32.size + NAMESPACE_BYTES  # hour, namespace
+        walked = 0
+        for key, value in self._cursor(db, limit):
+            walked += 1
+            if key <= previous:
+                raise _Unsound(f"applied-id keys out of order at {key.hex()}")
+            previous = key
+            if value or len(key) <= head:
+                raise _Unsound(f"applied id {key.hex()} is not hour | namespace | observe id, with no value")
+            try:
+                key[head:].decode("utf-8")
+            except UnicodeDecodeError:
+                raise _Unsound(f"applied id {key.hex()} is not UTF-8") from None
+        self._walked("applied-id", walked, limit, entries)
+
+
+def _sound_pairs(flat: tuple[int, ...], total: int) -> bool:
+    """(token, count) pairs as stored: distinct tokens, counts most frequent first, summing to total (saturated)."""
+    counts = flat[1::2]
+    return total == min(sum(counts), UINT32_MAX) and all(a >= b for a, b in zip(counts, counts[1:])) and len(set(flat[0::2])) == len(counts)
+
+
+def walk_table(path: str | os.PathLike[str], max_records: int | None = None) -> TableWalk:
+    """Check a table (a directory holding data.mdb) without changing it: whole when
+    ``max_records`` is None, else about that many records (see ``_Walker``).
+
+    In this process: LMDB trusts its pages, and on some damaged ones aborts the process
+    (an assertion) instead of raising. The drafter and the checker use ``walk_tables``.
+    """
+    problem = file_problem(path)
+    if problem is not None:
+        return TableWalk(problem)
+    try:
+        env = lmdb.open(os.fspath(path), readonly=True, max_dbs=SUB_DATABASES, readahead=False)
+    except lmdb.Error as error:
+        return TableWalk(f"LMDB cannot open it: {error}")
+    walker = _Walker(env, max_records)
+    try:
+        walker.walk()
+        problem = None
+    except _Unsound as unsound:
+        problem = str(unsound)
+    except Exception as error:  # damaged pages (lmdb.CorruptedError, PageNotFoundError), undecodable records
+        problem = f"unreadable: {type(error).__name__}: {error}"
+    finally:
+        env.close()
+    return TableWalk(problem, walker.records, walker.entries, walker.version)
+
+
+def walk_tables(paths: Sequence[str | os.PathLike[str]], max_records: int | None = None) -> list[TableWalk]:
+    """``walk_table`` of each path, each in a child process (several at once), so that a page
+    on which LMDB aborts or faults condemns its table, not the caller.
+
+    Raises RuntimeError when a walk could not run at all (the child failed otherwise than
+    by one of those signals): that says nothing about the table.
+    """
+    if not paths:
+        return []
+    with futures.ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda path: _walk_in_a_child(path, max_records), paths))
+
+
+def _walk_in_a_child(path: str | os.PathLike[str], max_records: int | None) -> TableWalk:
+    # The package's own root first, wherever the caller was started from.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
+    command = [sys.executable, "-c", _CHILD_WALK, os.fspath(path), str(max_records)]
+    child = subprocess.run(command, capture_output=True, text=True, env=environment, check=False)
+    if child.returncode == 0:
+        return TableWalk(**json.loads(child.stdout.splitlines()[-1]))
+    last_words = (child.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+    if -child.returncode in _DAMAGE_SIGNALS:
+        name = signal.Signals(-child.returncode).name
+        return TableWalk(f"reading it crashed LMDB ({name}: {last_words}): its pages are damaged")
+    raise RuntimeError(f"the walk of {os.fspath(path)} could not run (exit status {child.returncode}): {last_words}")
+
+
+def _walk_in_child(argv: list[str]) -> None:
+    """The child's side of ``walk_tables``: one TableWalk as JSON on stdout."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # an abort here is a finding, not a crash to debug
+    path, max_records = argv
+    walk = walk_table(path, None if max_records == "None" else int(max_records))
+    print(json.dumps(asdict(walk)), flush=True)

@@ -25,16 +25,24 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from drafter_service import store as store_module
 from drafter_service.ngram import SOURCE_GLOBAL, InMemoryNGramTable, NGramConfig
 from drafter_service.sessions import NGramDrafter
 from drafter_service.store import (
     FILE_BYTES_PER_MAX_BYTE,
     UINT32_MAX,
     LMDBNGramStore,
+    StoreClosed,
     StoreConfig,
+    StoreCorrupted,
     StoreFormatError,
     StoreFull,
+    TableWalk,
+    decode_value,
+    is_corruption,
     vocabulary_fingerprint,
+    walk_table,
+    walk_tables,
 )
 
 NAMESPACE = b"testvoc0"
@@ -98,6 +106,27 @@ def test_an_unknown_file_version_is_refused_on_open(tmp_path):
     env.close()
     with pytest.raises(StoreFormatError, match="store format version 3"):
         LMDBNGramStore(config)
+
+
+def test_a_value_too_short_for_one_pair_is_a_format_error(tmp_path):
+    with pytest.raises(StoreFormatError, match="1 bytes is not a header plus one or more whole pairs"):
+        decode_value(b"\x01")  # (1 - 9) % 8 == 0: once taken for a header and no pairs, then a struct.error
+    config = make_config(tmp_path, n_min=2, n_max=2)
+    LMDBNGramStore(config).close()
+    put_ngram_value(config, (1, 2), b"\x01\x00\x00")
+    with LMDBNGramStore(config) as store, store.snapshot() as table, pytest.raises(StoreFormatError):
+        table.best((1, 2))  # the fast path reads no header past the end
+
+
+def put_ngram_value(config: StoreConfig, key: tuple[int, ...], value: bytes, coldness: bytes | None = None) -> None:
+    """Write one ``ngrams`` record (and a coldness key) behind the store's back."""
+    env = lmdb.open(config.path, max_dbs=4)
+    with env.begin(write=True) as txn:
+        ngram_key = config.namespace + bytes([len(key)]) + struct.pack(f">{len(key)}I", *key)
+        txn.put(ngram_key, value, db=env.open_db(b"ngrams", txn=txn))
+        if coldness is not None:
+            txn.put(coldness + ngram_key, b"", db=env.open_db(b"coldness", txn=txn))
+    env.close()
 
 
 # --- counting and merging ------------------------------------------------------------
@@ -681,3 +710,106 @@ class StoreMatchesModel(RuleBasedStateMachine):
 
 StoreMatchesModel.TestCase.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
 TestStoreMatchesModel = StoreMatchesModel.TestCase
+
+
+# --- the walk: start-up's and drafter_service.check's ---------------------------------------
+
+
+def test_the_walk_reads_every_record_of_a_sound_table_or_as_many_as_it_is_allowed(tmp_path):
+    config = make_config(tmp_path, n_min=2, n_max=2)
+    with LMDBNGramStore(config) as store:
+        store.apply([("a", [1, 2, 3, 4]), ("b", [1, 2, 5])])
+        store.advance_epoch()
+        store.observe([1, 2, 3])
+    # 2 bigrams ((1, 2) -> 3, 5; (2, 3) -> 4), each with its coldness entry, 2 applied ids, 5 meta records.
+    assert walk_table(config.path) == TableWalk(None, records=11, entries=11, version=2)
+    # 2 shared out by size, rounded up: one n-gram, one coldness entry, one applied id.
+    assert walk_table(config.path, max_records=2) == TableWalk(None, records=8, entries=11, version=2)
+    assert walk_tables([config.path, config.path], max_records=2) == [walk_table(config.path, max_records=2)] * 2
+
+
+def test_an_environment_never_written_is_sound_and_empty(tmp_path):
+    config = make_config(tmp_path)
+    lmdb.open(config.path).close()  # a creation cut short after LMDB's meta pages, before the store's first commit
+    assert walk_table(config.path) == TableWalk(None)
+    with LMDBNGramStore(config) as store:  # and the store takes it over
+        store.observe([1, 2, 3])
+
+
+@pytest.mark.parametrize(
+    "value, coldness, problem",
+    [
+        (struct.pack(">BIIIIII", 1, 0, 3, 7, 1, 8, 2), struct.pack(">II", 0, 3), "breaks the format"),  # counts rising
+        (struct.pack(">BIIII", 1, 0, 5, 7, 4), struct.pack(">II", 0, 5), "breaks the format"),  # total is not the sum
+        (struct.pack(">BIIIIII", 1, 0, 2, 7, 1, 7, 1), struct.pack(">II", 0, 2), "breaks the format"),  # a token twice
+        (struct.pack(">BIIII", 1, 9, 1, 7, 1), struct.pack(">II", 9, 1), "breaks the format"),  # from a future epoch
+        (struct.pack(">BIIII", 2, 0, 1, 7, 1), struct.pack(">II", 0, 1), "is not version 1"),
+        (struct.pack(">BIIII", 1, 0, 1, 7, 1), struct.pack(">II", 0, 2), "has no coldness entry"),
+    ],
+    ids=["counts rising", "wrong total", "token twice", "future epoch", "value version", "no coldness entry"],
+)
+def test_the_walk_finds_a_record_that_breaks_the_format(tmp_path, value, coldness, problem):
+    config = make_config(tmp_path, n_min=2, n_max=2)
+    LMDBNGramStore(config).close()
+    put_ngram_value(config, (1, 2), value, coldness)
+    walk = walk_table(config.path)
+    assert walk.problem is not None and problem in walk.problem and walk.problem.startswith("n-gram ")
+
+
+def test_the_walk_counts_n_grams_against_coldness_entries(tmp_path):
+    config = make_config(tmp_path, n_min=2, n_max=2)
+    with LMDBNGramStore(config) as store:
+        store.observe([1, 2, 3])
+    env = lmdb.open(config.path, max_dbs=4)
+    with env.begin(write=True) as txn:
+        txn.put(b"\x00" * 25, b"", db=env.open_db(b"coldness", txn=txn))  # an entry for no n-gram
+    env.close()
+    assert walk_table(config.path).problem == "it holds 1 n-gram records but 2 coldness entries (one each)"
+
+
+def test_a_walk_that_lmdb_kills_condemns_the_table_and_one_that_cannot_run_raises(tmp_path, monkeypatch):
+    config = make_config(tmp_path)
+    LMDBNGramStore(config).close()
+    # As LMDB does on some damaged pages: an assertion, which aborts (seen on 5 of 60 tables with 20 random pages).
+    monkeypatch.setattr(store_module, "_CHILD_WALK", "import os, sys; print('mdb.c: Assertion failed', file=sys.stderr); os.abort()")
+    (walk,) = walk_tables([config.path])
+    assert walk == TableWalk("reading it crashed LMDB (SIGABRT: mdb.c: Assertion failed): its pages are damaged")
+    monkeypatch.setattr(store_module, "_CHILD_WALK", "raise SystemExit('no module named lmdb')")
+    with pytest.raises(RuntimeError, match=r"could not run \(exit status 1\): no module named lmdb"):
+        walk_tables([config.path])  # says nothing about the table: never a quarantine
+
+
+# --- corruption and closing --------------------------------------------------------------
+
+
+def test_corruption_is_lmdbs_damaged_page_errors_and_undecodable_records():
+    damaged = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadTxnError, StoreFormatError)
+    assert all(is_corruption(error("x")) for error in damaged)
+    # A full map, a full disk, a caller's oversized key, a failed meta write, a closed store: none says the file is damaged.
+    others = (lmdb.MapFullError, lmdb.DiskError, lmdb.BadValsizeError, lmdb.PanicError, StoreClosed, ValueError)
+    assert not any(is_corruption(error("x")) for error in others)
+
+
+def test_a_store_reports_a_damaged_record_to_its_owner_before_its_caller_hears(tmp_path):
+    config = make_config(tmp_path, n_min=2, n_max=2)
+    LMDBNGramStore(config).close()
+    put_ngram_value(config, (1, 2), struct.pack(">BIIII", 9, 0, 1, 3, 1))
+    reports = []
+    with LMDBNGramStore(config, on_corruption=lambda store, error: reports.append(type(error))) as store:
+        with pytest.raises(StoreFormatError):  # the owner let it serve on: the error itself
+            store.continuations((1, 2))
+        assert reports == [StoreFormatError]
+        store.on_corruption = lambda store, error: store.retire("was set aside")
+        with pytest.raises(StoreCorrupted, match=r"is damaged \(StoreFormatError: n-gram value has version 9"):
+            store.continuations((1, 2))
+        with pytest.raises(StoreClosed, match="was set aside$"):
+            store.observe([4, 5, 6])  # refused, nothing written
+
+
+def test_a_closed_store_refuses_every_call(tmp_path):
+    store = LMDBNGramStore(make_config(tmp_path))
+    store.close()
+    store.close()  # idempotent
+    for call in (store.stats, lambda: store.observe([1, 2, 3]), lambda: store.continuations((1, 2)), store.check_readers):
+        with pytest.raises(StoreClosed, match="is closed$"):
+            call()

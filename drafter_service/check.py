@@ -1,13 +1,15 @@
 """python -m drafter_service.check --db DIR: verify every table of a drafter's store, offline.
 
-For each table (one folder per vocabulary fingerprint) it checks, without
-changing anything: the file is whole (not truncated) and an LMDB
-environment; it holds this store's sub-databases and format record, in a
-version this code reads; every n-gram record decodes and has its coldness
-entry. It also lists tables the drafter quarantined at start-up. Exit 0 when
-every table is sound, 1 otherwise. A format 1 table is sound: the drafter
-migrates it to format 2 when it opens it (observe ids were kept by decay
-epoch then, and are dropped).
+Each table (one folder per vocabulary fingerprint) gets the walk the drafter gives it at
+start-up (``store.walk_tables``), whole instead of bounded, so a table the drafter would
+quarantine is a PROBLEM here and one it serves is ok: the file is whole (not truncated)
+and an LMDB environment; it holds this store's sub-databases and format record, in a
+version this code reads; every record of every sub-database is read through its cursor
+(a damaged page is an error, or kills the walk's own child process, never this one) and
+decodes per the format, each n-gram with its coldness entry. Nothing is changed. It also
+lists the tables the drafter quarantined. Exit 0 when every table is sound, 1 otherwise.
+A format 1 table is sound: the drafter migrates it to format 2 when it opens it (observe
+ids were kept by decay epoch then, and are dropped).
 """
 
 from __future__ import annotations
@@ -16,57 +18,23 @@ import argparse
 import sys
 from pathlib import Path
 
-import lmdb
-
 from drafter_service.config import VOCABULARY_PATTERN
 from drafter_service.storage import LOCK_FILE_NAME
-from drafter_service.store import (
-    _META_VERSION,
-    _OUR_DATABASES,
-    FORMAT_VERSION,
-    MIGRATED_FORMAT_VERSION,
-    SUB_DATABASES,
-    coldness_key,
-    decode_value,
-    file_problem,
-)
+from drafter_service.store import FORMAT_VERSION, TableWalk, walk_tables
 
 
-def check_table(path: Path) -> tuple[str | None, int, int | None]:
-    """(the problem, or None; n-gram records checked; the format version found)."""
-    problem = file_problem(path)
-    if problem is not None:
-        return problem, 0, None
-    try:
-        env = lmdb.open(str(path), readonly=True, max_dbs=SUB_DATABASES)
-    except lmdb.Error as error:
-        return f"LMDB cannot open it: {error}", 0, None
-    try:
-        with env.begin() as txn:
-            names = set(txn.cursor().iternext(keys=True, values=False))
-            if names != _OUR_DATABASES:
-                return f"its sub-databases are {sorted(names)}, not this store's", 0, None
-            meta = env.open_db(b"meta", txn=txn, create=False)
-            version = txn.get(_META_VERSION, db=meta)
-            if version not in (bytes((FORMAT_VERSION,)), bytes((MIGRATED_FORMAT_VERSION,))):
-                return (
-                    (f"format version {version!r}; this code reads {MIGRATED_FORMAT_VERSION} (migrating it) " f"and {FORMAT_VERSION}"),
-                    0,
-                    None,
-                )
-            ngrams = env.open_db(b"ngrams", txn=txn, create=False)
-            coldness = env.open_db(b"coldness", txn=txn, create=False)
-            records = 0
-            for key, value in txn.cursor(db=ngrams):
-                epoch, total, _pairs = decode_value(value)
-                if txn.get(coldness_key(epoch, total, key), db=coldness) is None:
-                    return f"n-gram record {key.hex()} has no coldness entry", records, version[0]
-                records += 1
-            return None, records, version[0]
-    except Exception as error:  # corrupt pages (lmdb.CorruptedError), undecodable values (StoreFormatError)
-        return f"unreadable: {type(error).__name__}: {error}", 0, None
-    finally:
-        env.close()
+def verdict(name: str, walk: TableWalk) -> str:
+    """The line the check prints for table ``name``."""
+    if walk.problem is not None:
+        return f"{name}: PROBLEM: {walk.problem}"
+    if walk.version is None:
+        return f"{name}: ok, empty (never written: the drafter sets it up when it opens it)"
+    if walk.version != FORMAT_VERSION:
+        return (
+            f"{name}: ok, format {walk.version}: the drafter migrates it to {FORMAT_VERSION} when it opens it "
+            f"(its observe ids are dropped), {walk.records} records"
+        )
+    return f"{name}: ok, format {FORMAT_VERSION} (current), {walk.records} records"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,24 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     if not root.is_dir():
         print(f"{root}: no such directory", file=sys.stderr)
         return 1
+    entries = sorted(root.iterdir())
+    tables = [entry for entry in entries if entry.is_dir() and VOCABULARY_PATTERN.fullmatch(entry.name)]
+    walks = dict(zip(tables, walk_tables(tables)))
     sound = True
-    for entry in sorted(root.iterdir()):
-        if entry.name == LOCK_FILE_NAME:
+    for entry in entries:
+        if entry in walks:
+            sound &= walks[entry].problem is None
+            print(verdict(entry.name, walks[entry]))
+        elif entry.name == LOCK_FILE_NAME:
             continue
-        if entry.is_dir() and VOCABULARY_PATTERN.fullmatch(entry.name):
-            problem, records, version = check_table(entry)
-            if problem is None and version != FORMAT_VERSION:
-                print(
-                    f"{entry.name}: ok, format {version}: the drafter migrates it to {FORMAT_VERSION} when it opens it "
-                    f"(its observe ids are dropped), {records} n-grams"
-                )
-            elif problem is None:
-                print(f"{entry.name}: ok, format {FORMAT_VERSION} (current), {records} n-grams")
-            else:
-                sound = False
-                print(f"{entry.name}: PROBLEM: {problem}")
         elif ".quarantined-" in entry.name:
-            print(f"{entry.name}: quarantined by the drafter at start-up (not served; inspect, then delete or restore)")
+            print(f"{entry.name}: quarantined by the drafter (not served; inspect, then delete or restore)")
         else:
             print(f"{entry.name}: not a table (ignored by the drafter)")
     return 0 if sound else 1

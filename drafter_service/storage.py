@@ -1,6 +1,26 @@
 """The store's lifecycle, apart from the gRPC service: the one-drafter-per-``--db``
 lock, free disk space, and ``StoreRegistry`` (one ``LMDBNGramStore`` per vocabulary
-fingerprint under ``--db``, opened, quarantined and closed here)."""
+fingerprint under ``--db``, opened, quarantined and closed here).
+
+Quarantine
+----------
+A table that cannot be served safely is moved aside, renamed
+``<fingerprint>.quarantined-<time>`` in ``--db`` (kept for an operator: never deleted), and
+the others go on serving; a later write to its vocabulary creates a fresh table. At
+start-up, before health says SERVING: each table is walked (``store.walk_tables``: every
+record through its cursor and checked against the format, in a child process so that a
+page on which LMDB aborts condemns the table rather than the drafter; tables above
+``startup_walk_records`` are walked that far), and one whose walk finds a problem, or that
+fails to open, is quarantined. While serving: a read or write that meets a damaged page or
+record (``is_corruption``) quarantines its table there and then (``quarantine``); the
+call gets ``StoreCorrupted`` and later calls find no table, or a fresh one.
+
+A folder is deleted only when it provably never held data: no ``data.mdb`` at all, at most
+a ``lock.mdb`` (LMDB's reader table, no data). That is what a creation cut short leaves
+before LMDB creates the data file (the lock file is set up first). An empty ``data.mdb``
+is quarantined: an emptied table (truncated, a botched restore) looks the same as a
+creation cut in the instant between creating the file and writing its meta pages.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +31,25 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO, NamedTuple
 
 import lmdb
 
 from drafter_service.config import VOCABULARY_PATTERN, DrafterConfig
-from drafter_service.store import LMDBNGramStore, StoreConfig, StoreFormatError
+from drafter_service.store import (
+    STARTUP_WALK_RECORDS,
+    LMDBNGramStore,
+    StoreClosed,
+    StoreConfig,
+    StoreCorrupted,
+    StoreFormatError,
+    is_corruption,
+    walk_tables,
+)
+
+__all__ = ["StoreClosed", "StoreCorrupted", "is_corruption"]  # re-exported: what callers of the registry catch
 
 log = logging.getLogger(__name__)
 
@@ -79,28 +112,71 @@ class DirectoryLocked(RuntimeError):
     pass
 
 
-# In --db: held (flock) by the one drafter process that serves the directory.
+# In --db: the pid of the drafter that serves the directory, for the message a second one
+# prints. Information only: the lock is the directory's own (see _DirectoryLock).
 LOCK_FILE_NAME = "drafter.lock"
 
 
-def _lock_directory(root: Path):
-    """Hold ``root``'s lock file for this process's life (the kernel drops it when the process dies)."""
-    handle = open(root / LOCK_FILE_NAME, "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise DirectoryLocked(
-            f"another drafter ({holder}) is serving --db {root}: two processes writing one store would corrupt it; "
-            "stop that one, or give this one its own --db"
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()}\n")
-    handle.flush()
-    return handle
+class _DirectoryLock:
+    """``root`` held for this process's life: flock on the directory itself, which the kernel
+    drops when the process dies and which no file deletion can undo (a lock on a file inside
+    is lost with the file: a second drafter recreates it and locks that). The pid file is
+    locked too, so that drafters of older versions, which lock only it, still exclude this one."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._directory = os.open(root, os.O_RDONLY | os.O_DIRECTORY)  # not inherited by children (PEP 446)
+        self._pid_file: IO[str] | None = None
+        try:
+            fcntl.flock(self._directory, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._pid_file = open(root / LOCK_FILE_NAME, "a+")
+            fcntl.flock(self._pid_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.close()
+            raise DirectoryLocked(
+                f"another drafter ({self._holder()}) is serving --db {root}: two processes writing one store would corrupt it; "
+                "stop that one, or give this one its own --db"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+        self._pid_file.seek(0)
+        self._pid_file.truncate()
+        self._pid_file.write(f"pid {os.getpid()}\n")
+        self._pid_file.flush()
+
+    def _holder(self) -> str:
+        try:
+            return (self.root / LOCK_FILE_NAME).read_text().strip() or "another process"
+        except OSError:  # deleted: the directory's lock still holds
+            return "another process"
+
+    @property
+    def closed(self) -> bool:
+        return self._directory < 0
+
+    def close(self) -> None:
+        """Release the lock (closing the descriptors drops the flocks)."""
+        if self._pid_file is not None:
+            self._pid_file.close()
+            self._pid_file = None
+        if self._directory >= 0:
+            os.close(self._directory)
+            self._directory = -1
+
+
+class Quarantined(NamedTuple):
+    """A table set aside: its vocabulary, the folder's new name (None: it could not be
+    renamed, and is refused until restart), why, and whether at start-up."""
+
+    vocabulary: str
+    aside: str | None
+    reason: str
+    at_startup: bool
+
+
+# listener(vocabulary, reason): told of each table set aside.
+QuarantineListener = Callable[[str, str], None]
 
 
 class StoreRegistry:
@@ -108,45 +184,132 @@ class StoreRegistry:
 
     Only writes create a table (``get``); reads look one up (``find``), so a
     stranger's fingerprint in a read-only call costs nothing. At most
-    ``max_vocabularies`` tables are created; those found at start-up always open.
+    ``max_vocabularies`` tables are created; those found at start-up always open
+    (after their walk: see the module docstring; ``startup_walk_records`` None walks them whole).
     """
 
-    def __init__(self, config: DrafterConfig) -> None:
+    def __init__(self, config: DrafterConfig, startup_walk_records: int | None = STARTUP_WALK_RECORDS) -> None:
         self.config = config
         self.root = Path(config.db)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._directory_lock = _lock_directory(self.root)
+        self._directory_lock = _DirectoryLock(self.root)
         self.disk = DiskSpace(self.root, config.min_free_mb << 20)
         self._stores: dict[str, LMDBNGramStore] = {}
-        self._lock = threading.Lock()
-        self.quarantined: list[str] = []  # tables set aside at start-up, as renamed
-        for existing in sorted(self.root.iterdir()):  # reopen warm tables at start-up
-            if not (existing.is_dir() and VOCABULARY_PATTERN.fullmatch(existing.name)):
-                continue
-            if _half_made(existing):
-                log.warning(
-                    "table %s was never completed (its creation was cut short, a full disk?): removed, it held nothing", existing.name
-                )
-                shutil.rmtree(existing)
-                continue
-            try:
-                self.get(existing.name, create=False)
-            except DiskFull as full:  # not the table's fault: opened on first write once there is room
-                log.error("table %s not opened at start-up: %s", existing.name, full)
-            except (StoreFormatError, lmdb.Error) as error:  # one bad table must not stop the others
-                self._quarantine(existing, error)
+        self._lock = threading.Lock()  # guards _stores, _refused, quarantined, _listeners
+        self._refused: dict[str, str] = {}  # vocabulary -> why: set aside but not renamed
+        self.quarantined: list[Quarantined] = []  # every table set aside, in order
+        self._listeners: list[QuarantineListener] = []
+        try:
+            self._open_existing(startup_walk_records)
+        except BaseException:
+            self.close()
+            raise
 
-    def _quarantine(self, table: Path, error: BaseException) -> None:
-        aside = table.with_name(f"{table.name}.quarantined-{time.strftime('%Y%m%dT%H%M%S')}")
-        table.rename(aside)
-        self.quarantined.append(aside.name)
-        log.error(
-            "table %s cannot be served (%s); moved aside to %s, serving the others. python -m drafter_service.check --db %s says more",
-            table.name,
-            error,
-            aside.name,
-            self.root,
-        )
+    def _open_existing(self, walk_records: int | None) -> None:
+        """Reopen the warm tables found in --db, each after its walk; quarantine the unservable."""
+        tables = [entry for entry in sorted(self.root.iterdir()) if entry.is_dir() and VOCABULARY_PATTERN.fullmatch(entry.name)]
+        for table in [table for table in tables if _never_held_data(table)]:
+            log.warning("table %s was never completed (its creation was cut short, a full disk?): removed, it held nothing", table.name)
+            shutil.rmtree(table)
+            tables.remove(table)
+        for table, walk in zip(tables, walk_tables(tables, walk_records)):
+            if walk.problem is not None:
+                self._set_aside(table.name, walk.problem, at_startup=True)
+                continue
+            if not walk.whole:
+                log.info(
+                    "table %s: walked %d of its %d records at start-up (the first of each sub-database); the rest are "
+                    "checked as they are read, and by python -m drafter_service.check",
+                    table.name,
+                    walk.records,
+                    walk.entries,
+                )
+            try:
+                self.get(table.name, create=False)
+            except DiskFull as full:  # not the table's fault: opened on first write once there is room
+                log.error("table %s not opened at start-up: %s", table.name, full)
+            except (StoreFormatError, lmdb.Error) as error:  # one bad table must not stop the others
+                self._set_aside(table.name, f"{type(error).__name__}: {error}", at_startup=True)
+
+    # -- quarantine
+
+    def quarantine(self, vocabulary: str, error: BaseException | str, store: LMDBNGramStore | None = None) -> bool:
+        """Set ``vocabulary``'s table aside: forgotten here (a later write creates a fresh one),
+        closed once the calls still in it end, its folder renamed. Thread-safe and idempotent:
+        True if this call set it aside; False if it was already (or never open), or if ``store``
+        is given and is no longer the table served (a late report about one already replaced)."""
+        reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        with self._lock:
+            current = self._stores.get(vocabulary)
+            if current is None or (store is not None and store is not current):
+                return False
+            del self._stores[vocabulary]
+            current.retire(f"was set aside as unservable ({reason})")
+            record = self._move_aside(vocabulary, reason, at_startup=False)  # under the lock: no get() reopens it first
+        self._tell(record)
+        return True
+
+    def _on_corruption(self, store: LMDBNGramStore, error: BaseException) -> None:
+        """A store's report of a damaged page or record, met by one of its calls."""
+        self.quarantine(Path(store.config.path).name, error, store=store)
+
+    def add_quarantine_listener(self, listener: QuarantineListener) -> None:
+        """Call ``listener(vocabulary, reason)`` for each table set aside: at once for those
+        already (at start-up), then as it happens (from the thread that found the damage)."""
+        with self._lock:
+            self._listeners.append(listener)
+            past = list(self.quarantined)
+        for record in past:
+            self._tell_one(listener, record)
+
+    def _tell(self, record: Quarantined) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            self._tell_one(listener, record)
+
+    @staticmethod
+    def _tell_one(listener: QuarantineListener, record: Quarantined) -> None:
+        try:
+            listener(record.vocabulary, record.reason)
+        except Exception:  # a listener's bug must not fail the call that found the damage
+            log.exception("quarantine listener failed for table %s", record.vocabulary)
+
+    def _set_aside(self, vocabulary: str, reason: str, at_startup: bool) -> None:
+        with self._lock:
+            record = self._move_aside(vocabulary, reason, at_startup)
+        self._tell(record)
+
+    def _move_aside(self, vocabulary: str, reason: str, at_startup: bool) -> Quarantined:
+        """Rename the table's folder (the caller holds the lock)."""
+        table = self.root / vocabulary
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        aside = table.with_name(f"{vocabulary}.quarantined-{stamp}")
+        for attempt in range(2, 1000):  # twice in one second: another name, never over the first
+            if not aside.exists():
+                break
+            aside = table.with_name(f"{vocabulary}.quarantined-{stamp}-{attempt}")
+        try:
+            table.rename(aside)
+        except OSError as failure:
+            self._refused[vocabulary] = f"was set aside as unservable ({reason}) but could not be moved aside ({failure})"
+            record = Quarantined(vocabulary, None, reason, at_startup)
+            log.error(
+                "table %s cannot be served (%s) and could not be moved aside (%s): refused until restart", vocabulary, reason, failure
+            )
+        else:
+            record = Quarantined(vocabulary, aside.name, reason, at_startup)
+            log.error(
+                "table %s cannot be served (%s); moved aside to %s, serving the others. python -m drafter_service.check --db %s says more",
+                vocabulary,
+                reason,
+                aside.name,
+                self.root,
+            )
+        self.quarantined.append(record)
+        return record
+
+    # -- tables
 
     def find(self, vocabulary: str) -> LMDBNGramStore | None:
         return self._stores.get(vocabulary)
@@ -156,6 +319,8 @@ class StoreRegistry:
         if store is not None:
             return store
         with self._lock:
+            if vocabulary in self._refused:
+                raise StoreClosed(f"table {vocabulary} {self._refused[vocabulary]}")
             if vocabulary not in self._stores:
                 if create and len(self._stores) >= self.config.max_vocabularies:
                     raise TooManyVocabularies(
@@ -182,7 +347,7 @@ class StoreRegistry:
                 epoch_observations=epoch_tokens(self.config.max_bytes),
                 dedup_window_hours=self.config.dedup_window_hours,
             )
-            return LMDBNGramStore(store_config)
+            return LMDBNGramStore(store_config, on_corruption=self._on_corruption)
         except (OSError, lmdb.Error) as error:
             if new and table.exists():  # leave no half-made table behind
                 shutil.rmtree(table, ignore_errors=True)
@@ -193,6 +358,16 @@ class StoreRegistry:
     def all(self) -> dict[str, LMDBNGramStore]:
         return dict(self._stores)
 
+    def table_stats(self) -> dict[str, dict[str, int]]:
+        """Each served table's ``stats()``; a table set aside meanwhile is left out (for /metrics, Stats)."""
+        stats = {}
+        for vocabulary, store in self.all().items():
+            try:
+                stats[vocabulary] = store.stats()
+            except StoreClosed:
+                pass
+        return stats
+
     def close(self) -> None:
         with self._lock:
             for store in self._stores.values():
@@ -202,9 +377,6 @@ class StoreRegistry:
                 self._directory_lock.close()  # releases the flock
 
 
-def _half_made(table: Path) -> bool:
-    """A table folder whose creation was cut short: a lock file at most, no data."""
-    data_file = table / "data.mdb"
-    if data_file.exists() and data_file.stat().st_size > 0:
-        return False
-    return {entry.name for entry in table.iterdir()} <= {"lock.mdb", "data.mdb"}
+def _never_held_data(table: Path) -> bool:
+    """A table folder that provably never held data: no data.mdb, at most LMDB's lock file."""
+    return {entry.name for entry in table.iterdir()} <= {"lock.mdb"}

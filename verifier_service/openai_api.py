@@ -630,11 +630,11 @@ def _speculation(stats) -> dict:
 
 @dataclass(frozen=True)
 class HttpLimits:
-    """What one HTTP connection may hold of the server (VerifierConfig's http_* fields say why these defaults)."""
+    """What HTTP connections may hold of the server (VerifierConfig's http_* fields, which give the defaults and why)."""
 
-    max_connections: int = 256
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 60.0
+    max_connections: int
+    header_timeout_s: float
+    body_timeout_s: float
 
 
 class _LimitedH11(H11Protocol):
@@ -650,7 +650,7 @@ class _LimitedH11(H11Protocol):
     request is answered 408 (while it has no answer) and the connection closed.
     """
 
-    limits: ClassVar[HttpLimits] = HttpLimits()
+    limits: ClassVar[HttpLimits]  # HttpServer's subclass sets them
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
@@ -726,9 +726,9 @@ class HttpServer:
         app: Callable,
         host: str,
         port: int,
+        limits: HttpLimits,
         ssl: dict[str, Any] | None = None,
         grace_s: float = 10.0,
-        limits: HttpLimits = HttpLimits(),
     ) -> None:
         family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         self.socket = socket.socket(family, kind)

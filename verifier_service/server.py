@@ -137,7 +137,7 @@ class VerifierConfig:
     )
     # None: what the cache can hold could never need more characters: a position
     # per token, each at most the tokenizer's longest token plus one separator a
-    # whitespace pre-tokenizer drops (SmolLM2: 4,096 x 17). Checked before any
+    # whitespace pre-tokenizer drops (SmolLM2: 4,096 x (81 + 1), ~336K). Checked before any
     # template or tokenizer runs, so a huge text costs no tokenizing.
     max_prompt_chars: int | None = setting(
         None,
@@ -151,7 +151,7 @@ class VerifierConfig:
     # Headers arrive in one packet; 10 s allows a very slow link and still frees a
     # slow-loris connection quickly.
     http_header_timeout_s: float = setting(10.0, minimum=0.001, help="seconds a client may take to send a request's headers")
-    # The whole body, from its headers: a 1 MiB body at ~20 KB/s.
+    # The whole body, from its headers: a 1 MiB body at ~17 KB/s.
     http_body_timeout_s: float = setting(60.0, minimum=0.001, help="seconds a client may take to send a request's body")
     # 3x the 80 requests the scheduler holds (16 + 64), room for clients' idle
     # keep-alive connections, and well inside a 1,024 open-file limit.
@@ -599,7 +599,7 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     if config.http_port >= 0:
         api = OpenAIApi(servicer, config.model)
         limits = HttpLimits(config.http_max_connections, config.http_header_timeout_s, config.http_body_timeout_s)
-        verifier.http = HttpServer(api.app, config.host, config.http_port, http_tls(config), config.grace_s, limits)
+        verifier.http = HttpServer(api.app, config.host, config.http_port, limits, http_tls(config), config.grace_s)
         verifier.http.start()
     if servicer.keys.required:
         log.info("API keys required (%d configured) on /v1 and gRPC Generate/GenerateStream", len(config.api_keys()))

@@ -38,7 +38,7 @@ async def echo(request: Request) -> JSONResponse:
 def serve(limits: HttpLimits) -> HttpServer:
     app = Starlette(routes=[Route("/echo", echo, methods=["GET", "POST"])])
     app.state.disconnects = 0
-    server = HttpServer(app, "127.0.0.1", 0, limits=limits)
+    server = HttpServer(app, "127.0.0.1", 0, limits)
     server.start()
     return server
 

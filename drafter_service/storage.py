@@ -38,7 +38,7 @@ from typing import IO, NamedTuple
 import lmdb
 
 from drafter_service.config import VOCABULARY_PATTERN, DrafterConfig
-from drafter_service.store import (
+from drafter_service.store import (  # noqa: F401 (StoreCorrupted, is_corruption: re-exported for the registry's callers)
     STARTUP_WALK_RECORDS,
     LMDBNGramStore,
     StoreClosed,
@@ -48,8 +48,6 @@ from drafter_service.store import (
     is_corruption,
     walk_tables,
 )
-
-__all__ = ["StoreClosed", "StoreCorrupted", "is_corruption"]  # re-exported: what callers of the registry catch
 
 log = logging.getLogger(__name__)
 

@@ -88,6 +88,11 @@ class DrafterConfig:
     # One LMDB table each: 3 file descriptors and 8x max_bytes of address space;
     # a deployment serves one or two models.
     max_vocabularies: int = setting(8, minimum=1, help="tables (one per tokenizer fingerprint) the drafter creates")
+    # A walk reads ~1 M records a second here (~2 s from a cold disk): a million keeps a
+    # restart within a few seconds, and tables up to ~40 MB tracked are walked whole.
+    startup_walk_records: int = setting(
+        1_000_000, minimum=1, help="records of each table walked and checked at start-up, before SERVING (smaller tables: all)"
+    )
     dedup_window_hours: int = setting(24, minimum=1, help="hours an observe_id is remembered, so that a retry is not counted twice")
     # One commit of a 128K-token call dirties ~40 MB; as etcd's NOSPACE alarm,
     # Propose keeps serving, and writes resume once space is back.

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health
+from grpc_health.v1 import health, health_pb2
 
 from drafter_service.admission import Admission, Refused
 from drafter_service.config import VOCABULARY_PATTERN, DrafterConfig
@@ -44,7 +44,7 @@ from drafter_service.sessions import (
     SessionTable,
 )
 from drafter_service.storage import DiskFull, StoreRegistry, TooManyVocabularies
-from drafter_service.store import MAX_OBSERVE_ID_BYTES, LMDBNGramStore, StoreFull
+from drafter_service.store import MAX_OBSERVE_ID_BYTES, LMDBNGramStore, StoreClosed, StoreFull
 from drafter_service.writer import CHUNK_SUFFIX_BYTES, ObservationWriter, WriteQueueFull, _Pending
 from specdec import serving, telemetry
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
@@ -135,10 +135,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         )
         self.sessions = SessionTable(config.ngram, limits)
         self.admission = Admission(config.calls_per_caller, config.write_calls)
+        self.health: health.HealthServicer | None = None  # each table's health name, once watch_health is called
+        self._healthy: dict[str, LMDBNGramStore] = {}
         self.metrics = metrics = DrafterMetrics()
         self.registry = metrics.registry
         metrics.watch("dropped_spans", "Trace spans dropped (collector down or queue full)", lambda: self.tracing.dropped_spans)
-        metrics.gauge("quarantined_tables", "Tables moved aside at start-up as unservable", lambda: len(stores.quarantined))
+        metrics.gauge(
+            "quarantined_tables", "Tables moved aside as unservable (at start-up or when found damaged)", lambda: len(stores.quarantined)
+        )
         metrics.gauge("disk_full", "1 while observations are refused for want of disk space (--min-free-mb)", lambda: int(stores.disk.full))
         metrics.gauge("disk_free_bytes", "Free bytes on the disk holding --db, as last read", lambda: stores.disk.free_bytes)
         metrics.gauge("open_sessions", "Open sessions", lambda: len(self.sessions))
@@ -148,7 +152,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         metrics.gauge("write_queue_tokens", "Tokens queued for the writer (--max-pending-write-tokens)", lambda: writer.pending_tokens)
         metrics.watch("dropped_writes", "Queued observations dropped because their caller gave up first", lambda: writer.dropped)
         metrics.watch("refused_calls", "Calls refused over --max-calls-per-caller or --max-write-calls", lambda: self.admission.refused)
-        metrics.watch_tables(lambda: {vocabulary: store.stats() for vocabulary, store in stores.all().items()})
+        metrics.watch_tables(stores.table_stats)
 
     # -- validation (always before any state changes) -------------------------
 
@@ -195,10 +199,28 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def _table(self, vocabulary: str, context) -> LMDBNGramStore:
         """The vocabulary's table, created on first write, within --max-vocabularies."""
         try:
-            return self.stores.get(vocabulary)
+            store = self.stores.get(vocabulary)
         except (TooManyVocabularies, DiskFull) as full:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
             raise  # unreached: abort raises
+        if store is not self._healthy.get(vocabulary) and self.health is not None:  # a new table (or a fresh one after a quarantine)
+            self._healthy[vocabulary] = store
+            self.health.set(table_health_name(vocabulary), health_pb2.HealthCheckResponse.SERVING)
+        return store
+
+    def watch_health(self, health_servicer: health.HealthServicer) -> None:
+        """Each table's health name says SERVING while it serves and NOT_SERVING once it is set
+        aside (the drafter as a whole, and its other tables, still serve): "specdec.v1.Drafter/<vocabulary>"."""
+        self.health = health_servicer
+        for vocabulary, store in self.stores.all().items():
+            self._healthy[vocabulary] = store
+            health_servicer.set(table_health_name(vocabulary), health_pb2.HealthCheckResponse.SERVING)
+
+        def quarantined(vocabulary: str, reason: str) -> None:
+            self._healthy.pop(vocabulary, None)
+            health_servicer.set(table_health_name(vocabulary), health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        self.stores.add_quarantine_listener(quarantined)
 
     def _check_sequences(self, sequences) -> None:
         self._check_call_size(len(sequences), sum(len(sequence.tokens) for sequence in sequences))
@@ -248,10 +270,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 if update.verified_draft_tokens:
                     self._credit_feedback(session.feedback(update.verified_draft_tokens, update.accepted_draft_tokens))
                 session.context.extend(update.new_tokens)
-            # Drafting reads only this call's sessions and one LMDB read transaction
-            # (no table yet for this vocabulary: drafts come from the contexts alone).
-            with store.snapshot() if store is not None else contextlib.nullcontext(_NO_TABLE) as table:
-                drafts = [self._draft(update, session, table) for update, session in updates]
+            drafts = self._drafts(updates, store)
         except BaseException:
             self.sessions.release(caller, request.sequences, sessions, drop_opened=True)  # a session half-extended is no session
             raise
@@ -261,6 +280,18 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.sessions.release(caller, request.sequences, sessions, drop_opened=False)
         self._count([session.last_sources for session in sessions], asked=[update.num_draft_tokens > 0 for update in request.sequences])
         return drafter_pb2.ProposeResponse(drafts=drafts)
+
+    def _drafts(self, updates, store: LMDBNGramStore | None) -> list[drafter_pb2.SequenceDraft]:
+        """Drafting reads only this call's sessions and one LMDB read transaction. With no
+        table for the vocabulary (none yet, or one just set aside as damaged: the registry
+        logs it and says so in health and metrics), drafts come from the contexts alone."""
+        if store is not None:
+            try:
+                with store.snapshot() as table:
+                    return [self._draft(update, session, table) for update, session in updates]
+            except StoreClosed:  # drafting is pure but for each session's last sources, which this redoes
+                pass
+        return [self._draft(update, session, _NO_TABLE) for update, session in updates]
 
     def _count(self, sources: list[list[str]], asked: list[bool]) -> None:
         """Counters for one call; ``sources``: each draft's per-token sources."""
@@ -431,6 +462,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         for item in items:
             if isinstance(item.error, DiskFull):
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item.error))
+            if isinstance(item.error, StoreClosed):
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"{item.error}; retry with the same observe_id")
             if isinstance(item.error, TimeoutError):
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{item.error}; retry with the same observe_id to store the rest")
             if isinstance(item.error, StoreFull):
@@ -449,16 +482,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self._check_vocabulary(request.vocabulary)
             except InvalidRequest as invalid:
                 context.abort(invalid.code, str(invalid))
-            stores = [store] if (store := self.stores.find(request.vocabulary)) is not None else []
-        else:
-            stores = list(self.stores.all().values())
+        tables = self.stores.table_stats()
+        if request.vocabulary:
+            tables = {request.vocabulary: tables[request.vocabulary]} if request.vocabulary in tables else {}
         totals = {"entries": 0, "bytes": 0, "file_bytes": 0, "evictions": 0}
-        for store in stores:
-            stats = store.stats()
+        for stats in tables.values():
             for name in totals:
                 totals[name] += stats.get(name, 0)
         return drafter_pb2.StatsResponse(
-            **totals, max_bytes=self.config.max_bytes * max(1, len(stores)), open_sessions=len(self.sessions), **self.metrics.stats()
+            **totals, max_bytes=self.config.max_bytes * max(1, len(tables)), open_sessions=len(self.sessions), **self.metrics.stats()
         )
 
     def Backup(self, request, context):
@@ -493,6 +525,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         try:
             self.stores.get(request.vocabulary).backup(str(destination))
             size = sum(f.stat().st_size for f in destination.iterdir())
+        except StoreClosed as gone:
+            shutil.rmtree(destination, ignore_errors=True)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{gone}; nothing was backed up")
         except Exception:
             log.exception("backup of %s into %s failed", request.vocabulary, destination)
             shutil.rmtree(destination, ignore_errors=True)
@@ -558,7 +593,9 @@ class DrafterServer:
                     try:
                         if freed := store.check_readers():
                             log.warning("freed %d reader slot(s) of dead processes on table %s", freed, vocabulary)
-                    except Exception:  # a closed or broken table: the next tick tries again
+                    except StoreClosed:  # set aside since the list was read
+                        continue
+                    except Exception:  # a broken table: the next tick tries again
                         log.exception("reader check failed on table %s", vocabulary)
 
         threading.Thread(target=loop, name="drafter-janitor", daemon=True).start()
@@ -582,10 +619,15 @@ class DrafterServer:
         self.servicer.tracing.shutdown()
 
 
+def table_health_name(vocabulary: str) -> str:
+    """The health service name of one vocabulary's table."""
+    return f"{SERVICE_NAME}/{vocabulary}"
+
+
 def create_server(config: DrafterConfig) -> DrafterServer:
     server, guard = serving.grpc_server(config.connections, config.max_workers, config.max_concurrent_calls, config.max_message_bytes)
     health_servicer = serving.add_health_and_reflection(server, SERVICE_NAME)
-    stores = StoreRegistry(config)  # first: a locked --db must fail before the port is taken
+    stores = StoreRegistry(config, startup_walk_records=config.startup_walk_records)  # first: a locked --db fails before the port is taken
     admin_server = admin_port = None
     try:
         port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key, config.tls_client_ca)
@@ -615,5 +657,6 @@ def create_server(config: DrafterConfig) -> DrafterServer:
     if admin_server is not None:
         admin_server.start()
     drafter.start_janitor()
+    servicer.watch_health(health_servicer)
     serving.set_serving(health_servicer, SERVICE_NAME, True)  # the stores are open: ready
     return drafter

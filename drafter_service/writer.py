@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from drafter_service.storage import DiskFull, DiskSpace
-from drafter_service.store import LMDBNGramStore, StoreFull
+from drafter_service.store import LMDBNGramStore, StoreClosed, StoreFull
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +209,9 @@ class ObservationWriter(threading.Thread):
                     item.error = full
                 else:
                     item.applied |= applied
+        except StoreClosed as gone:  # set aside (damaged) or closed: nothing written; a retry goes to a fresh table
+            for item, _ in chunks:
+                item.error = gone
         except Exception as error:
             if self.disk.check():  # the commit ran out of disk (LMDB: EIO or ENOSPC); nothing was written
                 log.error("observation commit failed for want of disk space: %s", error)

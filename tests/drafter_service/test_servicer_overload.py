@@ -304,3 +304,34 @@ def test_the_write_queue_is_bounded_in_tokens_all_or_none(tmp_path):
         writer.submit([_Pending(store, "d", [1] * 400)])  # what fits still goes in
     finally:
         stores.close()
+
+
+def test_a_table_set_aside_while_serving_costs_drafts_not_calls_and_health_says_so(tmp_path):
+    from grpc_health.v1 import health, health_pb2
+
+    from drafter_service.server import table_health_name
+
+    with started_writer(tmp_path) as (config, stores, writer):
+        servicer = DrafterServicer(config, stores, writer)
+        health_servicer = health.HealthServicer()
+        servicer.watch_health(health_servicer)
+        learned = pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="o", sequences=[pb.TokenSequence(tokens=[1, 2, 3, 4, 5])])
+        assert servicer.Observe(learned, FakeContext()).applied_sequences == 1
+
+        def status() -> int:
+            return health_servicer.Check(health_pb2.HealthCheckRequest(service=table_health_name(VOCABULARY)), None).status
+
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+        store = stores.find(VOCABULARY)
+        with store.snapshot():  # a reader mid-transaction when the damage is found
+            assert stores.quarantine(VOCABULARY, RuntimeError("MDB_CORRUPTED found by a read"), store=store)
+        assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert servicer.registry.get_sample_value("specdec_drafter_quarantined_tables") == 1
+        # Propose still answers, from the context alone (the table taught it [1, 2] -> 3).
+        update = pb.SequenceUpdate(session_id="s", new_tokens=[1, 2, 9, 1, 2], open=True, num_draft_tokens=2)
+        draft = servicer.Propose(pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[update]), FakeContext()).drafts[0]
+        assert list(draft.tokens) == [9, 1] and list(draft.sources) == [pb.DRAFT_SOURCE_CONTEXT] * 2
+        # The next write starts a fresh table, which serves.
+        again = pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="o2", sequences=[pb.TokenSequence(tokens=[6, 7, 8])])
+        assert servicer.Observe(again, FakeContext()).applied_sequences == 1
+        assert status() == health_pb2.HealthCheckResponse.SERVING and stores.find(VOCABULARY) is not store

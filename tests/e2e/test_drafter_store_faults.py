@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.v1 import drafter_pb2 as pb
 from specdec.v1 import drafter_pb2_grpc as rpc
@@ -81,10 +82,20 @@ def test_a_table_with_damaged_pages_is_quarantined_before_serving_and_the_sound_
         assert propose(stub, "s1", sound[:4], 2, SOUND) == sound[4:6]
         assert observe(stub, "o2", [7001, 7002, 7003, 7004, 7005, 7006], SOUND).applied_sequences == 1
         assert propose(stub, "s2", [7001, 7002, 7003, 7004], 2, SOUND) == [7005, 7006]
+        # Health says so: the drafter serves, the damaged table's own name does not, the sound one's does.
+        health = health_pb2_grpc.HealthStub(drafter.channel)
+
+        def status(service: str) -> int:
+            return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        assert (status("specdec.v1.Drafter"), status(f"specdec.v1.Drafter/{SOUND}")) == (serving, serving)
+        assert status(f"specdec.v1.Drafter/{DAMAGED}") == not_serving
         # The damaged vocabulary starts over: nothing to draft from, and its next write makes a fresh table.
         damaged = table_tokens(DAMAGED)
         assert propose(stub, "d1", damaged[:4], 2, DAMAGED) == []
         assert observe(stub, "o2", [8001, 8002, 8003, 8004, 8005], DAMAGED).applied_sequences == 1
+        assert status(f"specdec.v1.Drafter/{DAMAGED}") == serving  # a fresh table serves
         log = drafter.log()
     finally:
         drafter.stop()

@@ -34,7 +34,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdec import serving, telemetry
 from specdec.flags import setting
+from specdec.limits import ConnectionLimits
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from specdec.vocabulary import tokenizer_fingerprint
 from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL, StepCostModel
@@ -159,6 +159,7 @@ class VerifierConfig:
     calibrate: bool = setting(
         True, help="measure the step cost at start-up (without: a flat cost refined by real steps; for tests and tiny models)"
     )
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # The flags every service shares (serving.add_serving_flags):
@@ -503,6 +504,7 @@ class VerifierServer:
     _metrics_server: Any = None  # telemetry.start_metrics_server's HTTP server
     _health_server: grpc.Server | None = None
     http: HttpServer | None = None  # the OpenAI-compatible API; None: off
+    guard: serving.AuxiliaryStreamGuard | None = None  # the service port's reflection and health Watch streams
 
     @property
     def http_port(self) -> int | None:
@@ -570,6 +572,8 @@ class VerifierServer:
             self.drafter.stop()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+        if self.guard is not None:
+            self.guard.stop()
         self.servicer.tracing.shutdown()
         return drained
 
@@ -578,11 +582,9 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     """Bind the port with health NOT_SERVING; call ``load()`` to bring the model up."""
     # One worker per request that may be running or queued, plus health and reflection calls.
     workers = config.engine.max_batch_size + config.scheduler.max_queued + 8
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers),
-        maximum_concurrent_rpcs=workers,
-        options=serving.message_options(config.max_message_bytes),
-    )
+    # Reflection and health Watch streams have --max-auxiliary-streams (8) of those 8 extra
+    # workers to themselves, and end when silent, so idle streams cannot take the requests' slots.
+    server, guard = serving.grpc_server(config.connections, workers, workers, config.max_message_bytes)
     health_servicer = serving.add_health_and_reflection(server, SERVICE_NAME)
     tracing = telemetry.Tracing("specdec-verifier")
     metrics = VerifierMetrics()
@@ -591,7 +593,9 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
     port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key, config.tls_client_ca)
     server.start()
-    verifier = VerifierServer(server, port, servicer, health_servicer)
+    verifier = VerifierServer(server, port, servicer, health_servicer, guard=guard)
+    metrics.watch("auxiliary_streams_refused", "Reflection and health Watch streams refused for want of a slot", lambda: guard.refused)
+    metrics.watch("auxiliary_streams_ended_idle", "Reflection and health Watch streams ended for silence", lambda: guard.ended_idle)
     if config.health_port is not None:
         verifier._health_server, verifier.health_port = serving.serve_health(health_servicer, config.host, config.health_port)
     if config.metrics_port is not None:

@@ -32,6 +32,9 @@ def test_healthcheck_passes_on_a_serving_drafter_and_fails_on_nothing(tmp_path):
 # -- the health port answers whatever the service port's load -------------------------------
 
 HEALTH = health_pb2.HealthCheckRequest()
+# Idle reflection streams are how these tests fill a service port: let them (by default a
+# port holds 8 at most, each cut after 60 s of silence; tests/e2e/test_hostile_grpc.py).
+IDLE_STREAMS_ALLOWED = ("--max-auxiliary-streams", "64", "--auxiliary-stream-idle", "600")
 
 
 def fill_with_idle_streams(service, refused) -> tuple[list, threading.Event]:
@@ -87,6 +90,7 @@ def test_the_verifiers_health_port_answers_while_its_service_port_is_at_the_rpc_
         "1",
         "--health-port",
         str(health_port),
+        *IDLE_STREAMS_ALLOWED,
     ) as verifier:
         # RPC limit: --max-batch-size + --max-queued + 8 = 10; past it, RESOURCE_EXHAUSTED.
         assert_health_port_answers_when_full(verifier, health_port, 10, grpc.StatusCode.RESOURCE_EXHAUSTED, "specdec.v1.Verifier")
@@ -99,7 +103,9 @@ def test_the_verifiers_health_port_answers_while_its_service_port_is_at_the_rpc_
 def test_the_drafters_health_port_answers_while_its_worker_threads_are_all_busy(tmp_path):
     health_port = free_port()
     with running(
-        "drafter_service", "--port", "0", "--db", str(tmp_path / "db"), "--metrics-port", "-1", "--health-port", str(health_port)
+        "drafter_service",
+        *("--port", "0", "--db", str(tmp_path / "db"), "--metrics-port", "-1", "--health-port", str(health_port)),
+        *("--max-workers", "16", *IDLE_STREAMS_ALLOWED),
     ) as drafter:
         # All 16 worker threads taken: a Check on the service port waits past its deadline.
         assert_health_port_answers_when_full(drafter, health_port, 16, grpc.StatusCode.DEADLINE_EXCEEDED, "specdec.v1.Drafter")

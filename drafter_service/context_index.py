@@ -36,13 +36,15 @@ on random tokens, 68.6 on the standard library's source, 49-71 on repetitive
 and adversarial sequences (InMemoryNGramTable: ~550).
 
 Hashing: token ids come from network callers, and Python's int and tuple
-hashes are not randomized, so an n-gram is hashed as ``hash((its bytes,
-salt))``: SipHash of its 4n bytes (keyed per process, unless PYTHONHASHSEED
-is fixed) combined with a secret salt drawn per index; slot = the low
-log2(capacity) bits, tag = bits 56..63. A caller who knows neither key cannot
-aim n-grams at a slot. Probes that meet another n-gram's slot are counted
-(``collisions``); should they exceed ``COLLISIONS_PER_PROBE`` per n-gram
-hashed, the index draws a new salt and rebuilds its tables.
+hashes are not randomized, so an n-gram is hashed as ``hash(salt + its 4n
+bytes)``: SipHash (keyed per process, unless PYTHONHASHSEED is fixed) of the
+bytes behind a secret 16-byte salt drawn per index, so that even a caller who
+knows the process's key cannot compute where an n-gram lands (a salt combined
+after hashing would not do: n-grams crafted to collide under one salt would
+collide under every salt). slot = the low log2(capacity) bits, tag = bits
+56..63. Probes that meet another n-gram's slot are counted (``collisions``);
+should they exceed ``COLLISIONS_PER_PROBE`` per n-gram hashed (past an
+allowance that doubles each time), the index draws a new salt and rebuilds.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ GROWTH_MARGIN_TOKENS = 32
 # which a new salt fixes.
 COLLISIONS_PER_PROBE = 8
 COLLISION_ALLOWANCE = 4096
+SALT_BYTES = 16  # a secret SipHash prefix: not guessable, one SipHash block more
 # Bytes of Python objects an index holds besides its arrays' buffers (the
 # object, its lists, the row tuples its loops unpack), per index and per
 # length: measured 1.2 KB at the default four lengths, bounded with room.
@@ -180,16 +183,16 @@ class CompactNGramIndex:
         "_room",
         "_walk_rows",
         "_index_rows",
-        "_probes",
+        "probes",
+        "_allowance",
         "_bulk_min_tokens",
     )
 
-    def __init__(self, n_min: int, n_max: int, *, salt: int | None = None, bulk_min_tokens: int = BULK_INDEX_MIN_TOKENS) -> None:
+    def __init__(self, n_min: int, n_max: int, *, salt: bytes | None = None, bulk_min_tokens: int = BULK_INDEX_MIN_TOKENS) -> None:
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
         self.n_min, self.n_max = n_min, n_max
         self.tokens = array("I")  # [N] the sequence itself
-        self.collisions = 0  # probes that met another n-gram's slot, since the salt was drawn
         self._lengths = list(range(n_min, n_max + 2))  # L lengths; the last one only counts continuations
         levels = range(len(self._lengths))
         self._complete = [level in (0, len(levels) - 2) for level in levels]  # every n-gram holds a slot
@@ -207,7 +210,9 @@ class CompactNGramIndex:
         self._suffix = [0 for _ in levels]  # ids of the n-grams ending the sequence (0: shorter than n)
         self._positions = -1  # end positions the per-id arrays cover (they grow ahead, by 1/16)
         self._room = 0  # tokens the tables can take before one must grow
-        self._probes = 0  # n-grams hashed since the salt was drawn
+        self.probes = 0  # n-grams hashed (looked up or given a slot) since the salt was drawn
+        self.collisions = 0  # and the other n-grams' slots those probes met
+        self._allowance = COLLISION_ALLOWANCE  # collisions tolerated past COLLISIONS_PER_PROBE per probe
         self._bulk_min_tokens = bulk_min_tokens
         self._walk_rows: tuple[list, list] = ([], [])
         self._index_rows: tuple = ()
@@ -308,10 +313,10 @@ class CompactNGramIndex:
     def _find(self, level: int, packed: bytes) -> int:
         """The id of the n-gram whose tokens' bytes are ``packed`` if it holds a slot, else 0."""
         slots, n, toks = self._slots[level], self._lengths[level], self.tokens
-        hashed = hash((packed, self._salt))
+        hashed = hash(self._salt + packed)
         mask = len(slots) - 1
         slot, tag = hashed & mask, hashed >> TAG_SHIFT & TAG_MASK
-        self._probes += 1
+        self.probes += 1
         entry = slots[slot]
         while entry:
             if entry & TAG_MASK == tag:
@@ -326,10 +331,10 @@ class CompactNGramIndex:
     def _insert(self, level: int, gram_id: int, packed: bytes) -> None:
         """Give the n-gram ``gram_id`` (tokens' bytes ``packed``; it holds no slot yet) a slot."""
         slots = self._slots[level]
-        hashed = hash((packed, self._salt))
+        hashed = hash(self._salt + packed)
         mask = len(slots) - 1
         slot = hashed & mask
-        self._probes += 1
+        self.probes += 1
         while slots[slot]:
             self.collisions += 1
             slot = (slot + 1) & mask
@@ -395,8 +400,10 @@ class CompactNGramIndex:
             self._room -= chunk
             self._index_positions(start, start + chunk)
             start += chunk
-        if self.collisions > COLLISIONS_PER_PROBE * self._probes + COLLISION_ALLOWANCE:
-            self._salt = _new_salt()  # hashing gone wrong: bad luck, or a caller who knows the keys
+        if self.collisions > COLLISIONS_PER_PROBE * self.probes + self._allowance:
+            # Hashing gone wrong: bad luck, or a caller who knows the keys. The
+            # allowance doubles, so that rebuilds stay a small part of the work.
+            self._salt, self._allowance = _new_salt(), 2 * self._allowance
             self._rebuild()
 
     def _reserve_positions(self, positions: int) -> None:
@@ -456,7 +463,7 @@ class CompactNGramIndex:
                     continue  # no n-gram ends here yet (``current`` stays all 0)
                 # The shortest length holds every n-gram: find it, or the free slot for it.
                 packed = window[right - TOKEN_BYTES * n_min : right]
-                hashed = hash((packed, salt))
+                hashed = hash(salt + packed)
                 slot, tag = hashed & base_mask, hashed >> TAG_SHIFT & TAG_MASK
                 found = 0
                 entry = base_slots[slot]
@@ -498,7 +505,7 @@ class CompactNGramIndex:
                 elif not complete and counts[chosen] == prefix_counts[prefix] - 1:
                     # The prefix's second continuation: its first takes a slot too.
                     insert(longer, chosen, toks[chosen - n : chosen].tobytes())
-                hashed = hash((window[right - width : right], salt))
+                hashed = hash(salt + window[right - width : right])
                 slot = hashed & mask
                 while slots[slot]:
                     collisions += 1
@@ -520,15 +527,15 @@ class CompactNGramIndex:
             previous, current = current, previous
         self._suffix = previous
         self.collisions += collisions
-        self._probes += stop - start
+        self.probes += stop - start
 
     def _table(self, level: int, ids: np.ndarray, capacity: int) -> array:
         """A table of ``capacity`` slots holding the n-grams ``ids`` (end positions, int64)."""
         n, held, salt = self._lengths[level], self.tokens.tobytes(), self._salt
         starts, ends = (TOKEN_BYTES * (ids - n)).tolist(), (TOKEN_BYTES * ids).tolist()
-        hashed = np.array([hash((held[start:end], salt)) for start, end in zip(starts, ends)], dtype=np.int64)
+        hashed = np.array([hash(salt + held[start:end]) for start, end in zip(starts, ends)], dtype=np.int64)
         tags = (hashed >> TAG_SHIFT) & TAG_MASK
-        self._probes += len(ids)
+        self.probes += len(ids)
         return place(hashed & (capacity - 1), ((ids << TAG_BITS) | tags).astype(np.uint32), capacity)
 
     # --- indexing a long call at once ---------------------------------------------
@@ -546,7 +553,7 @@ class CompactNGramIndex:
             if found is not None:
                 previous_ids = found.id_at
         self._positions = _reserved(size)
-        self.collisions = self._probes = 0
+        self.collisions = self.probes = 0
         for level, n in enumerate(self._lengths):
             self._install(level, n, grams[n], grams.get(n + 1), size)
         self._refresh_rows()
@@ -711,5 +718,5 @@ def _overhead(lengths: int) -> int:
     return FIXED_OVERHEAD_BYTES + OVERHEAD_BYTES_PER_LENGTH * lengths
 
 
-def _new_salt() -> int:
-    return int.from_bytes(os.urandom(8), "little")
+def _new_salt() -> bytes:
+    return os.urandom(SALT_BYTES)

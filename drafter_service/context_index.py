@@ -88,16 +88,18 @@ COLLISION_ALLOWANCE = 4096
 SALT_BYTES = 16  # a secret SipHash prefix: not guessable, one SipHash block more
 # Bytes of Python objects an index holds besides its arrays' buffers (the
 # object, its lists, the row tuples its loops unpack), per index and per
-# length: measured 1.2 KB at the default four lengths, bounded with room.
-FIXED_OVERHEAD_BYTES = 2048
+# length: measured 1.8 KB at the default four lengths (3.3 KB at nine),
+# bounded with room.
+FIXED_OVERHEAD_BYTES = 4096
 OVERHEAD_BYTES_PER_LENGTH = 512
 
 
-_PACKERS: dict[int, Callable[..., bytes]] = {}
+# Packers for n tokens into the bytes array('I') holds (native 4-byte unsigned
+# ints), shared by every index (made up front: not part of any index's bytes).
+_PACKERS: dict[int, Callable[..., bytes]] = {n: struct.Struct(f"={n}I").pack for n in range(1, 17)}
 
 
 def _packer(n: int) -> Callable[..., bytes]:
-    """The bytes array('I') holds for n tokens (native 4-byte unsigned ints)."""
     if n not in _PACKERS:
         _PACKERS[n] = struct.Struct(f"={n}I").pack
     return _PACKERS[n]

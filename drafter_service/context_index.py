@@ -26,9 +26,8 @@ when the (n+1)-gram ``key + t`` occurs, it displaces the best only with
 strictly more occurrences than the best's (n+1)-gram.
 
 Memory, with L = n_max - n_min + 2 lengths and N tokens: 4 bytes per token
-for the tokens and for each of the 3L - 2 per-id arrays (with their growth
-slack: 1/16 reserved ahead, 1/16 more by array's own growth), and 4 bytes per
-slot: a table doubles before it is half full, and two consecutive lengths
+for the tokens and for each of the 3L - 2 per-id arrays (with array's 1/16
+growth slack), and 4 bytes per slot: a table doubles before it is half full, and two consecutive lengths
 hold at most 1.5 (N + 1) n-grams in slots (see ``max_bytes_for_lengths``).
 For the default n 2..4: at most 4.3 + 42.5 + 48 + small fixed costs, i.e.
 97.5 bytes per token at 131,072 tokens; measured with tracemalloc there, 66.5
@@ -72,6 +71,9 @@ MAX_TOKENS = (1 << (32 - TAG_BITS)) - 1  # ids (end positions) must fit beside t
 MAX_LOAD_NUMERATOR, MAX_LOAD_DENOMINATOR = 1, 2
 # No table is smaller: the fixed cost of a short context (4 x 256 bytes).
 MIN_SLOTS = 64
+# The per-id arrays grow by at least this many positions (then to what CPython
+# allocated, 1/16 ahead): a call of a few tokens rarely grows ten arrays.
+RESERVE_MIN_POSITIONS = 16
 # Indexing a call of at least this many tokens, and at least as many as the
 # index holds, rebuilds the whole index with numpy (sorting, ~1 us a token)
 # instead of the per-token loop (~3 us a token); below, numpy's fixed cost
@@ -96,6 +98,8 @@ OVERHEAD_BYTES_PER_LENGTH = 512
 
 # Packers for n tokens into the bytes array('I') holds (native 4-byte unsigned
 # ints), shared by every index (made up front: not part of any index's bytes).
+_ARRAY_HEADER = sys.getsizeof(array("I"))  # an array's bytes besides its items
+
 _PACKERS: dict[int, Callable[..., bytes]] = {n: struct.Struct(f"={n}I").pack for n in range(1, 17)}
 
 
@@ -210,7 +214,7 @@ class CompactNGramIndex:
         self._slots = [array("I", bytes(TOKEN_BYTES * MIN_SLOTS)) for _ in levels]  # L x [capacity]
         self._distinct = [0 for _ in levels]  # n-grams holding a slot, per length
         self._suffix = [0 for _ in levels]  # ids of the n-grams ending the sequence (0: shorter than n)
-        self._positions = -1  # end positions the per-id arrays cover (they grow ahead, by 1/16)
+        self._positions = -1  # end positions the per-id arrays cover (they grow ahead)
         self._room = 0  # tokens the tables can take before one must grow
         self.probes = 0  # n-grams hashed (looked up or given a slot) since the salt was drawn
         self.collisions = 0  # and the other n-grams' slots those probes met
@@ -249,11 +253,12 @@ class CompactNGramIndex:
         once, which leaves at most 2 (N + 1) - 2d occurrences to continue.
         """
         lengths = len(range(n_min, n_max + 2))
-        per_id = _array_bytes_bound(_reserved(tokens) + 1, TOKEN_BYTES) * (3 * lengths - 2)
+        per_id = _array_bytes_bound(tokens + 1 + RESERVE_MIN_POSITIONS, TOKEN_BYTES) * (3 * lengths - 2)
         held = (tokens + 1) * 3 * (lengths // 2) // 2 + (tokens + 1) * (lengths % 2)  # n-grams in all tables
         margin = 2 * GROWTH_MARGIN_TOKENS * lengths  # a table grows that much ahead
         slots = 2 * MAX_LOAD_DENOMINATOR * (held + margin) // MAX_LOAD_NUMERATOR + 2 * MIN_SLOTS * lengths
-        tables = lengths * _array_bytes_bound(0, TOKEN_BYTES) + TOKEN_BYTES * slots
+        # Each table is an array too, with its growth slack: one bound over all of them.
+        tables = _array_bytes_bound(slots, TOKEN_BYTES) + (lengths - 1) * _array_bytes_bound(0, TOKEN_BYTES)
         return _overhead(lengths) + _array_bytes_bound(tokens, TOKEN_BYTES) + per_id + tables
 
     # --- lookup -------------------------------------------------------------------
@@ -409,12 +414,20 @@ class CompactNGramIndex:
             self._rebuild()
 
     def _reserve_positions(self, positions: int) -> None:
-        """Grow the per-id arrays to cover end positions up to ``positions`` and beyond."""
-        reserved = _reserved(positions)
-        zeros = array("I", bytes(TOKEN_BYTES * (reserved - self._positions)))
+        """Grow the per-id arrays to cover end positions up to ``positions``, and on to
+        what the arrays allocated anyway (CPython's 1/16 ahead): few calls grow them."""
         for grown in self._per_id_arrays():
-            grown.extend(zeros)
-        self._positions = reserved
+            grown.frombytes(bytes(TOKEN_BYTES * max(0, positions + 1 + RESERVE_MIN_POSITIONS - len(grown))))
+        self._fill_allocation()
+
+    def _fill_allocation(self) -> None:
+        """Lengthen the per-id arrays (all the same length) to what they hold allocated."""
+        arrays = self._per_id_arrays()
+        allocated = min((sys.getsizeof(grown) - _ARRAY_HEADER) // TOKEN_BYTES for grown in arrays)
+        for grown in arrays:
+            if len(grown) < allocated:
+                grown.frombytes(bytes(TOKEN_BYTES * (allocated - len(grown))))
+        self._positions = min(len(grown) for grown in arrays) - 1
 
     def _make_room(self) -> None:
         """Double every table that could not take ``GROWTH_MARGIN_TOKENS`` more tokens'
@@ -554,10 +567,11 @@ class CompactNGramIndex:
             grams[n] = found
             if found is not None:
                 previous_ids = found.id_at
-        self._positions = _reserved(size)
+        self._positions = size
         self.collisions = self.probes = 0
         for level, n in enumerate(self._lengths):
             self._install(level, n, grams[n], grams.get(n + 1), size)
+        self._fill_allocation()
         self._refresh_rows()
 
     def _install(self, level: int, n: int, grams: _Grams | None, longer: _Grams | None, size: int) -> None:
@@ -691,12 +705,6 @@ class _Grams:
     def keys(self) -> np.ndarray:
         """[distinct] int64: the id of each n-gram's first n - 1 tokens (its key)."""
         return self.previous_id_at[self.first_ends - 1].astype(np.int64)
-
-
-def _reserved(positions: int) -> int:
-    """End positions the per-id arrays make room for when they must cover ``positions``:
-    1/16 ahead, so that a call of a few tokens rarely grows seven arrays."""
-    return positions + (positions >> 4) + 16
 
 
 def _to_array(values: np.ndarray) -> array:

@@ -69,19 +69,20 @@ MAX_TOKENS = (1 << (32 - TAG_BITS)) - 1  # ids (end positions) must fit beside t
 # A table doubles before it is more than half full: linear probing then meets
 # ~0.5 other n-grams per lookup, for 4-8 bytes per n-gram it holds.
 MAX_LOAD_NUMERATOR, MAX_LOAD_DENOMINATOR = 1, 2
-# No table is smaller: the fixed cost of a short context (4 x 256 bytes).
-MIN_SLOTS = 64
+# No table is smaller (4 x 512 bytes for a short context), so that a new index
+# takes GROWTH_MARGIN_TOKENS tokens before its first table grows.
+MIN_SLOTS = 128
 # The per-id arrays grow by at least this many positions (then to what CPython
 # allocated, 1/16 ahead): a call of a few tokens rarely grows ten arrays.
 RESERVE_MIN_POSITIONS = 16
 # Indexing a call of at least this many tokens, and at least as many as the
 # index holds, rebuilds the whole index with numpy (sorting, ~1 us a token)
-# instead of the per-token loop (~3 us a token); below, numpy's fixed cost
-# (~1 ms) wins.
-BULK_INDEX_MIN_TOKENS = 256
+# instead of the per-token loop (~3-4 us a token); below, numpy's fixed cost
+# (~0.4 ms) loses (measured crossover: ~100 tokens).
+BULK_INDEX_MIN_TOKENS = 96
 # A table grows when it could not take this many more tokens' n-grams, so that
-# one near full is not re-examined at every call (4 KB more at most).
-GROWTH_MARGIN_TOKENS = 32
+# one near full is not re-examined at every call (2 KB more at most).
+GROWTH_MARGIN_TOKENS = 16
 # At half load a probe meets ~0.5 other n-grams on average; 8 per n-gram
 # hashed (past a start-up allowance) only happens to hashing gone wrong,
 # which a new salt fixes.
@@ -560,9 +561,12 @@ class CompactNGramIndex:
         continuations and links as the per-token loop."""
         tokens = np.frombuffer(self.tokens, dtype=np.uint32).astype(np.uint64)
         size = len(tokens)
-        previous_ids = np.zeros(size + 1, dtype=np.uint64)  # by end position: the empty 0-gram has id 0
+        if self.n_min == 1:  # by end position: the empty 0-gram has id 0
+            first, previous_ids = 1, np.zeros(size + 1, dtype=np.uint64)
+        else:  # 1-grams need no ids of their own: the token tells one from another
+            first, previous_ids = 2, np.concatenate([np.zeros(1, dtype=np.uint64), tokens])
         grams: dict[int, _Grams | None] = {}
-        for n in range(1, self._lengths[-1] + 1):
+        for n in range(first, self._lengths[-1] + 1):
             found = None if n > size else _Grams.of(tokens, previous_ids, n)
             grams[n] = found
             if found is not None:

@@ -314,11 +314,15 @@ def built(tokens: list[int], chunk: int | None = None) -> ContextIndex:
     return index
 
 
+def random_ids(seed: int, count: int, below: int) -> list[int]:
+    generator = random.Random(seed)
+    return [generator.randrange(below) for _ in range(count)]
+
+
 SESSION_TOKENS = 131_072
-rng = random.Random(0)
-half_text = [rng.randrange(49_152) for _ in range(SESSION_TOKENS // 2)]
+half_text = random_ids(0, SESSION_TOKENS // 2, 49_152)
 MEMORY_CASES = {
-    "uniform random ids below 49,152": lambda: [random.Random(1).randrange(49_152) for _ in range(SESSION_TOKENS)],
+    "uniform random ids below 49,152": lambda: random_ids(1, SESSION_TOKENS, 49_152),
     "the standard library's source": lambda: corpus_tokens(SESSION_TOKENS),
     "a 7-token pattern repeated": lambda: [i % 7 for i in range(SESSION_TOKENS)],
     "a random text twice (every n-gram twice)": lambda: half_text + half_text,
@@ -342,7 +346,7 @@ def test_a_131k_token_context_takes_at_most_100_bytes_per_token(case):
 @pytest.mark.parametrize("chunk", [1, 3, 50, 700])
 @pytest.mark.parametrize("config", [NGramConfig(), NGramConfig(n_min=1, n_max=6), NGramConfig(n_min=3, n_max=3)])
 def test_nbytes_bounds_what_an_index_holds_however_it_grew(chunk, config):
-    tokens = corpus_tokens(6_000)[-3_000:] + [i % 5 for i in range(1_000)] + [random.Random(2).randrange(10**6) for _ in range(1_000)]
+    tokens = corpus_tokens(6_000)[-3_000:] + [i % 5 for i in range(1_000)] + random_ids(2, 1_000, 10**6)
 
     def grow() -> ContextIndex:
         index = ContextIndex(config)

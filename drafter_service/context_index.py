@@ -26,13 +26,20 @@ when the (n+1)-gram ``key + t`` occurs, it displaces the best only with
 strictly more occurrences than the best's (n+1)-gram.
 
 Memory, with L = n_max - n_min + 2 lengths and N tokens: 4 bytes per token
-for the tokens and for each of the 3L - 2 per-id arrays (with array's 1/16
-growth slack), and 4 bytes per slot: a table doubles before it is half full, and two consecutive lengths
-hold at most 1.5 (N + 1) n-grams in slots (see ``max_bytes_for_lengths``).
-For the default n 2..4: at most 4.3 + 42.5 + 48 + small fixed costs, i.e.
-97.5 bytes per token at 131,072 tokens; measured with tracemalloc there, 66.5
-on random tokens, 68.6 on the standard library's source, 49-71 on repetitive
-and adversarial sequences (InMemoryNGramTable: ~550).
+for the tokens and for each of the 3L - 2 per-id arrays, and 4 bytes per
+slot; a table doubles before it is half full, and two consecutive lengths
+hold at most 1.5 (N + 1) n-grams in slots (see ``max_bytes_for_lengths``);
+every array carries CPython's 1/16 growth slack. For the default n 2..4, at
+131,072 tokens: at most 4.3 + 42.5 + 51 = 97.9 bytes per token (plus ~6 KB
+per index); measured with tracemalloc, 63.8 on random ids, 65.9 on the
+standard library's source, 46.8 on a short pattern repeated, 55.3 on a text
+repeated twice, 68.0 on 2-grams followed by many tokens (an
+InMemoryNGramTable takes ~550 on random ids, ~270 on text).
+
+The walk (``_walk``) and the per-token loop share one rule: the n-gram ending
+at a position is its prefix's continuation, found without hashing when it is
+the prefix's best one, and known absent when the prefix only ever had
+another; only the other cases hash.
 
 Hashing: token ids come from network callers, and Python's int and tuple
 hashes are not randomized, so an n-gram is hashed as ``hash(salt + its 4n
@@ -530,16 +537,14 @@ class CompactNGramIndex:
                 distinct[longer] += 1
             # The n-grams that occurred before: one more occurrence each, which may make
             # it its prefix's best continuation.
-            gram = current[0]
             if level >= 0:
-                base_counts[gram] += 1
-            for shorter in range(1, level + 1):
-                gram, counts, chosen_of = current[shorter], counts_of[shorter], chosen_of_level[shorter]
-                count = counts[gram] + 1
-                counts[gram] = count
-                prefix = previous[shorter - 1]
-                if count > counts[chosen_of[prefix]]:
-                    chosen_of[prefix] = gram
+                base_counts[current[0]] += 1
+                for gram, prefix, counts, chosen_of in zip(current[1 : level + 1], previous, counts_of[1:], chosen_of_level[1:]):
+                    count = counts[gram] + 1
+                    counts[gram] = count
+                    chosen = chosen_of[prefix]
+                    if chosen != gram and count > counts[chosen]:
+                        chosen_of[prefix] = gram
             previous, current = current, previous
         self._suffix = previous
         self.collisions += collisions

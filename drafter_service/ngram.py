@@ -11,7 +11,7 @@ Two sources of n-grams are consulted, in this order at each suffix length:
 
 * ``context``: the request's own prompt and generated text (prompt lookup).
   It is indexed incrementally, each step adding only the new tokens, in a
-  ``ContextIndex`` (compact arrays, ~70 bytes a token: see context_index.py).
+  ``ContextIndex`` (compact arrays, under 70 bytes a token: context_index.py).
 * ``global``: a table learned from earlier requests' outputs. Anything with
   ``continuations`` and ``observe`` (the ``NGramSource`` protocol) can serve
   as the global table: ``InMemoryNGramTable`` here, an LMDB-backed store in
@@ -249,9 +249,9 @@ class ContextIndex(CompactNGramIndex):
     Memory, for the service's per-caller budget: ``nbytes()`` bounds what an
     index holds now, in O(1); ``max_bytes_for(tokens, config)`` what one may
     hold once it has ``tokens`` tokens, so that a call can be refused before it
-    is indexed. For the default n 2..4 the bound is 97.5 bytes per token at
-    131,072 tokens (plus ~4 KB per index); measured, 49-71 (an
-    ``InMemoryNGramTable`` takes ~550).
+    is indexed. For the default n 2..4 the bound is 97.9 bytes per token at
+    131,072 tokens (plus ~6 KB per index); measured, 47-68 (an
+    ``InMemoryNGramTable`` takes ~270 on text, ~550 on random ids).
 
     context [1, 2, 3, 4, 2, 3], n 2..2: propose(empty table, 3) -> [4, 2, 3],
     each token once of once from the context.

@@ -156,6 +156,18 @@ def place(homes: np.ndarray, values: np.ndarray, capacity: int) -> array:
     return _to_array(table)
 
 
+class Tokens(array):
+    """array('I') of a sequence's tokens that also equals the list of them (a
+    context's ``tokens`` used to be a list; slices are plain arrays)."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, list):
+            return self.tolist() == other
+        return super().__eq__(other)
+
+
 class CompactNGramIndex:
     """Every n-gram (n_min..n_max+1) of a growing sequence, with what drafting asks of it.
 
@@ -206,7 +218,7 @@ class CompactNGramIndex:
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
         self.n_min, self.n_max = n_min, n_max
-        self.tokens = array("I")  # [N] the sequence itself
+        self.tokens = Tokens("I")  # [N] the sequence itself
         self._lengths = list(range(n_min, n_max + 2))  # L lengths; the last one only counts continuations
         levels = range(len(self._lengths))
         self._complete = [level in (0, len(levels) - 2) for level in levels]  # every n-gram holds a slot

@@ -4,17 +4,19 @@ cheap on inputs crafted to collide."""
 
 from __future__ import annotations
 
+import json
 import random
+import re
 import struct
 import tracemalloc
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.bench_drafter import corpus_tokens
 from drafter_service import context_index
 from drafter_service.context_index import MAX_TOKEN_ID, CompactNGramIndex, place
 from drafter_service.ngram import (
@@ -28,6 +30,19 @@ from drafter_service.ngram import (
     NGramSource,
     propose_chain,
 )
+
+
+def corpus_tokens(limit: int) -> list[int]:
+    """Word ids over the standard library's source (bench_drafter's stream): real, repetitive text."""
+    ids: dict[str, int] = {}
+    tokens: list[int] = []
+    for path in sorted(Path(json.__file__).parent.parent.glob("*.py")):
+        for word in re.findall(r"\w+|[^\w\s]", path.read_text(errors="replace")):
+            tokens.append(ids.setdefault(word, len(ids)))
+            if len(tokens) >= limit:
+                return tokens
+    return tokens
+
 
 # --- the reference: the context index as it was before the compact one ---------------
 

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from drafter_service.context_index import MAX_TOKEN_ID, MAX_TOKENS
 from drafter_service.ngram import NGramConfig
 from specdec.flags import check_minimums, setting
 from specdec.limits import ConnectionLimits
@@ -121,6 +122,11 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         check_minimums(self)
+        if self.max_token_id > MAX_TOKEN_ID + 1 or self.max_session_tokens > MAX_TOKENS:
+            raise ValueError(
+                f"a context index holds ids below {MAX_TOKEN_ID + 1} and at most {MAX_TOKENS} tokens: "
+                f"--max-token-id {self.max_token_id} and --max-session-tokens {self.max_session_tokens} must fit"
+            )
         if self.max_write_calls is not None and self.max_write_calls >= self.max_workers:
             raise ValueError(
                 f"--max-write-calls ({self.max_write_calls}) must be below --max-workers ({self.max_workers}): "

@@ -39,16 +39,16 @@ BUSY = "busy"  # in use by another call
 FULL = "full"  # a limit on sessions or their tokens
 BAD_FEEDBACK = "bad_feedback"  # feedback that cannot describe the previous draft
 
-# What one session costs beyond its tokens (the Session, its index's fixed
-# parts, the table's entries): measured ~1.5 KB, rounded up.
-SESSION_OVERHEAD_BYTES = 4096
-# An upper bound of the context index's bytes per token it holds.
-CONTEXT_BYTES_PER_TOKEN = 600
+# What one session costs beside its context index (the Session object, its
+# lists, the table's entry for it): measured ~1 KB, rounded up.
+SESSION_OVERHEAD_BYTES = 2048
 
 
-def session_bytes(tokens: int) -> int:
-    """What a session holding ``tokens`` tokens is charged: 0 -> 4096, 1000 -> 604,096."""
-    return SESSION_OVERHEAD_BYTES + tokens * CONTEXT_BYTES_PER_TOKEN
+def session_bytes(tokens: int, config: NGramConfig) -> int:
+    """What a session of ``tokens`` tokens is charged: the most its context index can take
+    (``ContextIndex.max_bytes_for``, under 100 bytes a token at the defaults) and its own
+    overhead, so that the budget is an upper bound of what sessions really hold."""
+    return SESSION_OVERHEAD_BYTES + ContextIndex.max_bytes_for(tokens, config)
 
 
 class SessionError(Exception):
@@ -141,7 +141,7 @@ class SessionTable:
                     self._by_caller[caller] += 1
                 session = self._sessions[key]
                 session.busy, session.last_used = True, now
-                self._charge(session, session_bytes(len(session.context.tokens) + len(update.new_tokens)))
+                self._charge(session, session_bytes(len(session.context.tokens) + len(update.new_tokens), self.ngram))
                 claimed.append(session)
             return claimed
 
@@ -243,7 +243,7 @@ class SessionTable:
                     f"sequences[{index}]: feedback needs accepted_draft_tokens ({update.accepted_draft_tokens}) <= "
                     f"verified_draft_tokens ({update.verified_draft_tokens}) <= the previous draft's length ({drafted})",
                 )
-            growth += session_bytes(held + len(update.new_tokens)) - (session.charged_bytes if session is not None else 0)
+            growth += session_bytes(held + len(update.new_tokens), self.ngram) - (session.charged_bytes if session is not None else 0)
         held = self._by_caller[caller]
         if held + opening > limits.max_sessions_per_caller:
             raise SessionError(

@@ -232,7 +232,7 @@ def test_a_cancelled_write_is_abandoned_and_never_committed(tmp_path):
 
 def test_session_memory_has_a_budget_in_bytes_per_caller(tmp_path):
     # Was: six 131,072-token sessions took 47 -> 521 MB; 2,048 per caller were admitted.
-    with started_writer(tmp_path, max_session_bytes_per_caller=1 << 22, max_session_bytes=1 << 23) as (config, stores, writer):
+    with started_writer(tmp_path, max_session_bytes_per_caller=1 << 20, max_session_bytes=1 << 21) as (config, stores, writer):
         servicer = DrafterServicer(config, stores, writer)
         big = list(range(4000))
         servicer.Propose(open_request("a", big), FakeContext(certificate="hog"))

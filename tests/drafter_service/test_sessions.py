@@ -148,18 +148,29 @@ def test_claim_to_close_holds_the_sessions_so_they_are_observed_once():
 
 
 def test_memory_is_charged_before_indexing_per_caller_and_in_all():
-    cost = session_bytes(1000) - session_bytes(0)
-    sessions = SessionTable(
-        NGramConfig(), SessionLimits(100, 100, 10_000, max_bytes=3 * session_bytes(1000), max_bytes_per_caller=2 * session_bytes(1000))
-    )
+    config = NGramConfig()
+    thousand = session_bytes(1000, config)
+    limits = SessionLimits(100, 100, 10_000, max_bytes=3 * thousand, max_bytes_per_caller=2 * thousand)
+    sessions = SessionTable(config, limits)
     sessions.claim(VOCABULARY, "a", [Update("a1", open=True, new_tokens=(1,) * 1000)])
-    assert sessions.bytes_in_use == sessions.bytes_held_by("a") == session_bytes(1000)
-    error = refusal(sessions, [Update("a2", open=True, new_tokens=(1,) * 1001)])
+    assert sessions.bytes_in_use == sessions.bytes_held_by("a") == thousand
+    error = refusal(sessions, [Update("a2", open=True, new_tokens=(1,) * 1500)])
     assert error.kind == FULL and "over its budget of" in str(error) and "--max-session-bytes-per-caller" in str(error)
-    assert len(sessions) == 1 and sessions.bytes_in_use == session_bytes(1000)  # the refused call was charged nothing
+    assert len(sessions) == 1 and sessions.bytes_in_use == thousand  # the refused call was charged nothing
     sessions.claim(VOCABULARY, "b", [Update("b1", open=True, new_tokens=(1,) * 1000), Update("b2", open=True, new_tokens=(1,) * 1000)])
     error = refusal(sessions, [Update("c1", open=True, new_tokens=(1,) * 10)], caller="c")
     assert error.kind == FULL and "--max-session-bytes)" in str(error)
     assert sessions.close("b", ["b1"]) == ["b1"]
-    assert sessions.bytes_in_use == 2 * session_bytes(1000)  # closing gives the bytes back
-    assert cost == 1000 * (session_bytes(1) - session_bytes(0))  # linear in tokens
+    assert sessions.bytes_in_use == 2 * thousand  # closing gives the bytes back
+
+
+def test_what_a_session_is_charged_bounds_what_its_index_holds():
+    import random
+
+    config = NGramConfig()
+    sessions = table(tokens=1 << 17)
+    [session] = sessions.claim(VOCABULARY, "a", [Update("s", open=True, new_tokens=(0,) * 5000)])
+    rng = random.Random(4)
+    session.context.extend([rng.randrange(49_152) for _ in range(5000)])
+    assert session.context.nbytes() <= session.charged_bytes == session_bytes(5000, config)
+    assert session_bytes(131_072, config) < 100 * 131_072  # the bound: under 100 bytes a context token

@@ -15,9 +15,9 @@ indistinguishable from an id never opened (UNKNOWN either way). Two callers
 may use the same id without meeting.
 
 Memory is accounted in bytes, before any token is indexed: each session is
-charged ``session_bytes(tokens)`` for the tokens it holds or a call is about
-to add, an upper bound of its context index, against a budget in all and one
-per caller.
+charged ``session_bytes`` for the tokens it holds or a call is about to add
+(rounded up to ``CHARGE_GRANULE_TOKENS``), an upper bound of its context
+index, against a budget in all and one per caller.
 """
 
 from __future__ import annotations
@@ -42,6 +42,16 @@ BAD_FEEDBACK = "bad_feedback"  # feedback that cannot describe the previous draf
 # What one session costs beside its context index (the Session object, its
 # lists, the table's entry for it): measured ~1 KB, rounded up.
 SESSION_OVERHEAD_BYTES = 2048
+
+
+# Sessions are charged for their tokens rounded up to a multiple of this, so the
+# bound is recomputed once per 512 tokens a session grows, not on every step.
+CHARGE_GRANULE_TOKENS = 512
+
+
+def charged_tokens(tokens: int) -> int:
+    """The tokens a session holding ``tokens`` is charged for: 1 -> 512, 512 -> 512, 513 -> 1024."""
+    return -(-tokens // CHARGE_GRANULE_TOKENS) * CHARGE_GRANULE_TOKENS
 
 
 def session_bytes(tokens: int, config: NGramConfig) -> int:
@@ -87,7 +97,8 @@ class Session:
     # (verified/accepted counts in the next update) is credited to them.
     last_sources: list[str] = field(default_factory=list)
     busy: bool = False  # claimed by a call that is extending, drafting or closing it (outside the lock)
-    charged_bytes: int = 0  # what the memory budget counts for it: session_bytes of the tokens claimed so far
+    charged_bytes: int = 0  # what the memory budget counts for it: session_bytes(charged_for)
+    charged_for: int = 0  # tokens it is charged for: those claimed so far, rounded up (charged_tokens)
 
     def draft(self, table: NGramSource, k: int) -> Draft:
         """Up to ``k`` draft tokens from the context, then ``table``; their sources are kept."""
@@ -141,7 +152,9 @@ class SessionTable:
                     self._by_caller[caller] += 1
                 session = self._sessions[key]
                 session.busy, session.last_used = True, now
-                self._charge(session, session_bytes(len(session.context.tokens) + len(update.new_tokens), self.ngram))
+                tokens = len(session.context.tokens) + len(update.new_tokens)
+                if tokens > session.charged_for:  # past what it is charged for: charge the next granule
+                    self._charge(session, charged_tokens(tokens))
                 claimed.append(session)
             return claimed
 
@@ -192,12 +205,12 @@ class SessionTable:
                 self._forget(caller, sid)
         return len(stale)
 
-    def _charge(self, session: Session, charged: int) -> None:
-        if charged > session.charged_bytes:
-            grown = charged - session.charged_bytes
-            session.charged_bytes = charged
-            self._bytes_by_caller[session.caller] += grown
-            self.bytes_in_use += grown
+    def _charge(self, session: Session, tokens: int) -> None:
+        charged = session_bytes(tokens, self.ngram)
+        grown = charged - session.charged_bytes
+        session.charged_for, session.charged_bytes = tokens, charged
+        self._bytes_by_caller[session.caller] += grown
+        self.bytes_in_use += grown
 
     def _forget(self, caller: str, session_id: str) -> bool:
         session = self._sessions.pop((caller, session_id), None)
@@ -243,7 +256,9 @@ class SessionTable:
                     f"sequences[{index}]: feedback needs accepted_draft_tokens ({update.accepted_draft_tokens}) <= "
                     f"verified_draft_tokens ({update.verified_draft_tokens}) <= the previous draft's length ({drafted})",
                 )
-            growth += session_bytes(held + len(update.new_tokens), self.ngram) - (session.charged_bytes if session is not None else 0)
+            tokens = held + len(update.new_tokens)
+            if session is None or tokens > session.charged_for:
+                growth += session_bytes(charged_tokens(tokens), self.ngram) - (session.charged_bytes if session is not None else 0)
         held = self._by_caller[caller]
         if held + opening > limits.max_sessions_per_caller:
             raise SessionError(

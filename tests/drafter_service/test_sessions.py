@@ -17,6 +17,7 @@ from drafter_service.sessions import (
     SessionError,
     SessionLimits,
     SessionTable,
+    charged_tokens,
     session_bytes,
 )
 
@@ -149,7 +150,7 @@ def test_claim_to_close_holds_the_sessions_so_they_are_observed_once():
 
 def test_memory_is_charged_before_indexing_per_caller_and_in_all():
     config = NGramConfig()
-    thousand = session_bytes(1000, config)
+    thousand = session_bytes(charged_tokens(1000), config)  # charged for 1,024 tokens
     limits = SessionLimits(100, 100, 10_000, max_bytes=3 * thousand, max_bytes_per_caller=2 * thousand)
     sessions = SessionTable(config, limits)
     sessions.claim(VOCABULARY, "a", [Update("a1", open=True, new_tokens=(1,) * 1000)])
@@ -172,5 +173,6 @@ def test_what_a_session_is_charged_bounds_what_its_index_holds():
     [session] = sessions.claim(VOCABULARY, "a", [Update("s", open=True, new_tokens=(0,) * 5000)])
     rng = random.Random(4)
     session.context.extend([rng.randrange(49_152) for _ in range(5000)])
-    assert session.context.nbytes() <= session.charged_bytes == session_bytes(5000, config)
+    assert session.context.nbytes() <= session.charged_bytes == session_bytes(charged_tokens(5000), config)
+    assert charged_tokens(5000) == 5120 and charged_tokens(512) == 512
     assert session_bytes(131_072, config) < 100 * 131_072  # the bound: under 100 bytes a context token

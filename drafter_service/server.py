@@ -86,17 +86,6 @@ class _NoTable:
 _NO_TABLE = _NoTable()
 
 
-def _caller(context) -> str:
-    """Who calls, for per-caller limits: the client certificate's common name under
-    mutual TLS, else the peer's address without its port (which changes per connection)."""
-    names = context.auth_context().get("x509_common_name")
-    if names:
-        return "certificate " + names[0].decode("utf-8", "replace")
-    peer = context.peer() or "unknown"  # "ipv4:10.0.0.7:51234", "ipv6:[::1]:51234", "unix:/path"
-    host, _, port = peer.rpartition(":")
-    return host if host and port.isdigit() else peer
-
-
 def _expired(context) -> bool:
     remaining = context.time_remaining()
     return remaining is not None and remaining <= 0
@@ -246,7 +235,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return response
 
     def _propose(self, request, context):
-        caller = _caller(context)
+        caller = serving.caller_identity(context)
         with self._admitted(caller, context, write=False):
             return self._propose_admitted(request, context, caller)
 
@@ -334,7 +323,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             self._check_sequences(request.sequences)
         except InvalidRequest as invalid:
             context.abort(invalid.code, str(invalid))
-        with self._admitted(_caller(context), context, write=True):
+        with self._admitted(serving.caller_identity(context), context, write=True):
             return self._observe_admitted(request, context)
 
     def _observe_admitted(self, request, context):
@@ -357,7 +346,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """Close the caller's sessions of ``vocabulary``; with ``observe``, their tokens go into its
         table first, and a session is closed only once that is stored (a failed call can be retried
         under the same ``observe_id``; a session closed is observed once, never again)."""
-        caller = _caller(context)
+        caller = serving.caller_identity(context)
         try:
             self._check_vocabulary(request.vocabulary)
             self._check_close(request)

@@ -183,6 +183,25 @@ def grpc_server(
     return server, guard
 
 
+def peer_host(peer: str) -> str:
+    """A gRPC peer's host, as HTTP names it: "ipv4:10.0.0.7:51234" -> "10.0.0.7",
+    "ipv6:[::1]:51234" -> "::1"; anything else (a unix socket) as it is."""
+    kind, _, address = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return peer
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") if host and port.isdigit() else address
+
+
+def caller_identity(context) -> str:
+    """Who calls, for per-caller ownership and limits: the client certificate's common name
+    under mutual TLS, else the peer's host (its port changes per connection)."""
+    names = context.auth_context().get("x509_common_name")
+    if names:
+        return "certificate " + names[0].decode("utf-8", "replace")
+    return peer_host(context.peer() or "unknown")
+
+
 def add_health_and_reflection(server: grpc.Server, service_name: str) -> health.HealthServicer:
     """What every service port offers beside its service: grpc.health.v1, NOT_SERVING for
     the whole server ("") and ``service_name`` until ``set_serving``, and server reflection."""

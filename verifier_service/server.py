@@ -276,16 +276,6 @@ class CallerLimit:
         )
 
 
-def peer_host(peer: str) -> str:
-    """A gRPC peer's host, as HTTP names it: "ipv4:10.0.0.7:51234" -> "10.0.0.7",
-    "ipv6:[::1]:51234" -> "::1"; anything else (a unix socket) as it is."""
-    kind, _, address = peer.partition(":")
-    if kind not in ("ipv4", "ipv6"):
-        return peer
-    host, _, port = address.rpartition(":")
-    return host.strip("[]") if host and port.isdigit() else address
-
-
 def longest_token_chars(tokenizer) -> int:
     """Characters of the vocabulary's longest token as the tokenizer spells it, which is at
     least what it stands for: byte-level BPE spells a byte per character ("Ġthe"),
@@ -358,10 +348,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, self.keys.refusal(bool(values)))
                 raise AssertionError("abort raises")  # for the type checker
             return caller
-        names = context.auth_context().get("x509_common_name")
-        if names:
-            return "certificate " + names[0].decode("utf-8", "replace")
-        return peer_host(context.peer() or "unknown")
+        return serving.caller_identity(context)
 
     def check_prompt_chars(self, chars: int) -> None:
         """ValueError for prompt text longer than --max-prompt-chars, before it costs any tokenizing."""

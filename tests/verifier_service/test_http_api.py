@@ -18,13 +18,14 @@ import pytest
 from starlette.testclient import TestClient
 
 from specdec import telemetry
+from specdec.serving import peer_host
 from specdec.v1 import verifier_pb2 as pb
 from verifier_service import openai_api
 from verifier_service.engine import EngineConfig, SpeculativeEngine
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.openai_api import OpenAIApi
 from verifier_service.scheduler import Scheduler, SchedulerConfig
-from verifier_service.server import ApiKeys, CallerLimit, VerifierConfig, VerifierServicer, peer_host
+from verifier_service.server import ApiKeys, CallerLimit, VerifierConfig, VerifierServicer
 
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
 KEYS = ("key-one", "key-two")

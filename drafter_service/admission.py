@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 
 class Refused(Exception):
@@ -57,12 +55,3 @@ class Admission:
             if not self._running[caller]:
                 del self._running[caller]
             self.writes -= write
-
-    @contextmanager
-    def call(self, caller: str, write: bool = False) -> Iterator[None]:
-        """The body in one of ``caller``'s slots: ``acquire``, then ``release`` however it ends."""
-        self.acquire(caller, write)
-        try:
-            yield
-        finally:
-            self.release(caller, write)

@@ -102,11 +102,6 @@ def _check(condition: bool, message: str, code: grpc.StatusCode = grpc.StatusCod
         raise InvalidRequest(code, message)
 
 
-def _check_status(condition: bool, code: grpc.StatusCode, message: str, context) -> None:
-    if not condition:
-        context.abort(code, message)
-
-
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(
         self, config: DrafterConfig, stores: StoreRegistry, writer: ObservationWriter, tracing: telemetry.Tracing | None = None
@@ -186,7 +181,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         )
 
     def _table(self, vocabulary: str, context) -> LMDBNGramStore:
-        """The vocabulary's table, created on first write, within --max-vocabularies."""
+        """The table a write goes to, created on first write, within --max-vocabularies;
+        none while the disk is full (the janitor clears that once space is back)."""
+        if self.stores.disk.full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.stores.disk.refusal())
         try:
             store = self.stores.get(vocabulary)
         except (TooManyVocabularies, DiskFull) as full:
@@ -327,8 +325,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return self._observe_admitted(request, context)
 
     def _observe_admitted(self, request, context):
-        if self.stores.disk.full:  # the janitor clears it once space is back
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.stores.disk.refusal())
         store = self._table(request.vocabulary, context)
         items = [
             _Pending(store, f"{request.observe_id}/{index}", list(sequence.tokens)) for index, sequence in enumerate(request.sequences)
@@ -369,17 +365,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         try:
             sessions = [session for session in found if session is not None]
             tokens = sum(len(session.context.tokens) for session in sessions)
-            _check_status(
-                tokens <= self.config.max_tokens_per_call,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"these sessions hold {tokens} tokens, over the {self.config.max_tokens_per_call} one call may observe "
-                "(--max-tokens-per-call); close them in several calls",
-                context,
-            )
+            if tokens > self.config.max_tokens_per_call:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"these sessions hold {tokens} tokens, over the {self.config.max_tokens_per_call} one call may observe "
+                    "(--max-tokens-per-call); close them in several calls",
+                )
             ids = [sid for sid, session in zip(request.session_ids, found) if session is not None]
             if ids:
-                if self.stores.disk.full:
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.stores.disk.refusal())
                 store = self._table(request.vocabulary, context)
                 items = [_Pending(store, f"{request.observe_id}/{i}", list(session.context.tokens)) for i, session in enumerate(sessions)]
                 self._commit(items, context)

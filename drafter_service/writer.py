@@ -151,9 +151,8 @@ class ObservationWriter(threading.Thread):
                 for item, _ in group:
                     item.error = item.error or error
             for item in dict.fromkeys(item for item, _ in group):  # an item may have several chunks in it
-                if item.error is None and item.next_chunk < item.chunks and item.expired():
-                    # Its caller has given up: the chunks stored are kept (a retry skips them by id).
-                    item.error = TimeoutError("the caller's deadline passed before the observation was stored whole")
+                # With chunks left, it waits again (one whose caller has given up meanwhile is
+                # dropped at the top of the loop; the chunks stored are kept, a retry skips them by id).
                 if item.error is None and item.next_chunk < item.chunks:
                     waiting.append(item)
                 else:

@@ -21,8 +21,6 @@ from grpc_reflection.v1alpha import reflection
 from specdec.flags import add_flags, from_args
 from specdec.limits import ConnectionLimits
 
-log = logging.getLogger(__name__)
-
 # Both services cap messages alike: a long prompt plus its output as uint32
 # ids is well under 1 MB; 8 MB leaves room and still bounds a hostile client.
 MAX_MESSAGE_BYTES = 8 << 20
@@ -109,13 +107,10 @@ class AuxiliaryStreamGuard(grpc.ServerInterceptor):
     def _guarded(self, behaviour, streaming_requests: bool):
         def guarded(request, context):
             stream_id = self._enter(context)
-            done = threading.Event()
 
-            def leave() -> None:
-                if not done.is_set():
-                    done.set()
-                    with self._lock:
-                        self._open.pop(stream_id, None)
+            def leave() -> None:  # idempotent: both the callback and the finally call it
+                with self._lock:
+                    self._open.pop(stream_id, None)
 
             context.add_callback(leave)  # however the call ends, even if this generator is never closed
             try:
@@ -167,7 +162,7 @@ class AuxiliaryStreamGuard(grpc.ServerInterceptor):
 
 
 def grpc_server(
-    limits: ConnectionLimits, workers: int, max_concurrent_rpcs: int, max_message_bytes: int, thread_name_prefix: str = ""
+    limits: ConnectionLimits, workers: int, max_concurrent_rpcs: int, max_message_bytes: int
 ) -> tuple[grpc.Server, AuxiliaryStreamGuard]:
     """A synchronous gRPC server with ``workers`` threads that accepts at most
     ``max_concurrent_rpcs`` calls at once (running or waiting for a thread; beyond,
@@ -175,7 +170,7 @@ def grpc_server(
     ``max_message_bytes``, and ``limits`` on connections and auxiliary streams."""
     guard = AuxiliaryStreamGuard(limits)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name_prefix),
+        futures.ThreadPoolExecutor(max_workers=workers),
         interceptors=[guard],
         maximum_concurrent_rpcs=max_concurrent_rpcs,
         options=message_options(max_message_bytes) + limits.options(),

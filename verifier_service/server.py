@@ -215,6 +215,9 @@ class ApiKeys:
     def required(self) -> bool:
         return bool(self._digests)
 
+    def __len__(self) -> int:
+        return len(self._digests)
+
     def caller(self, token: str | None) -> str | None:
         """ "api key #N" for the Nth configured key, None for anything else. Every key is
         compared, with no early exit, in constant time (hmac.compare_digest)."""
@@ -593,7 +596,7 @@ def create_server(config: VerifierConfig) -> VerifierServer:
         verifier.http = HttpServer(api.app, config.host, config.http_port, limits, http_tls(config), config.grace_s)
         verifier.http.start()
     if servicer.keys.required:
-        log.info("API keys required (%d configured) on /v1 and gRPC Generate/GenerateStream", len(config.api_keys()))
+        log.info("API keys required (%d configured) on /v1 and gRPC Generate/GenerateStream", len(servicer.keys))
     else:
         log.info("no API keys configured: /v1 and gRPC Generate/GenerateStream are open to any caller that reaches the port")
     return verifier

@@ -103,14 +103,19 @@ SOURCE_CONTEXT = "context"  # the request's own prompt and output (the drafter's
 SOURCE_GLOBAL = "global"  # the table learned across requests
 
 
-def evidence_bucket(evidence, position: int) -> tuple:
-    """The bucket of one draft token: (source, match length, confidence, position).
+def evidence_bucket(evidence, position: int, branch: bool = False) -> tuple:
+    """The bucket of one draft token: (source, match length, confidence, position),
+    and a trailing 1 for a tree node that is not its parent's first child (a
+    branch: the drafter's second guess there, accepted less often).
 
     Confidence: 0 when other continuations also followed the suffix, 1 when
     this one alone followed it once, 2 when it alone followed it twice or more.
+    Position is the token's depth in its draft (a chain's index).
     A context token matched on 4 tokens, seen 3 times out of 3, at position 0:
     ("context", 4, 2, 0). Drafts without evidence share one bucket per position.
     """
+    if branch:
+        return (*evidence_bucket(evidence, position), 1)
     if evidence is None:
         return ("", 0, 0, min(position, POSITION_BUCKETS - 1))
     if evidence.count < evidence.total:
@@ -165,20 +170,26 @@ class AcceptanceModel:
             counts[1] *= STEP_RETENTION
 
     def learn(self, buckets: Sequence[tuple], accepted: int) -> None:
-        """A verified draft: ``buckets`` of its verified tokens, ``accepted`` of them kept.
+        """A verified chain: ``buckets`` of its verified tokens, ``accepted`` of them kept.
 
         Tokens after the first rejection were never reached: they say nothing.
         """
-        for position, bucket in enumerate(buckets[: accepted + 1]):
+        self.learn_outcomes([(bucket, position < accepted) for position, bucket in enumerate(buckets[: accepted + 1])])
+
+    def learn_outcomes(self, outcomes: Sequence[tuple[tuple, bool]]) -> None:
+        """(bucket, accepted) of each verified token that was reached: its parent was
+        accepted (or it had none). In a tree, a reached node's siblings were reached too."""
+        for bucket, accepted in outcomes:
             for key in (self.ROOT, _parent(bucket), bucket):
                 counts = self._counts.setdefault(key, [0.0, 0.0])
-                counts[0] = counts[0] * BUCKET_RETENTION + (position < accepted)
+                counts[0] = counts[0] * BUCKET_RETENTION + accepted
                 counts[1] = counts[1] * BUCKET_RETENTION + 1.0
 
 
 def _parent(bucket: tuple) -> tuple:
-    """(source, position) of a full bucket (source, match length, confidence, position)."""
-    return (bucket[0], bucket[3])
+    """(source, position) of a full bucket (source, match length, confidence, position),
+    with a branch's trailing 1 kept: branches have their own level."""
+    return (bucket[0], bucket[3], *bucket[4:])
 
 
 @dataclass
@@ -210,8 +221,13 @@ class SequenceCalibration:
     def learn(self, hazards: Sequence[float], accepted: int, probe: bool = False) -> None:
         """``hazards`` of the verified tokens (as predicted), ``accepted`` of them kept;
         ``probe``: verified because the sequence was due a probe, not because it paid."""
+        self.learn_reached(hazards[: accepted + 1], accepted, probe)
+
+    def learn_reached(self, reached: Sequence[float], accepted: int, probe: bool = False) -> None:
+        """``learn`` for a tree: ``reached``, the predicted hazards of the verified
+        tokens that were reached (siblings included), ``accepted`` of them kept."""
         self.accepted = self.accepted * SEQUENCE_RETENTION + accepted
-        self.expected = self.expected * SEQUENCE_RETENTION + sum(hazards[: accepted + 1])
+        self.expected = self.expected * SEQUENCE_RETENTION + sum(reached)
         self.idle = 0
         if accepted:
             self.probe_after = PROBE_AFTER
@@ -219,13 +235,24 @@ class SequenceCalibration:
             self.probe_after = min(2 * self.probe_after, PROBE_MAX_AFTER)
 
 
-def survival(hazards: Sequence[float]) -> list[float]:
-    """P(each draft and all before it accepted): [0.5, 0.5, 1.0] -> [0.5, 0.25, 0.25]."""
-    out, alive = [], 1.0
-    for hazard in hazards:
-        alive *= hazard
-        out.append(alive)
-    return out
+def survival(hazards: Sequence[float], parents: Sequence[int] | None = None) -> list[float]:
+    """P(each draft and all before it accepted): [0.5, 0.5, 1.0] -> [0.5, 0.25, 0.25].
+
+    With ``parents`` (a tree: each node's parent, -1 for the root's children,
+    parents first), a node survives with its path: hazards [0.5, 0.4, 0.5],
+    parents [-1, -1, 0] -> [0.5, 0.4, 0.25]. Each node's survival is at most its
+    parent's, so a choice ranked by survival is closed under ancestors.
+    """
+    if parents is None:
+        out, alive = [], 1.0
+        for hazard in hazards:
+            alive *= hazard
+            out.append(alive)
+        return out
+    tree: list[float] = []
+    for hazard, parent in zip(hazards, parents):
+        tree.append(hazard * (tree[parent] if parent >= 0 else 1.0))
+    return tree
 
 
 class StepCostModel:
@@ -316,6 +343,7 @@ class StepCostModel:
 @dataclass
 class VerifyPlan:
     counts: list[int]  # drafts each row verifies
+    chosen: list[list[int]]  # which, per row: candidate indices, ascending (a chain's: a prefix)
     expected_tokens: float  # tokens the step yields, in expectation
     tokens: int  # tokens the forward pass feeds, padding excluded
 
@@ -329,7 +357,10 @@ def plan_verification(
 ) -> VerifyPlan:
     """How many of its candidate drafts each adaptive row verifies.
 
-    survivals[b]: survival of adaptive row b's candidate drafts, non-increasing.
+    survivals[b]: survival of adaptive row b's candidate drafts: non-increasing
+    along a chain; in a tree, each node's at most its parent's, and parents
+    come first, so ranking by survival then index keeps the chosen set closed
+    under ancestors.
     base_tokens, base_expected: what the step feeds and yields without any of
     them (every row's last token and its own next token, fixed-K rows' drafts
     and their expected accepted tokens). extra_tokens: prefill tokens riding
@@ -352,10 +383,12 @@ def plan_verification(
     chosen, rate = _best_prefix(gains, base_expected, base_tokens, cost)
     if extra_tokens:
         chosen = _best_marginal(gains, base_tokens + extra_tokens, cost, rate)
-    counts = [0] * len(survivals)
-    for _, row, _ in ranked[:chosen]:
-        counts[row] += 1
-    return VerifyPlan(counts, base_expected + sum(gains[:chosen]), base_tokens + chosen)
+    picked: list[list[int]] = [[] for _ in survivals]
+    for _, row, position in ranked[:chosen]:
+        picked[row].append(position)
+    for positions in picked:
+        positions.sort()
+    return VerifyPlan([len(positions) for positions in picked], picked, base_expected + sum(gains[:chosen]), base_tokens + chosen)
 
 
 def _best_prefix(gains: list[float], base_expected: float, base_tokens: int, cost) -> tuple[int, float]:

@@ -23,10 +23,12 @@ class DraftRequest:
 
     session_id: str
     tokens: list[int]  # prompt + generated so far (the proposer sends what its drafter lacks)
-    k: int  # draft tokens wanted
+    k: int  # draft tokens wanted: a chain's length, a tree's depth
     # Feedback on this sequence's previous draft: tokens the target scored, and accepted.
     verified: int = 0
     accepted: int = 0
+    # Tree nodes wanted (0: a chain of k). The proposer may return fewer, or a chain.
+    max_nodes: int = 0
 
 
 class DraftEvidence(NamedTuple):
@@ -40,10 +42,16 @@ class DraftEvidence(NamedTuple):
 
 @dataclass(frozen=True)
 class ProposedDraft:
+    """A chain of draft tokens, or a tree of them: node j is ``tokens[j]``, and its
+    parent ``parents[j]`` (-1: it follows the sequence's last token; parents come
+    before their children). No parents: a chain ([-1, 0, 1, ...]). A tree whose
+    first child of each node is its best guess lets the planner tell branches apart."""
+
     tokens: list[int]
     # One record per token, or empty when the proposer has none; adaptive K
     # uses it to judge each token's odds before the target sees it.
     evidence: list[DraftEvidence] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
 
 
 class DraftProposer(Protocol):
@@ -73,8 +81,12 @@ class SessionProposer:
         drafts = []
         for request in requests:
             new = self._new_tokens(request.session_id, request.tokens)
-            draft = self.drafter.propose(request.session_id, new, request.k)
-            drafts.append(ProposedDraft(list(draft.tokens), [DraftEvidence(*e) for e in getattr(draft, "evidence", ())]))
+            if request.max_nodes and hasattr(self.drafter, "propose_tree"):
+                draft = self.drafter.propose_tree(request.session_id, new, request.k, request.max_nodes)
+            else:
+                draft = self.drafter.propose(request.session_id, new, request.k)
+            evidence = [DraftEvidence(*e) for e in getattr(draft, "evidence", ())]
+            drafts.append(ProposedDraft(list(draft.tokens), evidence, list(getattr(draft, "parents", ()))))
         return drafts
 
     def close(self, finished: list[tuple[str, list[int]]]) -> None:

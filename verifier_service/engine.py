@@ -23,10 +23,13 @@ which reports what happened to each sequence as a ``StepOutcome``;
 ``generate`` is the simple driver.
 
 Each step asks the proposer for every decoding sequence's draft in one
-call. A request with a fixed K verifies its whole draft; one that leaves K
-to the engine (``num_speculative_tokens=None``) verifies the draft tokens
-``adaptive.plan_verification`` finds worth their cost, from their evidence
-and the measured cost of the step's tokens.
+call. A request with a fixed K verifies its whole draft, a chain; one that
+leaves K to the engine (``num_speculative_tokens=None``) asks for a tree of
+guesses (several continuations at the places the drafter is unsure) and
+verifies the nodes ``adaptive.plan_verification`` finds worth their cost,
+from their evidence and the measured cost of the step's tokens. A tree's
+nodes are verified in one pass under an ancestor mask (``kv_cache``) and
+accepted along the target's own path (``rejection.accept_tree_*``).
 
 ``reference_greedy`` is the plain, obviously-correct path (full recompute, no
 cache, no batching) that the tests hold the fast path against.
@@ -58,10 +61,17 @@ from verifier_service.adaptive import (
     plan_verification,
     survival,
 )
-from verifier_service.drafting import DraftEvidence, DraftProposer, DraftRequest
-from verifier_service.kv_cache import STEP_KWARG, SlotKVCache, plan_step, use_slot_attention
+from verifier_service.drafting import DraftEvidence, DraftProposer, DraftRequest, ProposedDraft
+from verifier_service.kv_cache import STEP_KWARG, SlotKVCache, is_chain, plan_step, tree_depths, use_slot_attention
 from verifier_service.linear_kernels import MEASURED_UP_TO, engaged, use_linear_kernels
-from verifier_service.rejection import SamplingParams, accept_greedy, accept_sampled, warp_probs
+from verifier_service.rejection import (
+    SamplingParams,
+    accept_greedy,
+    accept_sampled,
+    accept_tree_greedy,
+    accept_tree_sampled,
+    warp_probs,
+)
 from verifier_service.text import StopStringMatcher
 
 log = logging.getLogger(__name__)
@@ -148,7 +158,13 @@ class EngineConfig:
     # cost of scoring more than ~9 tokens a row stops being nearly free.
     max_speculative_tokens: int = setting(16, minimum=0, help="the most draft tokens a request may ask to verify per step")
     # n-gram chains past ~8 tokens are rarely all right (bench: K=8 ~ best K).
-    adaptive_max_k: int = setting(8, minimum=1, help="drafts asked for when K is adaptive; the planner verifies a prefix")
+    adaptive_max_k: int = setting(8, minimum=1, help="draft depth asked for when K is adaptive; the planner verifies what pays")
+    # The planner picks from these by expected tokens per second of step, so
+    # asking for more costs the drafter's time, not the target's: on a GPU a
+    # pass of 64 tokens costs about what one of 1 does, and wide trees pay.
+    adaptive_max_nodes: int = setting(
+        16, minimum=0, help="draft tree nodes asked for when K is adaptive (0: chains only); the planner verifies those worth their cost"
+    )
     # On a 2-core CPU a step of 16 rows costs ~2x a step of 1; more rows stop
     # paying long before memory runs out.
     max_batch_size: int = setting(16, minimum=1, help="cache slots: sequences decoding or prefilling at once")
@@ -245,11 +261,28 @@ class _Row:
     """One decoding sequence's part in a step."""
 
     sequence: _Sequence
-    draft: list[int]  # what the proposer offered (in-vocabulary prefix)
+    draft: list[int]  # what the proposer offered (the nodes the engine can use: _usable)
     buckets: list[tuple]  # adaptive.evidence_bucket of each draft token
     asked: bool  # the proposer was asked this step (feedback goes back next time)
-    verify: int = 0  # draft tokens this step verifies
+    parents: list[int] = field(default_factory=list)  # each draft token's parent (-1: the last token); a chain's [-1, 0, 1, ...]
+    tree: bool = False  # the draft branches
+    verify: int = 0  # draft tokens this step verifies: the first ``verify``, closed under ancestors
     probe: bool = False  # verified as a probe (adaptive.PROBE_AFTER), not because the plan said it pays
+
+    def query_parents(self) -> list[int] | None:
+        """The verified queries' parents ([last token] + drafts, so each index + 1), or None for a chain."""
+        return [-1, *(parent + 1 for parent in self.parents[: self.verify])] if self.tree else None
+
+    def choose(self, chosen: list[int]) -> None:
+        """Verify the draft tokens ``chosen`` (ascending, closed under ancestors): they become the first."""
+        if chosen == list(range(len(chosen))):
+            self.verify = len(chosen)
+            return
+        position = {node: index for index, node in enumerate(chosen)}
+        self.parents = [-1 if self.parents[node] < 0 else position[self.parents[node]] for node in chosen]
+        self.draft = [self.draft[node] for node in chosen]
+        self.buckets = [self.buckets[node] for node in chosen]
+        self.verify = len(chosen)
 
 
 class EngineFull(Exception):
@@ -446,8 +479,16 @@ class SpeculativeEngine:
         for row in asking:
             sequence = row.sequence
             sequence.proposed = row.asked = True
+            max_nodes = self.config.adaptive_max_nodes if sequence.request.num_speculative_tokens is None else 0
             requests.append(
-                DraftRequest(sequence.session_id, sequence.tokens, self._draft_budget(sequence), sequence.verified, sequence.accepted)
+                DraftRequest(
+                    sequence.session_id,
+                    sequence.tokens,
+                    self._draft_budget(sequence),
+                    verified=sequence.verified,
+                    accepted=sequence.accepted,
+                    max_nodes=max_nodes,
+                )
             )
         assert self.proposer is not None  # _speculates: no sequence asks without one
         try:
@@ -456,12 +497,16 @@ class SpeculativeEngine:
             log.exception("the proposer failed; this step verifies no drafts")
             return rows
         for row, request, draft in zip(asking, requests, drafts):
-            tokens = self._usable_prefix(draft.tokens[: request.k])
-            row.draft = tokens
-            evidence: Sequence[DraftEvidence | None] = [None] * len(tokens)  # none given: each token's bucket is its position's
-            if draft.evidence:
-                evidence = draft.evidence[: len(tokens)]
-            row.buckets = [evidence_bucket(item, position) for position, item in enumerate(evidence)]
+            nodes, row.parents = self._usable(draft, request.k, request.max_nodes)
+            row.draft = [draft.tokens[node] for node in nodes]
+            row.tree = not is_chain(row.parents)
+            # None given: each token's bucket is its depth's.
+            evidence: list[DraftEvidence | None] = [draft.evidence[node] if node < len(draft.evidence) else None for node in nodes]
+            firsts: set[int] = set()  # parents whose first child has been seen
+            row.buckets = []
+            for item, parent, depth in zip(evidence, row.parents, tree_depths(row.parents)):
+                row.buckets.append(evidence_bucket(item, depth, branch=parent in firsts))
+                firsts.add(parent)
         return rows
 
     def plan(self, rows: list[_Row], prefill_tokens: int) -> None:
@@ -471,13 +516,14 @@ class SpeculativeEngine:
         for row in rows:
             factor = row.sequence.calibration.factor
             hazards = [min(MAX_HAZARD, self.acceptance.hazard(bucket, EXPLORATION) * factor) for bucket in row.buckets]
+            survivals_of_row = survival(hazards, row.parents if row.tree else None)
             if row.sequence.request.num_speculative_tokens is None:
                 adaptive.append(row)
-                survivals.append(survival(hazards))
+                survivals.append(survivals_of_row)
             else:
                 row.verify = len(row.draft)
                 base_tokens += row.verify
-                base_expected += sum(survival(hazards))
+                base_expected += sum(survivals_of_row)
         if not any(survivals):
             self._probe(adaptive, base_tokens + prefill_tokens)
             return
@@ -489,13 +535,14 @@ class SpeculativeEngine:
             lambda tokens: self.step_cost.cheapest(tokens, context),
             prefill_tokens,
         )
-        for row, count in zip(adaptive, plan.counts):
-            row.verify = count
+        for row, chosen in zip(adaptive, plan.chosen):
+            row.choose(chosen)
         self._probe(adaptive, plan.tokens + prefill_tokens)
 
     def _probe(self, rows: list[_Row], tokens: int) -> None:
         """Rows due a probe verify the draft tokens that one more token's padding makes
-        free (at least one), in a step of ``tokens`` without them."""
+        free (at least one), in a step of ``tokens`` without them (the first nodes of a
+        tree: parents come first, so any first few are closed under ancestors)."""
         for row in rows:
             if row.draft and not row.verify and row.sequence.calibration.probe_due:
                 row.verify = min(len(row.draft), 1 + self.step_cost.padding(tokens + 1))
@@ -530,7 +577,8 @@ class SpeculativeEngine:
             position += length
             if first + length == len(prompt):
                 keep.append(position - 1)
-        return self._forward([(row.sequence.cached, query) for row, query in zip(rows, queries)], segments, keep, pad=True)
+        trees = [row.query_parents() for row in rows]
+        return self._forward([(row.sequence.cached, query) for row, query in zip(rows, queries)], segments, keep, pad=True, trees=trees)
 
     def _score(self, rows: list[_Row], chunks: list[tuple[_Sequence, int, int]]):
         """``verify``, or, if that packed pass raises, each sequence's part in a pass of its own,
@@ -547,6 +595,8 @@ class SpeculativeEngine:
         scored_rows, scored_chunks, parts = [], [], []
         for row in rows:
             sequence = row.sequence
+            if row.tree:  # a pass of its own is causal: verify the tree's leading chain only
+                row.verify = next((node for node in range(row.verify) if row.parents[node] != node - 1), row.verify)
             query = [sequence.tokens[-1], *row.draft[: row.verify]]
             logits = self._alone(sequence, self._forward, [], [(sequence.slot, sequence.cached, query)], list(range(len(query))))
             if logits is not None:
@@ -563,19 +613,22 @@ class SpeculativeEngine:
         logits = torch.cat(parts) if parts else torch.empty((0, self.vocab_size), device=self.device)
         return scored_rows, scored_chunks, logits, False
 
-    def accept(self, rows: list[_Row], logits: torch.Tensor) -> list[tuple[int, int] | None]:
-        """(num_accepted, next_token) per row, or None for a row whose sampling failed
-        (that sequence alone fails); greedy rows from one argmax over the whole pass."""
+    def accept(self, rows: list[_Row], logits: torch.Tensor) -> list[tuple[list[int], int] | None]:
+        """(accepted draft nodes, next_token) per row, or None for a row whose sampling
+        failed (that sequence alone fails); greedy rows from one argmax over the whole pass."""
         choices: list[int] = logits.argmax(dim=-1).tolist() if any(row.sequence.request.sampling.greedy for row in rows) else []
-        decisions: list[tuple[int, int] | None] = []
+        decisions: list[tuple[list[int], int] | None] = []
         start = 0
         for row in rows:
             width = row.verify + 1
             draft = row.draft[: row.verify]
-            if row.sequence.request.sampling.greedy:
-                decisions.append(accept_greedy(choices[start : start + width], draft))
+            if not row.sequence.request.sampling.greedy:
+                decisions.append(self._alone(row.sequence, self._sample, row, logits[start : start + width]))
+            elif row.tree:
+                decisions.append(accept_tree_greedy(choices[start : start + width], draft, row.parents[: row.verify]))
             else:
-                decisions.append(self._alone(row.sequence, self._sample, row.sequence, logits[start : start + width], draft))
+                accepted, token = accept_greedy(choices[start : start + width], draft)
+                decisions.append((list(range(accepted)), token))
             start += width
         return decisions
 
@@ -600,7 +653,7 @@ class SpeculativeEngine:
         tokens = len(rows) + verified + sum(length for _, _, length in chunks)
         if packed:  # a step scored piecemeal says nothing about a packed step's cost
             self.step_cost.observe(tokens + self.step_cost.padding(tokens), _cache_reads(rows, chunks), time.perf_counter() - started)
-        accepted = sum(decision[0] for decision in decisions if decision is not None)
+        accepted = sum(len(decision[0]) for decision in decisions if decision is not None)
         width = 1 + max((row.verify for row in rows), default=0)
         self.last_step = StepReport(decoding, verified, accepted, width, tokens, scoring, accepting, done)
         for row, decision in zip(rows, decisions):
@@ -616,11 +669,17 @@ class SpeculativeEngine:
     # -- helpers -------------------------------------------------------------
 
     def _forward(
-        self, decode_rows: list[tuple[int, list[int]]], segments: list[tuple[int, int, list[int]]], keep: list[int], pad: bool = False
+        self,
+        decode_rows: list[tuple[int, list[int]]],
+        segments: list[tuple[int, int, list[int]]],
+        keep: list[int],
+        pad: bool = False,
+        trees: list[list[int] | None] | None = None,
     ) -> torch.Tensor:
         """Run the model over one packed step and return the logits of the ``keep`` positions [kept, vocab].
 
         decode_rows: (cached length, query tokens) for slots 0, 1, ...;
+        trees: per decode row, its queries' parents, or None for a chain;
         segments: (slot, first position, tokens) for prefill chunks. With
         ``pad``, a step whose token count is measurably slower than a slightly
         larger one is padded to it, the extra tokens going to the scratch slot.
@@ -637,7 +696,7 @@ class SpeculativeEngine:
         columns = max((cached + count for cached, count in counts), default=0)
         for slot in range(len(counts)):
             self.cache.ensure_finite(slot, columns)
-        layout = plan_step(self.cache, counts, placed, self.device)
+        layout = plan_step(self.cache, counts, placed, self.device, trees)
         extra = {"logits_to_keep": torch.tensor(keep, dtype=torch.long, device=self.device)} if self._keeps_logits else {}
         with engaged():
             output = self.model(
@@ -655,8 +714,10 @@ class SpeculativeEngine:
         logits = output.logits[0]  # [kept (or every token), vocab]
         return logits if self._keeps_logits else logits[keep]
 
-    def _commit(self, row: _Row, count: int, token: int) -> StepOutcome:
+    def _commit(self, row: _Row, path: list[int], token: int) -> StepOutcome:
+        """Keep the accepted draft nodes ``path`` and the target's ``token`` after them."""
         sequence, stats = row.sequence, row.sequence.stats
+        count = len(path)
         stats.target_forward_passes += 1
         if row.asked:  # feedback on the drafter's draft, sent when it is next asked
             sequence.verified, sequence.accepted = row.verify, count
@@ -665,13 +726,19 @@ class SpeculativeEngine:
             stats.draft_tokens += row.verify
             stats.accepted_tokens += count
             stats.verify_steps_with_drafts += 1
-            verified = row.buckets[: row.verify]
-            sequence.calibration.learn([self.acceptance.hazard(bucket) for bucket in verified], count, row.probe)
-            self.acceptance.learn(verified, count)
+            # The verified nodes that were reached (their parent accepted), and whether each was accepted.
+            on_path = set(path)
+            outcomes = [
+                (row.buckets[node], node in on_path) for node in range(row.verify) if row.parents[node] < 0 or row.parents[node] in on_path
+            ]
+            sequence.calibration.learn_reached([self.acceptance.hazard(bucket) for bucket, _ in outcomes], count, row.probe)
+            self.acceptance.learn_outcomes(outcomes)
         elif row.draft and row.sequence.request.num_speculative_tokens is None:
             sequence.calibration.skipped()
-        emitted = self._emit(sequence, row.draft[:count] + [token])
-        sources = [bucket[0] or SOURCE_DRAFT for bucket in row.buckets[:count]] + [SOURCE_TARGET]
+        if row.tree:  # the path's keys and values into the columns after the last token's
+            self.cache.compact(sequence.slot, sequence.cached + 1, path)
+        emitted = self._emit(sequence, [row.draft[node] for node in path] + [token])
+        sources = [row.buckets[node][0] or SOURCE_DRAFT for node in path] + [SOURCE_TARGET]
         return StepOutcome(sequence.handle, emitted, row.verify, count, sources=tuple(sources[: len(emitted)]))
 
     def _finish_prefills(self, chunks, logits: torch.Tensor) -> list[StepOutcome]:
@@ -681,7 +748,7 @@ class SpeculativeEngine:
         done = [sequence for sequence, _, _ in chunks if sequence.prefilled == len(sequence.request.prompt_ids)]
         outcomes = []
         for sequence, row_logits in zip(done, logits):
-            sampled = self._alone(sequence, self._sample, sequence, row_logits[None], [])
+            sampled = self._alone(sequence, self._sample_first, sequence, row_logits[None])
             if sampled is None:  # failed, still in the prefilling list: _retire frees its slot
                 continue
             self._prefilling.remove(sequence)
@@ -742,23 +809,57 @@ class SpeculativeEngine:
         k = sequence.request.num_speculative_tokens
         return max(0, min(self.config.adaptive_max_k if k is None else k, remaining - 1))
 
-    def _usable_prefix(self, tokens: Sequence[int]) -> list[int]:
-        """The draft up to its first id outside the vocabulary: a faulty or
-        foreign drafter may slow a step down but must never crash the model."""
-        usable = []
-        for token in tokens:
-            if not 0 <= token < self.vocab_size:
-                break
-            usable.append(token)
-        return usable
+    def _usable(self, draft: ProposedDraft, k: int, max_nodes: int) -> tuple[list[int], list[int]]:
+        """The draft's nodes the engine can verify, and their parents among them.
 
-    def _sample(self, sequence: _Sequence, logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
-        """Acceptance for one row. logits: [len(draft) + 1, vocab]."""
+        A faulty or foreign drafter may slow a step down but must never crash
+        the model or change the output: a node is dropped, with its subtree,
+        when its id is outside the vocabulary, its parent is not an earlier
+        kept node, it lies deeper than ``k``, or a sibling carries the same
+        token; at most ``max_nodes`` nodes are kept (``k`` for a chain).
+        Parents that do not match the tokens in number make the draft unusable.
+        """
+        parents_given = draft.parents
+        if parents_given and len(parents_given) != len(draft.tokens):
+            return [], []
+        limit = max_nodes or k
+        kept: dict[int, int] = {}  # the draft's node -> its index among the kept
+        nodes: list[int] = []
+        parents: list[int] = []
+        depths: list[int] = []
+        siblings: set[tuple[int, int]] = set()  # (kept parent, token)
+        for node, token in enumerate(draft.tokens):
+            if len(nodes) >= limit:
+                break
+            parent = parents_given[node] if parents_given else node - 1
+            if not 0 <= token < self.vocab_size or not -1 <= parent < node or (parent >= 0 and parent not in kept):
+                continue
+            new_parent = kept[parent] if parent >= 0 else -1
+            depth = depths[new_parent] + 1 if new_parent >= 0 else 1
+            if depth > k or (new_parent, token) in siblings:
+                continue
+            siblings.add((new_parent, token))
+            kept[node] = len(nodes)
+            nodes.append(node)
+            parents.append(new_parent)
+            depths.append(depth)
+        return nodes, parents
+
+    def _sample(self, row: _Row, logits: torch.Tensor) -> tuple[list[int], int]:
+        """Sampled acceptance for one row. logits: [row.verify + 1, vocab]."""
+        sequence, draft = row.sequence, row.draft[: row.verify]
+        probs = warp_probs(logits, sequence.request.sampling)
+        if row.tree:
+            return accept_tree_sampled(probs, draft, row.parents[: row.verify], sequence.seed, first_position=len(sequence.generated))
+        accepted, token = accept_sampled(probs, draft, sequence.seed, first_position=len(sequence.generated))
+        return list(range(accepted)), token
+
+    def _sample_first(self, sequence: _Sequence, logits: torch.Tensor) -> tuple[int, int]:
+        """A prompt's first token from its last position's logits [1, vocab]."""
         sampling = sequence.request.sampling
         if sampling.greedy:
-            return accept_greedy(logits.argmax(dim=-1).tolist(), draft)
-        probs = warp_probs(logits, sampling)
-        return accept_sampled(probs, draft, sequence.seed, first_position=len(sequence.generated))
+            return 0, int(logits[0].argmax())
+        return accept_sampled(warp_probs(logits, sampling), [], sequence.seed, first_position=len(sequence.generated))
 
     def _emit(self, sequence: _Sequence, tokens: list[int]) -> list[int]:
         """Append tokens, stopping exactly at EOS, a stop string or max_new_tokens; returns those appended."""

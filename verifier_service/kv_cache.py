@@ -31,6 +31,19 @@ keys go to columns 3, 4, 5; query x sees columns 0..3, d1 sees 0..4, d2 0..5.
 If only d1 is accepted, the sequence's length becomes 5 (x and d1 cached),
 and column 5 is overwritten by the next step.
 
+**Tree rows** (a decode row whose drafts branch, parents given per query):
+query i of a row sits at position ``cached + depth(i)`` (the position ids
+RoPE sees) but writes column ``cached + i``, and sees the cached columns
+plus the columns of its own ancestors and itself, nothing of its siblings'
+subtrees (SpecInfer's tree attention). Row b with 3 cached tokens verifying
+x with children d1 and d2 (parents [-1, 0, 0]): d1 and d2 both sit at
+position 4, write columns 4 and 5, and each sees columns 0..3 and its own.
+A chain is the tree whose parents are [-1, 0, 1, ...]; a step with no
+branching row builds the mask exactly as before. After acceptance, a path
+whose nodes are not in consecutive columns is moved into place
+(``SlotKVCache.compact``), so the cache again holds the accepted tokens in
+column order.
+
 Columns a row does not own but an SDPA call reads (a decode group reads
 ``[0, widest)`` for every row) are masked out; they must still hold finite
 numbers, since a masked weight of exactly 0 times NaN is NaN. Each slot
@@ -120,6 +133,24 @@ class SlotKVCache:
             self.values[index][target, :, :columns] = self.values[index][source, :, :columns]
         self.extent[target] = max(self.extent[target], columns)
 
+    def compact(self, slot: int, start: int, sources: list[int]) -> None:
+        """Move columns ``start + sources[i]`` of ``slot`` to ``start + i`` (every layer): an
+        accepted tree path into consecutive columns. ``sources`` increases, so no move
+        overwrites a column a later one reads; columns already in place are not copied.
+
+        compact(0, 10, [0, 2, 5]): column 12 goes to 11, 15 to 12; column 10 stays.
+        """
+        first = next((i for i, source in enumerate(sources) if source != i), len(sources))
+        if first == len(sources):
+            return
+        assert all(a < b for a, b in zip(sources, sources[1:])), f"sources must increase, got {sources}"
+        device = next(iter(self.keys.values())).device if self.keys else None
+        index = torch.tensor([start + source for source in sources[first:]], device=device)
+        stop = start + len(sources)
+        for layer in self.keys:
+            self.keys[layer][slot, :, start + first : stop] = self.keys[layer][slot, :, index]
+            self.values[layer][slot, :, start + first : stop] = self.values[layer][slot, :, index]
+
     def swap(self, first: int, second: int, first_columns: int, second_columns: int) -> None:
         """Exchange two slots' contents, through the scratch slot."""
         self.move(first, self.scratch, first_columns)
@@ -157,6 +188,10 @@ class StepLayout:
     decode_tokens: int
     query_positions: torch.Tensor | None  # [rows, width] position of each (row, query)
     segments: list[Segment]
+    # Only when some row branches: [rows, width, width] bool, query i sees query j's
+    # column (j is i or an ancestor), and each row's cached length [rows].
+    ancestors: torch.Tensor | None = None
+    cached: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, groups: int, window: int | None) -> torch.Tensor:
@@ -165,9 +200,31 @@ class StepLayout:
         mask = self._masks.get(key)
         if mask is None:
             assert self.query_positions is not None, "a decode mask needs decode rows"
-            mask = _visible(self.query_positions[:, :, None], torch.arange(self.columns, device=self.position_ids.device), window)
+            if self.ancestors is None:
+                mask = _visible(self.query_positions[:, :, None], torch.arange(self.columns, device=self.position_ids.device), window)
+            else:
+                mask = self._tree_mask(window)
             mask = self._masks[key] = mask[:, None].repeat(1, 1, groups, 1)
         return mask
+
+    def _tree_mask(self, window: int | None) -> torch.Tensor:
+        """[rows, width, columns]: each query sees its row's cached columns and its
+        ancestors' (and its own) new column; under a window, only those whose
+        positions are within it."""
+        assert self.ancestors is not None and self.cached is not None and self.query_positions is not None
+        rows, width, device = self.rows, self.width, self.position_ids.device
+        # Room for every row's new columns, then cut to the columns read.
+        span = self.columns + width
+        columns = torch.arange(span, device=device)
+        visible = (columns[None, None, :] < self.cached[:, None, None]).expand(rows, width, span).clone()
+        new_columns = self.cached[:, None] + torch.arange(width, device=device)[None, :]  # [rows, width]
+        visible.scatter_(2, new_columns[:, None, :].expand(rows, width, width), self.ancestors)
+        if window is not None:
+            # A cached column's position is its index; a new column's, its query's position.
+            column_positions = columns[None, :].repeat(rows, 1)
+            column_positions.scatter_(1, new_columns, self.query_positions)
+            visible &= column_positions[:, None, :] > self.query_positions[:, :, None] - window
+        return visible[:, :, : self.columns]
 
     def segment_mask(self, segment: Segment, window: int | None) -> torch.Tensor | None:
         """[length, first_position + length] bool, or None when plain causal attention is exact."""
@@ -192,37 +249,63 @@ def _visible(positions: torch.Tensor, columns: torch.Tensor, window: int | None)
     return visible
 
 
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each query of a tree row (parents: each query's parent index, -1 for
+    the root, every parent before its child): [-1, 0, 0, 1] -> [0, 1, 1, 2]."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def is_chain(parents: list[int]) -> bool:
+    return all(parent == index - 1 for index, parent in enumerate(parents))
+
+
 def plan_step(
     cache: SlotKVCache,
     decode_rows: list[tuple[int, int]],
     segments: list[tuple[int, int, int]],
     device: torch.device,
+    trees: list[list[int] | None] | None = None,
 ) -> StepLayout:
     """Lay out one packed forward pass.
 
     decode_rows: (cached length, query tokens) for slots 0, 1, ... in order;
     segments: (slot, first position, length) for prefill chunks and padding,
-    packed after the decode rows.
+    packed after the decode rows. trees: per decode row, the parent of each
+    query (-1 for the first, each parent before its child), or None for a
+    chain; rows whose parents form a chain are chains.
 
     decode_rows [(3, 2), (5, 1)], no segments: 3 tokens; row 0 writes
     columns 3, 4 of slot 0 and row 1 column 5 of slot 1; width 2, and row
     1's padding query repeats its only token (packed index 2).
     """
+    parents_of = [tree if tree is not None and not is_chain(tree) else None for tree in (trees or [None] * len(decode_rows))]
+    assert len(parents_of) == len(decode_rows), "one tree (or None) per decode row"
     slots: list[int] = []
+    columns_written: list[int] = []
     positions: list[int] = []
-    for row, (length, count) in enumerate(decode_rows):
+    for row, ((length, count), parents) in enumerate(zip(decode_rows, parents_of)):
         slots += [row] * count
-        positions += range(length, length + count)
+        columns_written += range(length, length + count)
+        if parents is None:
+            positions += range(length, length + count)
+        else:
+            assert len(parents) == count, f"row {row}: {len(parents)} parents for {count} queries"
+            positions += [length + depth for depth in tree_depths(parents)]
     decode_tokens = len(slots)
     packed = []
     for slot, first, length in segments:
         packed.append(Segment(slot, len(slots), length, first))
         slots += [slot] * length
+        columns_written += range(first, first + length)
         positions += range(first, first + length)
     rows = len(decode_rows)
     gather = scatter_rows = scatter_queries = query_positions = None
     width = max((count for _, count in decode_rows), default=0)
     columns = max((length + count for length, count in decode_rows), default=0)
+    ancestors = cached = None
     if rows:
         gather_list: list[list[int]] = []
         query_list: list[list[int]] = []
@@ -231,7 +314,7 @@ def plan_step(
         start = 0
         for row, (length, count) in enumerate(decode_rows):
             gather_list.append([start + min(i, count - 1) for i in range(width)])
-            query_list.append([length + min(i, count - 1) for i in range(width)])
+            query_list.append([positions[start + min(i, count - 1)] for i in range(width)])
             rows_list += [row] * count
             queries_list += range(count)
             start += count
@@ -239,12 +322,15 @@ def plan_step(
         query_positions = torch.tensor(query_list, device=device)
         scatter_rows = torch.tensor(rows_list, device=device)
         scatter_queries = torch.tensor(queries_list, device=device)
+        if any(parents is not None for parents in parents_of):
+            ancestors = _ancestor_matrix([(count, parents) for (_, count), parents in zip(decode_rows, parents_of)], width, device)
+            cached = torch.tensor([length for length, _ in decode_rows], device=device)
     positions_t = torch.tensor(positions, device=device)
     return StepLayout(
         cache=cache,
         tokens=len(slots),
         write_slots=torch.tensor(slots, device=device),
-        write_positions=positions_t,
+        write_positions=torch.tensor(columns_written, device=device),
         position_ids=positions_t[None],
         rows=rows,
         width=width,
@@ -255,7 +341,25 @@ def plan_step(
         decode_tokens=decode_tokens,
         query_positions=query_positions,
         segments=packed,
+        ancestors=ancestors,
+        cached=cached,
     )
+
+
+def _ancestor_matrix(rows: list[tuple[int, list[int] | None]], width: int, device: torch.device) -> torch.Tensor:
+    """[rows, width, width] bool: query i of a row sees query j's column when j is i or an
+    ancestor of i (a chain's queries: j <= i). A padding query repeats its row's last."""
+    matrix = torch.zeros((len(rows), width, width), dtype=torch.bool)
+    for row, (count, parents) in enumerate(rows):
+        if parents is None:
+            matrix[row, :count, :count] = torch.ones((count, count), dtype=torch.bool).tril()
+        else:
+            for query, parent in enumerate(parents):
+                if parent >= 0:
+                    matrix[row, query] = matrix[row, parent]
+                matrix[row, query, query] = True
+        matrix[row, count:] = matrix[row, count - 1]
+    return matrix.to(device)
 
 
 def slot_attention(module, query, key, value, attention_mask, **kwargs):

@@ -144,6 +144,78 @@ def accept_sampled(target_probs: torch.Tensor, draft: list[int], seed: int, firs
     raise AssertionError("unreachable: the loop returns at the bonus position")
 
 
+def _children(tokens: list[int], parents: list[int]) -> list[dict[int, int]]:
+    """Per tree node (0: the root, the last emitted token; 1 + j: draft j), its
+    children's tokens -> their node index. A repeated sibling token keeps its first node."""
+    children: list[dict[int, int]] = [{} for _ in range(len(tokens) + 1)]
+    for index, (token, parent) in enumerate(zip(tokens, parents)):
+        children[parent + 1].setdefault(token, index + 1)
+    return children
+
+
+def accept_tree_greedy(target_choices: list[int], tokens: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """Greedy acceptance over a draft tree: follow the target's argmax through the children.
+
+    tokens[j], parents[j]: draft node j and its parent (-1: the root, which is
+    the last emitted token; every parent comes before its child).
+    target_choices[i]: the target's argmax at node i (0: the root, 1 + j: draft j).
+    Returns (path, next_token): the accepted draft nodes, root to leaf, and
+    the argmax after the last of them. Each accepted token is the argmax
+    given the tokens before it, so the output is the target's greedy output.
+
+    tokens [7, 4, 8], parents [-1, -1, 0], argmax [7, 8, 2, 9]: 7 (node 0) is
+    the root's argmax, then 8 (node 2) is node 0's -> ([0, 2], 9).
+    """
+    assert len(target_choices) == len(tokens) + 1 and len(parents) == len(tokens)
+    children = _children(tokens, parents)
+    path: list[int] = []
+    node = 0
+    while (child := children[node].get(target_choices[node])) is not None:
+        path.append(child - 1)
+        node = child
+    return path, target_choices[node]
+
+
+def accept_tree_sampled(
+    target_probs: torch.Tensor, tokens: list[int], parents: list[int], seed: int, first_position: int
+) -> tuple[list[int], int]:
+    """Sampled acceptance over a tree of deterministic drafts.
+
+    target_probs: [len(tokens) + 1, vocab], row i the target's (warped)
+    distribution at node i (0: the root, 1 + j: draft j), given the context
+    and the node's path. At the node reached after emitting m tokens, draw
+    x ~ p from the generator of output position first_position + m; if a
+    child of that node carries x, accept it and descend; else emit x and stop.
+    Returns (path, next_token) as ``accept_tree_greedy``.
+
+    Why this keeps the target's distribution: the token emitted at output
+    position first_position + m is always the draw x_m from the target's
+    distribution given the m tokens emitted before it (the node reached is
+    exactly the tree node whose path is those tokens, and its row of
+    target_probs is the target's distribution there), from a generator that
+    depends only on (seed, position). The tree decides only how many of those
+    draws one pass gets to check, never which token is drawn. So the output
+    is token for token what plain sampling with the same seed emits, and in
+    particular distributed as sampling from the target. For a chain this is
+    ``accept_sampled``; for a node with several children it is SpecInfer's
+    multi-step rule specialised to point-mass drafts, where accepting child c
+    with probability p(c), else trying the next on the residual, is the same
+    as one draw compared against every child.
+    """
+    assert target_probs.dim() == 2 and target_probs.shape[0] == len(tokens) + 1 and len(parents) == len(tokens)
+    children = _children(tokens, parents)
+    path: list[int] = []
+    node = 0
+    while True:
+        generator = position_generator(seed, first_position + len(path), target_probs.device)
+        sampled = int(torch.multinomial(target_probs[node], 1, generator=generator))
+        child = children[node].get(sampled)
+        if child is None:
+            return path, sampled
+        path.append(child - 1)
+        node = child
+
+
 def rejection_sample(
     draft: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator
 ) -> tuple[int, int]:

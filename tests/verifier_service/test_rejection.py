@@ -20,6 +20,8 @@ from verifier_service.rejection import (
     SamplingParams,
     accept_greedy,
     accept_sampled,
+    accept_tree_greedy,
+    accept_tree_sampled,
     position_generator,
     rejection_sample,
     warp_probs,
@@ -474,3 +476,117 @@ def test_position_generator_depends_on_seed_and_position():
     assert first_draw(3, 7) == first_draw(3, 7)
     # Neighbouring seeds and positions give different streams.
     assert len({first_draw(3, 7), first_draw(4, 7), first_draw(3, 8), first_draw(4, 8)}) == 4
+
+
+# --- trees ---------------------------------------------------------------------------
+
+
+def test_accept_tree_greedy_docstring_example():
+    assert accept_tree_greedy([7, 8, 2, 9], [7, 4, 8], [-1, -1, 0]) == ([0, 2], 9)
+
+
+@pytest.mark.parametrize(
+    "choices, tokens, parents, expected",
+    [
+        ([3, 0, 0, 0], [1, 2, 3], [-1, -1, -1], ([2], 0)),  # the third of the root's children
+        ([5, 0, 0, 0], [1, 2, 3], [-1, -1, -1], ([], 5)),  # none of them
+        ([1, 2, 0, 9], [1, 2, 2], [-1, 0, 0], ([0, 1], 0)),  # a repeated sibling: the first node wins
+        ([1, 4, 2, 5, 6], [1, 2, 4, 5], [-1, 0, 0, 2], ([0, 2, 3], 6)),  # down a second child's subtree
+    ],
+)
+def test_accept_tree_greedy_follows_the_argmax_through_the_children(choices, tokens, parents, expected):
+    assert accept_tree_greedy(choices, tokens, parents) == expected
+
+
+TREE_VOCAB = 5
+TREE_DEPTH = 3  # tokens generated per simulated request
+
+
+def target(prefix: tuple[int, ...]) -> torch.Tensor:
+    """A fixed target distribution over TREE_VOCAB tokens after ``prefix``, different per
+    prefix and uneven (squared uniforms), with every token possible."""
+    generator = torch.Generator().manual_seed(1 + sum(t * 7**i for i, t in enumerate(prefix)) + 1000 * len(prefix))
+    weights = torch.rand(TREE_VOCAB, generator=generator) ** 2 + 0.02
+    return weights / weights.sum()
+
+
+def draft_tree(context: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """Three children at the root, two under each, chosen from the context: a tree with
+    several children per node, whose tokens cover most but not all of the vocabulary."""
+    tokens, parents = [], []
+    offset = sum(context)
+    for child in range(3):
+        tokens.append((offset + child) % TREE_VOCAB)
+        parents.append(-1)
+        parent = len(tokens) - 1
+        for grandchild in range(2):
+            tokens.append((offset + 2 * child + grandchild + 1) % TREE_VOCAB)
+            parents.append(parent)
+    return tokens, parents
+
+
+def sample_with_trees(seed: int) -> tuple[int, ...]:
+    """TREE_DEPTH tokens, drafted as trees and kept by ``accept_tree_sampled``."""
+    out: tuple[int, ...] = ()
+    while len(out) < TREE_DEPTH:
+        tokens, parents = draft_tree(out)
+        paths = []  # each node's path from the root
+        for token, parent in zip(tokens, parents):
+            paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+        probs = torch.stack([target(out)] + [target(out + path) for path in paths])
+        path, token = accept_tree_sampled(probs, tokens, parents, seed, first_position=len(out))
+        out = (out + tuple(tokens[node] for node in path) + (token,))[:TREE_DEPTH]
+    return out
+
+
+def sample_plainly(seed: int) -> tuple[int, ...]:
+    out: tuple[int, ...] = ()
+    while len(out) < TREE_DEPTH:
+        generator = position_generator(seed, len(out))
+        out += (int(torch.multinomial(target(out), 1, generator=generator)),)
+    return out
+
+
+def test_accept_tree_sampled_emits_what_plain_sampling_emits_with_the_same_seed():
+    for seed in range(300):
+        assert sample_with_trees(seed) == sample_plainly(seed), seed
+
+
+def test_accept_tree_sampled_follows_the_target_joint_distribution():
+    """Chi-square over all TREE_VOCAB ** 3 three-token outputs against the product of the
+    target's conditionals; several children per node, so draws descend into every branch."""
+    outputs = [sample_with_trees(seed) for seed in range(6000)]
+    index = np.array([a * TREE_VOCAB**2 + b * TREE_VOCAB + c for a, b, c in outputs])
+    joint = []
+    for a in range(TREE_VOCAB):
+        for b in range(TREE_VOCAB):
+            for c in range(TREE_VOCAB):
+                joint.append(float(target(())[a] * target((a,))[b] * target((a, b))[c]))
+    assert chi_square_p_value(index, joint) > CHI_SQUARE_MIN_P_VALUE
+
+
+def test_the_tree_chi_square_test_rejects_a_rule_that_prefers_drafted_tokens():
+    """The harness has power: a rule that accepts the root's first child whenever the
+    target gives it at least 0.2 (a draft-biased sampler) fails the same test."""
+    rng = np.random.default_rng(0)
+
+    def biased(seed: int) -> tuple[int, ...]:
+        out: tuple[int, ...] = ()
+        while len(out) < TREE_DEPTH:
+            tokens, _ = draft_tree(out)
+            p = target(out)
+            if float(p[tokens[0]]) >= 0.2:
+                out += (tokens[0],)
+            else:
+                out += (int(rng.choice(TREE_VOCAB, p=p.double().numpy() / float(p.double().sum()))),)
+        return out
+
+    outputs = [biased(seed) for seed in range(6000)]
+    index = np.array([a * TREE_VOCAB**2 + b * TREE_VOCAB + c for a, b, c in outputs])
+    joint = [
+        float(target(())[a] * target((a,))[b] * target((a, b))[c])
+        for a in range(TREE_VOCAB)
+        for b in range(TREE_VOCAB)
+        for c in range(TREE_VOCAB)
+    ]
+    assert chi_square_p_value(index, joint) < 1e-6

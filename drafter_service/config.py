@@ -32,6 +32,9 @@ class DrafterConfig:
     # Verification cost grows with K, and n-gram chains rarely stay right for
     # more than a few dozen tokens.
     max_draft_tokens: int = setting(32, minimum=1, help="draft tokens one sequence may ask for")
+    # A tree costs the drafter ~a lookup per node; 256 nodes is more than a
+    # GPU's verify pass wants per sequence.
+    max_tree_nodes: int = setting(256, minimum=1, help="draft tree nodes one sequence may ask for (SequenceUpdate.max_tree_nodes)")
     # Above every real vocabulary (~260k), far below uint32 overflow, so a
     # corrupt id fails loudly instead of polluting the table.
     max_token_id: int = setting(1 << 24, minimum=1, help="token ids must be below this")

@@ -68,9 +68,13 @@ class Evidence(NamedTuple):
 class Draft:
     tokens: list[int]
     evidence: list[Evidence] = field(default_factory=list)
+    # A tree's parent of each token (-1: it follows the context; parents first, and
+    # each node's first child is its best guess); empty for a chain.
+    parents: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         assert len(self.tokens) == len(self.evidence), "one evidence record per draft token"
+        assert not self.parents or len(self.parents) == len(self.tokens), "one parent per tree node"
 
 
 class Continuation(NamedTuple):
@@ -193,8 +197,10 @@ def propose_chain(
     sources: Sequence[tuple[str, BestSource]],
     k: int,
     config: NGramConfig,
+    prefix: Sequence[int] = (),
 ) -> Draft:
-    """Up to ``k`` draft tokens continuing ``context``, one lookup per link.
+    """Up to ``k`` draft tokens continuing ``context`` (then ``prefix``, tokens taken
+    as already drafted: a tree's branch), one lookup per link.
 
     context [1, 2, 3, 4, 2, 3] indexed as its own source, n_min=n_max=2, k=3:
     suffix (2, 3) was followed by 4 -> 4; (3, 4) by 2 -> 2; (4, 2) by 3 -> 3;
@@ -207,14 +213,14 @@ def propose_chain(
     the service's hot path, so the lookup is written inline.
     """
     n_max, min_global, trusted = config.n_max, config.min_global_count, config.global_trusted_match_length
-    tokens: list[int] = []
+    tokens: list[int] = list(prefix)
     lookups = []
     for name, source in sources:
         # A context index over this very context answers from a walk along the
         # draft: the same answers as its ``best``, without hashing each key.
         walk = source.walk(context, tokens) if isinstance(source, CompactNGramIndex) else None
         lookups.append((name, source.best if walk is None else walk, name == SOURCE_GLOBAL))
-    tail = tuple(context[-n_max:]) if context else ()  # slices of a tuple are the keys themselves
+    tail = (tuple(context[-n_max:]) + tuple(prefix))[-n_max:]  # slices of a tuple are the keys themselves
     lengths = range(min(n_max, len(tail)), config.n_min - 1, -1)  # longest suffix first
     evidence: list[Evidence] = []
     for _ in range(k):
@@ -236,7 +242,97 @@ def propose_chain(
         tail = (tail + (token,))[-n_max:]
         if len(tail) > lengths.start:  # a short context grew: longer suffixes exist now
             lengths = range(len(tail), config.n_min - 1, -1)
-    return Draft(tokens, evidence)
+    return Draft(tokens[len(prefix) :], evidence)
+
+
+def alternatives(
+    tail: Sequence[int],
+    sources: Sequence[tuple[str, BestSource]],
+    config: NGramConfig,
+    exclude: int | None,
+    limit: int,
+) -> list[tuple[int, Evidence]]:
+    """Up to ``limit`` distinct next tokens after ``tail`` other than ``exclude``, best first:
+    each suffix length from the longest, each source in order, a source with counts
+    (the global table) giving its top continuations, the context its best at that
+    length. A tree's branches where its chain may be wrong.
+
+    Any match of ``n_min`` or more qualifies: the chain's trust rules decide what
+    is drafted in a line, and the verifier's planner weighs each branch by its
+    evidence (match length, count of total) before scoring any.
+    """
+    found: list[tuple[int, Evidence]] = []
+    seen = {exclude}
+    tail = tuple(tail[-config.n_max :])
+    for n in range(len(tail), config.n_min - 1, -1):
+        key = tail[-n:]
+        for name, source in sources:
+            counts = source.continuations(key) if name == SOURCE_GLOBAL and hasattr(source, "continuations") else None
+            if counts:
+                total = sum(counts.values())
+                candidates = sorted(counts.items(), key=lambda item: -item[1])[: limit + 1]
+                options = [(token, Evidence(name, n, count, total)) for token, count in candidates]
+            else:
+                hit = source.best(key)
+                options = [] if hit is None else [(hit[0], Evidence(name, n, hit[1], hit[2]))]
+            for token, evidence in options:
+                if token not in seen:
+                    seen.add(token)
+                    found.append((token, evidence))
+                    if len(found) >= limit:
+                        return found
+    return found
+
+
+# Alternatives tried at each position of the chain, and how deep a branch's own
+# chain goes: a branch is a second guess, so its continuation is cut short to
+# leave nodes for guesses at the chain's later positions.
+BRANCHES_PER_POSITION = 2
+BRANCH_DEPTH = 4
+
+
+def propose_tree(
+    context: Sequence[int],
+    sources: Sequence[tuple[str, BestSource]],
+    k: int,
+    max_nodes: int,
+    config: NGramConfig,
+) -> Draft:
+    """A tree of at most ``max_nodes`` draft tokens, none deeper than ``k``.
+
+    Its first nodes are ``propose_chain``'s chain (so each node's first child
+    is the best guess). Then, for each position of the chain from the first,
+    up to BRANCHES_PER_POSITION other tokens that some source saw after the
+    same suffix (``alternatives``) become siblings of the chain's token there,
+    each followed by its own chain of up to BRANCH_DEPTH tokens, while nodes
+    are left. Parents come before their children.
+
+    context [1, 2, 3, 9, 1, 2, 4, 7, 9, 1, 2], n 2..3, k=2, 8 nodes: the
+    chain is [4, 7] ((9, 1, 2) went to 4, then (1, 2, 4) to 7); the shorter
+    (1, 2) first went to 3, so 3 is a sibling of 4, followed by 9 (after
+    (2, 3)): tokens [4, 7, 3, 9], parents [-1, 0, -1, 2].
+    """
+    chain = propose_chain(context, sources, k, config)
+    tokens, evidence = list(chain.tokens), list(chain.evidence)
+    parents = list(range(-1, len(tokens) - 1))
+    if max_nodes <= len(tokens):
+        return Draft(tokens[:max_nodes], evidence[:max_nodes], parents[:max_nodes])
+    tail = list(context[-config.n_max :])
+    for position in range(min(len(chain.tokens) + 1, k)):
+        here = tail + chain.tokens[:position]
+        exclude = chain.tokens[position] if position < len(chain.tokens) else None
+        for token, found in alternatives(here, sources, config, exclude, BRANCHES_PER_POSITION):
+            if len(tokens) >= max_nodes:
+                return Draft(tokens, evidence, parents)
+            parents.append(position - 1)
+            tokens.append(token)
+            evidence.append(found)
+            depth = min(BRANCH_DEPTH, k - position - 1, max_nodes - len(tokens))
+            branch = propose_chain(here, sources, depth, config, prefix=[token]) if depth > 0 else Draft([])
+            parents += range(len(tokens) - 1, len(tokens) - 1 + len(branch.tokens))
+            tokens += branch.tokens
+            evidence += branch.evidence
+    return Draft(tokens, evidence, parents)
 
 
 class ContextIndex(CompactNGramIndex):
@@ -269,9 +365,12 @@ class ContextIndex(CompactNGramIndex):
         ``tokens`` tokens, however they arrived (to refuse a call before indexing it)."""
         return CompactNGramIndex.max_bytes_for_lengths(tokens, config.n_min, config.n_max)
 
-    def propose(self, global_table: NGramSource, k: int) -> Draft:
-        """A chain of up to ``k`` tokens from this context first, then the global table."""
+    def propose(self, global_table: NGramSource, k: int, max_nodes: int = 0) -> Draft:
+        """A chain of up to ``k`` tokens from this context first, then the global table;
+        with ``max_nodes``, a tree of that many nodes at most (``propose_tree``)."""
         if k <= 0:
             return Draft([], [])
         sources = ((SOURCE_CONTEXT, self), (SOURCE_GLOBAL, global_table))
+        if max_nodes:
+            return propose_tree(self.tokens, sources, k, max_nodes, self.config)
         return propose_chain(self.tokens, sources, k, self.config)

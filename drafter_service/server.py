@@ -158,7 +158,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._check_call_size(len(request.sequences), sum(len(s.new_tokens) for s in request.sequences))
         seen = set()
         # Runs per sequence on every step: each message is formatted only when its check fails.
-        invalid, max_k = grpc.StatusCode.INVALID_ARGUMENT, self.config.max_draft_tokens
+        invalid, max_k, max_nodes = grpc.StatusCode.INVALID_ARGUMENT, self.config.max_draft_tokens, self.config.max_tree_nodes
         for index, sequence in enumerate(request.sequences):
             sid, where = sequence.session_id, f"sequences[{index}]"
             if not sid:
@@ -168,6 +168,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             seen.add(sid)
             if sequence.num_draft_tokens > max_k:
                 raise InvalidRequest(invalid, f"{where}: num_draft_tokens {sequence.num_draft_tokens} is out of range [0, {max_k}]")
+            if sequence.max_tree_nodes > max_nodes:
+                raise InvalidRequest(
+                    invalid, f"{where}: max_tree_nodes {sequence.max_tree_nodes} is out of range [0, {max_nodes}] (--max-tree-nodes)"
+                )
             self._check_tokens(sequence.new_tokens, where)
 
     def _check_observe_id(self, observe_id: str, items: int) -> None:
@@ -296,18 +300,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self.metrics.accepted.labels(source).inc()
 
     def _draft(self, update, session: Session, table: NGramSource) -> drafter_pb2.SequenceDraft:
-        """The session's draft, as the proto's parallel arrays."""
-        chain = session.draft(table, update.num_draft_tokens)
-        if not chain.tokens:
+        """The session's draft (a tree when the update asks for one), as the proto's parallel arrays."""
+        draft = session.draft(table, update.num_draft_tokens, update.max_tree_nodes)
+        if not draft.tokens:
             return drafter_pb2.SequenceDraft(session_id=update.session_id)
-        sources, match_lengths, counts, totals = zip(*chain.evidence)
+        sources, match_lengths, counts, totals = zip(*draft.evidence)
         return drafter_pb2.SequenceDraft(
             session_id=update.session_id,
-            tokens=chain.tokens,
+            tokens=draft.tokens,
             sources=[_SOURCES[source] for source in sources],  # type: ignore[misc]  # DraftSource values, as ints
             match_lengths=match_lengths,
             counts=counts,
             totals=totals,
+            parents=draft.parents,
         )
 
     def Observe(self, request, context):

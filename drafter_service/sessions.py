@@ -100,11 +100,12 @@ class Session:
     charged_bytes: int = 0  # what the memory budget counts for it: session_bytes(charged_for)
     charged_for: int = 0  # tokens it is charged for: those claimed so far, rounded up (charged_tokens)
 
-    def draft(self, table: NGramSource, k: int) -> Draft:
-        """Up to ``k`` draft tokens from the context, then ``table``; their sources are kept."""
-        chain = self.context.propose(table, k)
-        self.last_sources = [evidence.source for evidence in chain.evidence]
-        return chain
+    def draft(self, table: NGramSource, k: int, max_nodes: int = 0) -> Draft:
+        """Up to ``k`` draft tokens from the context, then ``table`` (a tree of up to
+        ``max_nodes`` when that is set); their sources are kept."""
+        draft = self.context.propose(table, k, max_nodes)
+        self.last_sources = [evidence.source for evidence in draft.evidence]
+        return draft
 
     def feedback(self, verified: int, accepted: int) -> list[tuple[str, bool]]:
         """(source, accepted) of each of the last draft's tokens the verifier scored."""
@@ -311,6 +312,12 @@ class NGramDrafter:
         session = self._session(session_id)
         session.context.extend(new_tokens)
         return session.draft(self.global_table, k)
+
+    def propose_tree(self, session_id: str, new_tokens: Iterable[int], k: int, max_nodes: int) -> Draft:
+        """``propose``, as a tree of up to ``max_nodes`` tokens none deeper than ``k``."""
+        session = self._session(session_id)
+        session.context.extend(new_tokens)
+        return session.draft(self.global_table, k, max_nodes)
 
     def close(self, session_id: str, observe: bool = True) -> None:
         session = self._sessions.pop(session_id, None)

@@ -166,7 +166,11 @@ class RemoteDrafter:
         known = sent.get(request.session_id)
         if known is None:  # new, or re-opened after the drafter forgot it: the whole context
             return drafter_pb2.SequenceUpdate(
-                session_id=self._session(request.session_id), new_tokens=request.tokens, open=True, num_draft_tokens=request.k
+                session_id=self._session(request.session_id),
+                new_tokens=request.tokens,
+                open=True,
+                num_draft_tokens=request.k,
+                max_tree_nodes=request.max_nodes,
             )
         return drafter_pb2.SequenceUpdate(
             session_id=self._session(request.session_id),
@@ -174,6 +178,7 @@ class RemoteDrafter:
             num_draft_tokens=request.k,
             verified_draft_tokens=request.verified,
             accepted_draft_tokens=request.accepted,
+            max_tree_nodes=request.max_nodes,
         )
 
     def _on_error(self, error: grpc.RpcError) -> None:
@@ -240,11 +245,11 @@ _SOURCES = {drafter_pb2.DRAFT_SOURCE_CONTEXT: SOURCE_CONTEXT, drafter_pb2.DRAFT_
 
 
 def _draft(message: drafter_pb2.SequenceDraft) -> ProposedDraft:
-    """A ``SequenceDraft`` with its per-token evidence (none when the arrays do not match the tokens)."""
-    tokens = list(message.tokens)
+    """A ``SequenceDraft`` with its per-token evidence (none when the arrays do not match
+    the tokens) and its tree's parents (the engine drops a tree whose parents do not)."""
+    tokens, parents = list(message.tokens), list(message.parents)
     columns = (message.sources, message.match_lengths, message.counts, message.totals)
     if any(len(column) != len(tokens) for column in columns):
-        return ProposedDraft(tokens)
-    return ProposedDraft(
-        tokens, [DraftEvidence(_SOURCES.get(source, ""), match, count, total) for source, match, count, total in zip(*columns)]
-    )
+        return ProposedDraft(tokens, parents=parents)
+    evidence = [DraftEvidence(_SOURCES.get(source, ""), match, count, total) for source, match, count, total in zip(*columns)]
+    return ProposedDraft(tokens, evidence, parents)

@@ -17,20 +17,22 @@ DRAFT_SOURCE_CONTEXT: DraftSource
 DRAFT_SOURCE_GLOBAL: DraftSource
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("session_id", "new_tokens", "open", "num_draft_tokens", "verified_draft_tokens", "accepted_draft_tokens")
+    __slots__ = ("session_id", "new_tokens", "open", "num_draft_tokens", "verified_draft_tokens", "accepted_draft_tokens", "max_tree_nodes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     open: bool
     num_draft_tokens: int
     verified_draft_tokens: int
     accepted_draft_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., open: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., verified_draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
+    max_tree_nodes: int
+    def __init__(self, session_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., open: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., verified_draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("vocabulary", "sequences")
@@ -41,20 +43,22 @@ class ProposeRequest(_message.Message):
     def __init__(self, vocabulary: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ...) -> None: ...
 
 class SequenceDraft(_message.Message):
-    __slots__ = ("session_id", "tokens", "sources", "match_lengths", "counts", "totals")
+    __slots__ = ("session_id", "tokens", "sources", "match_lengths", "counts", "totals", "parents")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     MATCH_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     TOTALS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     sources: _containers.RepeatedScalarFieldContainer[DraftSource]
     match_lengths: _containers.RepeatedScalarFieldContainer[int]
     counts: _containers.RepeatedScalarFieldContainer[int]
     totals: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sources: _Optional[_Iterable[_Union[DraftSource, str]]] = ..., match_lengths: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., totals: _Optional[_Iterable[int]] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sources: _Optional[_Iterable[_Union[DraftSource, str]]] = ..., match_lengths: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., totals: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("drafts",)

@@ -48,7 +48,7 @@ import torch
 from bench.workloads import Workload, service_prompts, workloads
 from drafter_service.sessions import NGramDrafter
 from verifier_service.drafting import DraftProposer, DraftRequest, ProposedDraft, SessionProposer
-from verifier_service.engine import GenerationRequest, SpeculativeEngine
+from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
 
 SPEC_KS = (1, 2, 3, 5, 8)
@@ -141,12 +141,12 @@ def methods(model, engines: dict, max_new_tokens, workload: Workload) -> dict[st
     return table
 
 
-def measure(model, tokenizer, max_new_tokens: int, rounds: int, only: list[str] | None = None) -> dict:
+def measure(model, tokenizer, max_new_tokens: int, rounds: int, only: list[str] | None = None, config: EngineConfig | None = None) -> dict:
     """Per workload, ``rounds`` rounds of every method over its prompts (interleaved per
     prompt); each method's speedup is the median over rounds of its rate over plain's
     rate in the same round (a shared machine's speed drifts by 10-30% within minutes)."""
     report = {}
-    engines = {k: SpeculativeEngine(model, tokenizer) for k in (0, ADAPTIVE, *SPEC_KS)}  # one per method, for the whole run
+    engines = {k: SpeculativeEngine(model, tokenizer, None, config) for k in (0, ADAPTIVE, *SPEC_KS)}  # one per method, for the whole run
     for workload in workloads():
         if only and workload.name not in only:
             continue
@@ -251,7 +251,7 @@ def k_table(report) -> str:
     return "\n".join(lines)
 
 
-def measure_batch(model, tokenizer, batch: int, max_new_tokens: int, repeats: int) -> dict:
+def measure_batch(model, tokenizer, batch: int, max_new_tokens: int, repeats: int, config: EngineConfig | None = None) -> dict:
     """Decode-only tokens/s of ``batch`` prefilled sequences, per prompt kind and method.
 
     Every method runs once per round, ``repeats`` rounds; a method's speedup
@@ -270,7 +270,7 @@ def measure_batch(model, tokenizer, batch: int, max_new_tokens: int, repeats: in
                     proposer: DraftProposer = ReferenceOracle([prompt + output for prompt, output in zip(prompts, reference)])
                 else:
                     proposer = SessionProposer(NGramDrafter())
-                engine = SpeculativeEngine(model, tokenizer, proposer)
+                engine = SpeculativeEngine(model, tokenizer, proposer, config)
                 tokens, seconds, stats = decode_batch(engine, prompts, max_new_tokens, k)
                 reference = tokens if reference is None else reference
                 decoded = sum(map(len, tokens)) - len(tokens)  # the first token of each comes from prefill
@@ -364,7 +364,19 @@ def main(argv=None) -> None:
         "--workloads", nargs="+", choices=[workload.name for workload in workloads()], help="single-stream workloads to run (default: all)"
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--adaptive-max-nodes", type=int, help="the engine's --adaptive-max-nodes (default: the engine's; 0: chains, as before draft trees)"
+    )
+    parser.add_argument("--spec-bench", type=Path, metavar="QUESTIONS", help="run bench.bench_spec on Spec-Bench's question.jsonl instead")
+    args, rest = parser.parse_known_args(argv)
+    if args.spec_bench is not None:
+        from bench import bench_spec
+
+        bench_spec.main([str(args.spec_bench), "--model", args.model, "--out", str(args.out), *rest])
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    config = EngineConfig() if args.adaptive_max_nodes is None else EngineConfig(adaptive_max_nodes=args.adaptive_max_nodes)
     loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
     warm_ids = chat_prompt_ids(tokenizer, "Say hello.")
@@ -395,12 +407,12 @@ def main(argv=None) -> None:
         "cpu_count": __import__("os").cpu_count(),
     }
     if args.single:
-        report = measure(model, tokenizer, args.max_new_tokens, args.single_rounds, args.workloads)
+        report = measure(model, tokenizer, args.max_new_tokens, args.single_rounds, args.workloads, config)
         (args.out / "core.json").write_text(json.dumps({"meta": meta, "workloads": report}, indent=2) + "\n")
         plot(report, args.out / "core_speedup.png")
         print("\n" + markdown_table(report) + "\n\n" + k_table(report))
     if args.batch:
-        batch = measure_batch(model, tokenizer, args.batch, args.max_new_tokens, args.repeats)
+        batch = measure_batch(model, tokenizer, args.batch, args.max_new_tokens, args.repeats, config)
         (args.out / "core_batch.json").write_text(json.dumps({"meta": {**meta, "batch": args.batch}, "kinds": batch}, indent=2) + "\n")
         print("\n" + batch_table(batch, args.batch))
 

@@ -1,7 +1,7 @@
 """Adaptive K: which draft tokens each step verifies, from their odds and the step's cost.
 
 A packed verify step (``kv_cache``) costs what its tokens cost, whichever
-rows they belong to: ``StepCostModel`` maps the tokens of a forward pass
+rows they belong to: ``calibration.StepCostModel`` maps the tokens of a forward pass
 (plus the cached tokens attention reads) to seconds. So each (row, position)
 draft token is a separate choice, and rows verify different numbers of
 drafts in the same step.
@@ -45,10 +45,10 @@ This module imports neither torch nor grpc.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 # Unverified buckets start at even odds, worth two observations: one
 # accepted or rejected token moves the estimate by a third.
@@ -255,89 +255,97 @@ def survival(hazards: Sequence[float], parents: Sequence[int] | None = None) -> 
     return tree
 
 
-class StepCostModel:
-    """Seconds per forward pass: ``tokens`` fed, plus ``context`` cached tokens read by attention.
+class PlannedRow(Protocol):
+    """What the planner reads and sets on one decoding row of a step (the engine's ``_Row``)."""
 
-    cost = g(tokens) + per_context_token * context, with g piecewise linear
-    through measured points and extrapolated past them, and the context term
-    measured once (attention reads the cache: a step over 16 sequences of 700
-    tokens spends ~100 ms of a CPU's ~300 there). ``observe`` folds real step
-    times into the points around the step's token count, so a start-up
-    calibration follows the machine.
+    draft: list[int]  # its draft tokens, parents before children
+    buckets: list[tuple]  # evidence_bucket of each
+    parents: list[int]  # each token's parent (-1: the row's last token)
+    tree: bool  # the draft branches
+    verify: int  # set by the planner: the first ``verify`` tokens are verified
+    probe: bool
 
-    ``cheapest(tokens)`` is the cost of the cheapest measured count at or
-    above ``tokens``: CPU GEMMs can be slower at 2 or 3 rows than at 4, and
-    padding a step up to such a count is then free. Nothing here assumes
-    which counts those are; they are measured.
+    @property
+    def adaptive(self) -> bool:
+        """The request left K to the engine (else it verifies its whole draft)."""
+
+    @property
+    def calibration(self) -> SequenceCalibration: ...
+
+    def choose(self, chosen: list[int]) -> None:
+        """Verify the tokens ``chosen`` (ascending, closed under ancestors): they become the first."""
+
+
+class Planner:
+    """Adaptive K in one place: which draft tokens each step verifies, and what
+    their outcomes teach. ``plan`` chooses, ``learn`` takes one row's outcome,
+    ``age`` fades the shared estimates once a step.
+
+    It holds the shared ``AcceptanceModel``; each sequence's
+    ``SequenceCalibration`` travels with its row. ``cost`` prices a step
+    (``cheapest(tokens, context)`` and ``padding(tokens)``, a
+    ``calibration.StepCostModel``), so the same rule picks small trees on a CPU,
+    where every token costs, and wide ones where a pass of 64 costs what one of 1 does.
     """
 
-    # Weight of a new step time against a point's running value.
-    OBSERVE_WEIGHT = 0.1
-    # Pad to a cheaper count only when it saves at least this fraction...
-    PAD_MARGIN = 0.05
-    # ...and adds at most this many tokens (beyond it, costs grow with tokens anyway).
-    PAD_LIMIT = 8
+    def __init__(self, cost) -> None:
+        self.cost = cost
+        self.acceptance = AcceptanceModel()
 
-    def __init__(self, points: dict[int, float], per_context_token: float = 0.0) -> None:
-        if not points or any(tokens < 1 or seconds <= 0 for tokens, seconds in points.items()):
-            raise ValueError(f"need at least one (tokens >= 1, seconds > 0) point, got {points}")
-        self.tokens = sorted(points)
-        self.seconds = [points[tokens] for tokens in self.tokens]
-        self.per_context_token = per_context_token
+    def plan(self, rows: Sequence[PlannedRow], prefill_tokens: int, context: int) -> None:
+        """Set what each row verifies: a fixed-K row its whole draft, adaptive rows the
+        tokens whose survival pays for their cost in a step of ``prefill_tokens`` more
+        tokens, whose attention reads ``context`` cached tokens."""
+        adaptive, survivals = [], []
+        base_tokens, base_expected = len(rows), float(len(rows))
+        for row in rows:
+            factor = row.calibration.factor
+            hazards = [min(MAX_HAZARD, self.acceptance.hazard(bucket, EXPLORATION) * factor) for bucket in row.buckets]
+            survivals_of_row = survival(hazards, row.parents if row.tree else None)
+            if row.adaptive:
+                adaptive.append(row)
+                survivals.append(survivals_of_row)
+            else:
+                row.verify = len(row.draft)
+                base_tokens += row.verify
+                base_expected += sum(survivals_of_row)
+        if not any(survivals):
+            self._probe(adaptive, base_tokens + prefill_tokens)
+            return
+        plan = plan_verification(survivals, base_tokens, base_expected, lambda tokens: self.cost.cheapest(tokens, context), prefill_tokens)
+        for row, chosen in zip(adaptive, plan.chosen):
+            row.choose(chosen)
+        self._probe(adaptive, plan.tokens + prefill_tokens)
 
-    @classmethod
-    def linear(cls, fixed_s: float, per_token_s: float) -> StepCostModel:
-        return cls({1: fixed_s + per_token_s, 1024: fixed_s + 1024 * per_token_s})
+    def _probe(self, rows: list[PlannedRow], tokens: int) -> None:
+        """Rows due a probe verify the draft tokens that one more token's padding makes
+        free (at least one), in a step of ``tokens`` without them (the first nodes of a
+        tree: parents come first, so any first few are closed under ancestors)."""
+        for row in rows:
+            if row.draft and not row.verify and row.calibration.probe_due:
+                row.verify = min(len(row.draft), 1 + self.cost.padding(tokens + 1))
+                row.probe = True
+                tokens += row.verify
 
-    def points(self) -> dict[int, float]:
-        return dict(zip(self.tokens, self.seconds))
+    def learn(self, row: PlannedRow, path: list[int]) -> None:
+        """One row's outcome: ``path``, the verified tokens accepted. Every verified token
+        whose parent was accepted (or that had none) was reached and says whether it was
+        right; the others say nothing."""
+        calibration = row.calibration
+        calibration.age()
+        if row.verify:
+            on_path = set(path)
+            outcomes = [
+                (row.buckets[node], node in on_path) for node in range(row.verify) if row.parents[node] < 0 or row.parents[node] in on_path
+            ]
+            calibration.learn_reached([self.acceptance.hazard(bucket) for bucket, _ in outcomes], len(path), row.probe)
+            self.acceptance.learn_outcomes(outcomes)
+        elif row.draft and row.adaptive:
+            calibration.skipped()
 
-    def cost(self, tokens: int, context: int = 0) -> float:
-        return self._g(tokens) + self.per_context_token * context
-
-    def _g(self, tokens: int) -> float:
-        index = bisect.bisect_left(self.tokens, tokens)
-        if index < len(self.tokens) and self.tokens[index] == tokens:
-            return self.seconds[index]
-        if len(self.tokens) == 1:
-            return self.seconds[0] * max(1.0, tokens / self.tokens[0])
-        low = min(max(index - 1, 0), len(self.tokens) - 2)  # extrapolate with the nearest segment
-        t0, t1, s0, s1 = self.tokens[low], self.tokens[low + 1], self.seconds[low], self.seconds[low + 1]
-        return max(s0 + (s1 - s0) * (tokens - t0) / (t1 - t0), 1e-6)
-
-    def cheapest(self, tokens: int, context: int = 0) -> float:
-        """The cost of a step of ``tokens``, padded to a measured count where that is cheaper."""
-        return self.cost(tokens + self.padding(tokens), context)
-
-    def padding(self, tokens: int) -> int:
-        """Tokens to add so the step runs at a measurably cheaper count (0: none).
-
-        Points {1: 1.0, 2: 1.6, 3: 1.7, 4: 1.3}: padding(2) -> 2, padding(1) -> 0.
-        """
-        best, best_cost = tokens, self._g(tokens) * (1 - self.PAD_MARGIN)
-        start = bisect.bisect_right(self.tokens, tokens)
-        for index in range(start, len(self.tokens)):
-            if self.tokens[index] > tokens + self.PAD_LIMIT:
-                break
-            if self.seconds[index] < best_cost:
-                best, best_cost = self.tokens[index], self.seconds[index]
-        return best - tokens
-
-    def observe(self, tokens: int, context: int, seconds: float) -> None:
-        """A real step: move the points around ``tokens`` towards its time less the context term."""
-        compute = max(seconds - self.per_context_token * context, 1e-6)
-        index = bisect.bisect_left(self.tokens, tokens)
-        if index < len(self.tokens) and self.tokens[index] == tokens:
-            neighbours = [(index, 1.0)]
-        elif 0 < index < len(self.tokens):  # between two points: each moves by its share
-            t0, t1 = self.tokens[index - 1], self.tokens[index]
-            share = (tokens - t0) / (t1 - t0)
-            neighbours = [(index - 1, 1.0 - share), (index, share)]
-        else:
-            return  # outside the measured range: extrapolation stays as calibrated
-        error = compute - self._g(tokens)
-        for point, share in neighbours:
-            self.seconds[point] = max(self.seconds[point] + self.OBSERVE_WEIGHT * share * error, 1e-6)
+    def age(self) -> None:
+        """A step passed."""
+        self.acceptance.age()
 
 
 @dataclass

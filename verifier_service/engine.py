@@ -42,7 +42,6 @@ import itertools
 import logging
 import secrets
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -51,21 +50,26 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.flags import setting
-from verifier_service.adaptive import (
-    EXPLORATION,
-    MAX_HAZARD,
-    AcceptanceModel,
-    SequenceCalibration,
-    StepCostModel,
-    evidence_bucket,
-    plan_verification,
-    survival,
-)
+from verifier_service.adaptive import Planner, SequenceCalibration, evidence_bucket
+from verifier_service.calibration import StepCostModel, calibrated_step_cost
 from verifier_service.drafting import DraftEvidence, DraftProposer, DraftRequest, ProposedDraft
+from verifier_service.generation import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    SOURCE_DRAFT,
+    SOURCE_TARGET,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    SequenceHandle,
+    StepOutcome,
+    StepReport,
+)
 from verifier_service.kv_cache import STEP_KWARG, SlotKVCache, is_chain, plan_step, tree_depths, use_slot_attention
-from verifier_service.linear_kernels import MEASURED_UP_TO, engaged, use_linear_kernels
+from verifier_service.linear_kernels import engaged, use_linear_kernels
 from verifier_service.rejection import (
-    SamplingParams,
     accept_greedy,
     accept_sampled,
     accept_tree_greedy,
@@ -76,24 +80,6 @@ from verifier_service.text import StopStringMatcher
 
 log = logging.getLogger(__name__)
 
-FINISH_STOP = "stop"  # EOS token or a stop string
-FINISH_LENGTH = "length"  # max_new_tokens reached
-FINISH_CANCELLED = "cancelled"  # the caller gave up (cancel, deadline)
-# Where each emitted token came from (StepOutcome.sources): the target's own
-# (sampled, recovered or bonus), or an accepted draft: the drafter's source
-# ("context", "global"), SOURCE_DRAFT when the drafter gave none.
-SOURCE_TARGET = "target"
-SOURCE_DRAFT = "draft"
-FINISH_ERROR = "error"  # a failure that belonged to this sequence alone (StepOutcome.error says which)
-
-# Token counts whose forward-pass cost is measured at start-up: every count
-# up to 16 (where CPU GEMM kernels change, so padding can pay), then a
-# sparser grid up to a prefill chunk plus a batch of drafts.
-CALIBRATION_TOKENS = (*range(1, 17), 20, 24, 32, 48, 64, 96, 128, 192, 256, 384)
-# Counts up to here are timed twice (best of two): they decide padding.
-CALIBRATION_REPEAT_BELOW = 64
-# Cached tokens per slot when timing attention's reads of the cache.
-CALIBRATION_COLUMNS = 1024
 # Cache positions per slot when neither the flag nor a shorter model context
 # says otherwise: 16 slots x 4096 tokens of the default model is 3 GB of
 # float32 cache, touched on the CPU only as far as requests reach.
@@ -105,49 +91,6 @@ BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
 # One 4D tensor for every packed pass: a 4D mask makes transformers skip
 # building its own (slot_attention masks from the StepLayout instead).
 _NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    stop: tuple[str, ...] = ()
-    # K: draft tokens per step; 0 disables speculation for this request, None
-    # lets the engine choose each step (adaptive K).
-    num_speculative_tokens: int | None = 5
-    request_id: str = ""
-
-
-@dataclass
-class GenerationStats:
-    target_forward_passes: int = 0  # prefill included, once however many chunks: it yields the first token
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    generated_tokens: int = 0
-    verify_steps_with_drafts: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Accepted drafts per step that carried drafts."""
-        return self.accepted_tokens / self.verify_steps_with_drafts if self.verify_steps_with_drafts else 0.0
-
-    @property
-    def tokens_per_forward_pass(self) -> float:
-        return self.generated_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
-
-
-@dataclass
-class GenerationResult:
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    stats: GenerationStats
 
 
 @dataclass(frozen=True)
@@ -185,14 +128,6 @@ class EngineConfig:
     prefill_chunk_tokens: int = setting(256, minimum=1, help="prompt tokens one step may prefill alongside the running sequences")
 
 
-@dataclass(frozen=True, eq=False)
-class SequenceHandle:
-    """What ``add`` returns: names one sequence to ``cancel`` and in ``StepOutcome``;
-    it carries the request and none of the engine's state, which stays private."""
-
-    request: GenerationRequest
-
-
 @dataclass(eq=False)
 class _Sequence:
     request: GenerationRequest
@@ -227,35 +162,6 @@ class _Sequence:
         return len(self.tokens) - 1 if self.generated else self.prefilled
 
 
-@dataclass(frozen=True)
-class StepOutcome:
-    """What one step did for one sequence."""
-
-    sequence: SequenceHandle  # what ``add`` returned
-    tokens: list[int]  # appended to the output (accepted drafts + the step's own, cut at a stop)
-    verified: int = 0  # draft tokens the target scored
-    accepted: int = 0  # of those, accepted
-    first: bool = False  # the step finished its prefill: ``tokens`` is its first token
-    sources: tuple[str, ...] = ()  # per token of ``tokens``: SOURCE_TARGET or the accepted draft's source
-    result: GenerationResult | None = None  # set when the sequence finished
-    error: Exception | None = None  # set instead when it failed (tokens streamed before stay valid)
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """One step as a whole: what its stages did, and when (``time.time_ns()``), for
-    whoever traces or measures steps (the service's observer); the engine keeps none of it."""
-
-    decoding: int  # sequences decoding
-    verified: int  # draft tokens the forward pass scored
-    accepted: int  # of those, accepted
-    width: int  # 1 + the most drafts one sequence verified
-    tokens: int  # tokens the forward pass fed, prefill chunks included
-    scoring_ns: int  # the forward pass began
-    accepting_ns: int  # acceptance began
-    done_ns: int  # acceptance ended
-
-
 @dataclass
 class _Row:
     """One decoding sequence's part in a step."""
@@ -266,8 +172,17 @@ class _Row:
     asked: bool  # the proposer was asked this step (feedback goes back next time)
     parents: list[int] = field(default_factory=list)  # each draft token's parent (-1: the last token); a chain's [-1, 0, 1, ...]
     tree: bool = False  # the draft branches
+    chain: int = 0  # its first tokens that are the drafter's chain (parents -1, 0, 1, ...): what feedback is about
     verify: int = 0  # draft tokens this step verifies: the first ``verify``, closed under ancestors
     probe: bool = False  # verified as a probe (adaptive.PROBE_AFTER), not because the plan said it pays
+
+    @property
+    def adaptive(self) -> bool:
+        return self.sequence.request.num_speculative_tokens is None
+
+    @property
+    def calibration(self) -> SequenceCalibration:
+        return self.sequence.calibration
 
     def query_parents(self) -> list[int] | None:
         """The verified queries' parents ([last token] + drafts, so each index + 1), or None for a chain."""
@@ -278,6 +193,7 @@ class _Row:
         if chosen == list(range(len(chosen))):
             self.verify = len(chosen)
             return
+        self.chain = next((index for index, node in enumerate(chosen) if node != index or index >= self.chain), len(chosen))
         position = {node: index for index, node in enumerate(chosen)}
         self.parents = [-1 if self.parents[node] < 0 else position[self.parents[node]] for node in chosen]
         self.draft = [self.draft[node] for node in chosen]
@@ -318,10 +234,10 @@ class SpeculativeEngine:
         self._prefilling: list[_Sequence] = []  # oldest first
         self._session_ids = (f"seq-{n}" for n in itertools.count())
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.acceptance = AcceptanceModel()
         self.last_step: StepReport | None = None  # the latest step that ran a forward pass
         self._check_slot_attention()
         self.step_cost = step_cost or calibrated_step_cost(self)
+        self.planner = Planner(self.step_cost)
 
     def _check_slot_attention(self) -> None:
         """One token through the scratch slot: allocates every cache layer, and proves
@@ -500,6 +416,7 @@ class SpeculativeEngine:
             nodes, row.parents = self._usable(draft, request.k, request.max_nodes)
             row.draft = [draft.tokens[node] for node in nodes]
             row.tree = not is_chain(row.parents)
+            row.chain = next((node for node, parent in enumerate(row.parents) if parent != node - 1), len(row.parents))
             # None given: each token's bucket is its depth's.
             evidence: list[DraftEvidence | None] = [draft.evidence[node] if node < len(draft.evidence) else None for node in nodes]
             firsts: set[int] = set()  # parents whose first child has been seen
@@ -508,46 +425,6 @@ class SpeculativeEngine:
                 row.buckets.append(evidence_bucket(item, depth, branch=parent in firsts))
                 firsts.add(parent)
         return rows
-
-    def plan(self, rows: list[_Row], prefill_tokens: int) -> None:
-        """Set how many drafts each row verifies: a fixed-K row its whole draft, adaptive rows as planned."""
-        adaptive, survivals = [], []
-        base_tokens, base_expected = len(rows), float(len(rows))
-        for row in rows:
-            factor = row.sequence.calibration.factor
-            hazards = [min(MAX_HAZARD, self.acceptance.hazard(bucket, EXPLORATION) * factor) for bucket in row.buckets]
-            survivals_of_row = survival(hazards, row.parents if row.tree else None)
-            if row.sequence.request.num_speculative_tokens is None:
-                adaptive.append(row)
-                survivals.append(survivals_of_row)
-            else:
-                row.verify = len(row.draft)
-                base_tokens += row.verify
-                base_expected += sum(survivals_of_row)
-        if not any(survivals):
-            self._probe(adaptive, base_tokens + prefill_tokens)
-            return
-        context = _cache_reads(rows, [])
-        plan = plan_verification(
-            survivals,
-            base_tokens,
-            base_expected,
-            lambda tokens: self.step_cost.cheapest(tokens, context),
-            prefill_tokens,
-        )
-        for row, chosen in zip(adaptive, plan.chosen):
-            row.choose(chosen)
-        self._probe(adaptive, plan.tokens + prefill_tokens)
-
-    def _probe(self, rows: list[_Row], tokens: int) -> None:
-        """Rows due a probe verify the draft tokens that one more token's padding makes
-        free (at least one), in a step of ``tokens`` without them (the first nodes of a
-        tree: parents come first, so any first few are closed under ancestors)."""
-        for row in rows:
-            if row.draft and not row.verify and row.sequence.calibration.probe_due:
-                row.verify = min(len(row.draft), 1 + self.step_cost.padding(tokens + 1))
-                row.probe = True
-                tokens += row.verify
 
     def _plan_prefill(self) -> list[tuple[_Sequence, int, int]]:
         """(sequence, first position, length) chunks for this step, oldest prompt first."""
@@ -641,7 +518,7 @@ class SpeculativeEngine:
             return outcomes
         rows = self.propose()
         chunks = self._plan_prefill()
-        self.plan(rows, sum(length for _, _, length in chunks))
+        self.planner.plan(rows, sum(length for _, _, length in chunks), _cache_reads(rows, []))
         decoding = len(rows)
         scoring, started = time.time_ns(), time.perf_counter()
         rows, chunks, logits, packed = self._score(rows, chunks)
@@ -663,7 +540,7 @@ class SpeculativeEngine:
             if outcome is not None:
                 outcomes.append(outcome)
         outcomes += self._finish_prefills(chunks, logits[decoded:])
-        self.acceptance.age()
+        self.planner.age()
         return outcomes + self._retire()
 
     # -- helpers -------------------------------------------------------------
@@ -719,22 +596,14 @@ class SpeculativeEngine:
         sequence, stats = row.sequence, row.sequence.stats
         count = len(path)
         stats.target_forward_passes += 1
-        if row.asked:  # feedback on the drafter's draft, sent when it is next asked
-            sequence.verified, sequence.accepted = row.verify, count
-        sequence.calibration.age()
+        if row.asked:  # feedback on the drafter's chain (a tree's first nodes), sent when it is next asked
+            on_chain = next((index for index, node in enumerate(path) if node != index or index >= row.chain), len(path))
+            sequence.verified, sequence.accepted = min(row.verify, row.chain), on_chain
         if row.verify:
             stats.draft_tokens += row.verify
             stats.accepted_tokens += count
             stats.verify_steps_with_drafts += 1
-            # The verified nodes that were reached (their parent accepted), and whether each was accepted.
-            on_path = set(path)
-            outcomes = [
-                (row.buckets[node], node in on_path) for node in range(row.verify) if row.parents[node] < 0 or row.parents[node] in on_path
-            ]
-            sequence.calibration.learn_reached([self.acceptance.hazard(bucket) for bucket, _ in outcomes], count, row.probe)
-            self.acceptance.learn_outcomes(outcomes)
-        elif row.draft and row.sequence.request.num_speculative_tokens is None:
-            sequence.calibration.skipped()
+        self.planner.learn(row, path)
         if row.tree:  # the path's keys and values into the columns after the last token's
             self.cache.compact(sequence.slot, sequence.cached + 1, path)
         emitted = self._emit(sequence, [row.draft[node] for node in path] + [token])
@@ -915,83 +784,6 @@ def check_supported(model: PreTrainedModel) -> None:
                 f"{type(model).__name__} uses {rope_type!r} RoPE scaling, whose frequencies depend on the longest "
                 "position in the batch; batched verification would change a request's output, so it is not served"
             )
-
-
-_calibrations: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def calibrated_step_cost(engine: SpeculativeEngine) -> StepCostModel:
-    """The step-cost model of ``engine``'s model on this machine, measured once per model object."""
-    cached = _calibrations.get(engine.model)
-    if cached is None:
-        cached = _calibrations[engine.model] = calibrate_step_cost(engine)
-    return cached
-
-
-def calibrate_step_cost(engine: SpeculativeEngine, tokens: Sequence[int] = CALIBRATION_TOKENS) -> StepCostModel:
-    """Seconds per packed forward pass at each token count, and per cached token read, on the real device.
-
-    Each pass is decode-shaped, as the steps it prices: the tokens spread
-    over as many slots as there are (up to one each), over one cached
-    column, then over ``CALIBRATION_COLUMNS`` for the cache-read term. The
-    slots hold zeros; no sequence is touched.
-    """
-    limit = min(engine.cache.capacity, engine.context_length) - 1
-    slots = len(engine._slots)
-    points, forms = {}, {}
-    with torch.inference_mode():
-        for count in tokens:
-            if count > limit * slots:
-                break
-            repeats = 2 if count < CALIBRATION_REPEAT_BELOW else 1
-            rows = _spread(count, slots, cached=1)
-            if engine.kernels is None or count > MEASURED_UP_TO:
-                points[count] = _best_time(engine, repeats, rows, [], list(range(count)))
-                continue
-            # Both forms of the linear layers (see linear_kernels), the faster kept.
-            timed = {}
-            for form in (False, True):
-                with engine.kernels.forcing(form):
-                    timed[form] = _best_time(engine, repeats, rows, [], list(range(count)))
-            forms[count] = (timed[False], timed[True])
-        if engine.kernels is not None:
-            engine.kernels.choose(forms)
-            for count, (linear, transposed) in forms.items():  # the step costs under the forms chosen
-                points[count] = transposed if engine.kernels.transposed(count) else linear
-        # The same steps over full slots, less their tokens' own cost: what attention's cache reads cost.
-        count, columns = min(2 * slots, max(points)), min(limit - 2, CALIBRATION_COLUMNS)
-        per_context_token = 0.0
-        if count in points and columns >= 64:
-            rows = _spread(count, slots, cached=columns)
-            seconds = _best_time(engine, 2, rows, [], list(range(count)))
-            per_context_token = max(0.0, (seconds - points[count]) / (len(rows) * columns))
-    log.info(
-        "step cost (tokens -> ms): %s; %.2f us per cached token read; linear layers as W @ x^T %s tokens",
-        {k: round(1000 * v, 1) for k, v in points.items()},
-        1e6 * per_context_token,
-        f"up to {engine.kernels.up_to}" if engine.kernels is not None else "no",
-    )
-    return StepCostModel(points, per_context_token)
-
-
-def _spread(tokens: int, slots: int, cached: int) -> list[tuple[int, list[int]]]:
-    """Decode rows carrying ``tokens`` between them, as evenly as ``slots`` allow: (10, 4) -> widths 3, 3, 2, 2."""
-    rows = min(tokens, slots)
-    return [(cached, [0] * (tokens // rows + (row < tokens % rows))) for row in range(rows)]
-
-
-def _best_time(engine: SpeculativeEngine, repeats: int, decode_rows, segments, keep) -> float:
-    cuda = engine.device.type == "cuda"
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        engine._forward(decode_rows, segments, keep)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-    return min(times)
 
 
 def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

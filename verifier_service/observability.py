@@ -32,7 +32,7 @@ from opentelemetry.trace import Link
 
 from specdec.telemetry import Tracing
 from verifier_service.drafting import DraftProposer, DraftRequest, ProposedDraft
-from verifier_service.engine import StepOutcome, StepReport
+from verifier_service.generation import StepOutcome, StepReport
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.scheduler import RequestHandle
 

@@ -67,7 +67,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from verifier_service.engine import FINISH_LENGTH, GenerationRequest
+from verifier_service.generation import FINISH_LENGTH, GenerationRequest
 from verifier_service.model_loading import chat_ids
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import QueueFull, RequestHandle, ShuttingDown, TokenChunk

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specdec.flags import setting
-from verifier_service.engine import GenerationRequest, GenerationResult, SequenceHandle, SpeculativeEngine, StepOutcome, StepReport
+from verifier_service.engine import SpeculativeEngine
+from verifier_service.generation import GenerationRequest, GenerationResult, SequenceHandle, StepOutcome, StepReport
 
 log = logging.getLogger(__name__)
 

@@ -49,19 +49,19 @@ from specdec.flags import setting
 from specdec.limits import ConnectionLimits
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from specdec.vocabulary import tokenizer_fingerprint
-from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL, StepCostModel
+from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL
+from verifier_service.calibration import StepCostModel
 from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
-from verifier_service.engine import (
+from verifier_service.engine import EngineConfig, SpeculativeEngine
+from verifier_service.generation import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
     FINISH_STOP,
     SOURCE_DRAFT,
     SOURCE_TARGET,
-    EngineConfig,
     GenerationRequest,
     GenerationResult,
     GenerationStats,
-    SpeculativeEngine,
 )
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model

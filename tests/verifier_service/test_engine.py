@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 
 from drafter_service.sessions import NGramDrafter
-from verifier_service.adaptive import StepCostModel
+from verifier_service.calibration import StepCostModel
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import (
     FINISH_LENGTH,

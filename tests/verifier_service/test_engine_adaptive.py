@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from verifier_service.adaptive import StepCostModel
+from verifier_service.calibration import StepCostModel
 from verifier_service.drafting import DraftRequest, ProposedDraft
 from verifier_service.engine import (
     FINISH_CANCELLED,
@@ -219,13 +219,13 @@ def test_learned_odds_follow_the_drafts(tiny_model, tiny_tokenizer):
     engine = engine_for(tiny_model, tiny_tokenizer, RecordingProposer(always_wrong(tiny_model)), FrozenStepCost({1: 1.0, 1024: 1.0}))
     engine.generate([GenerationRequest(PROMPTS[1], 20, num_speculative_tokens=None)])
     first_token, fourth_token = ("", 0, 0, 0), ("", 0, 0, 3)  # drafts without evidence
-    assert engine.acceptance.hazard(first_token) < 0.1
+    assert engine.planner.acceptance.hazard(first_token) < 0.1
     # Never reached (every draft failed at once): it has only what all drafts say.
-    assert engine.acceptance.hazard(fourth_token) == engine.acceptance.hazard(("unseen", 0, 0, 0)) < 0.1
+    assert engine.planner.acceptance.hazard(fourth_token) == engine.planner.acceptance.hazard(("unseen", 0, 0, 0)) < 0.1
     engine.proposer.guess = oracle(tiny_model)
     engine.generate([GenerationRequest(p, 60, num_speculative_tokens=None) for p in PROMPTS])
-    assert engine.acceptance.hazard(first_token) > 0.5  # 19 rejections, then ~28 acceptances
-    assert engine.acceptance.hazard(fourth_token) > 0.95
+    assert engine.planner.acceptance.hazard(first_token) > 0.5  # 19 rejections, then ~28 acceptances
+    assert engine.planner.acceptance.hazard(fourth_token) > 0.95
 
 
 # One row costs 100 ms and any wider step 160 ms (measured on a 2-core CPU, where
@@ -242,7 +242,7 @@ def test_drafts_judged_hopeless_on_other_text_are_probed_and_verified_again(tiny
     engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(GEMV_COST))
     for prompt in PROMPTS:
         engine.generate([GenerationRequest(prompt, 40, num_speculative_tokens=None)])
-    assert engine.acceptance.hazard(("", 0, 0, 0)) < 0.1
+    assert engine.planner.acceptance.hazard(("", 0, 0, 0)) < 0.1
     proposer.guess = oracle(tiny_model)
     [result] = engine.generate([GenerationRequest(PROMPTS[3], 48, num_speculative_tokens=None)])
     assert result.token_ids == truth(tiny_model, PROMPTS[3])[:48]

@@ -11,7 +11,7 @@ import pytest
 
 from drafter_service.sessions import NGramDrafter
 from verifier_service import engine as engine_module
-from verifier_service.adaptive import StepCostModel
+from verifier_service.calibration import StepCostModel
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import FINISH_LENGTH, GenerationRequest, SpeculativeEngine, reference_greedy
 from verifier_service.rejection import SamplingParams

@@ -24,7 +24,8 @@ class DraftRequest:
     session_id: str
     tokens: list[int]  # prompt + generated so far (the proposer sends what its drafter lacks)
     k: int  # draft tokens wanted: a chain's length, a tree's depth
-    # Feedback on this sequence's previous draft: tokens the target scored, and accepted.
+    # Feedback on this sequence's previous draft: tokens of its chain (a tree's
+    # first nodes, parents -1, 0, 1, ...) the target scored, and of those, accepted.
     verified: int = 0
     accepted: int = 0
     # Tree nodes wanted (0: a chain of k). The proposer may return fewer, or a chain.

@@ -135,6 +135,9 @@ def test_greedy_trees_equal_plain_decoding_and_accept_whole_paths(tiny_model, ti
         assert result.stats.target_forward_passes == 7
         assert result.stats.accepted_tokens == 24
     assert all(request.max_nodes == 12 for request in proposer.requests)
+    # Feedback is about the drafter's chain (the first nodes: two wrong ones here), never the branches.
+    assert {request.accepted for request in proposer.requests} == {0}
+    assert {request.verified for request in proposer.requests} <= {0, 1, 2}  # 1: the last step's depth-1 tree
 
 
 def test_greedy_trees_with_joins_and_rejections_equal_plain_decoding(tiny_model, tiny_tokenizer):

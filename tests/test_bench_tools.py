@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from bench.bench_core import ReferenceOracle, decode_batch
-from bench.draft_replay import ngram, prompt_lookup, replay
+from bench.draft_replay import accepted_path, ngram, prompt_lookup, replay
 from drafter_service.ngram import NGramConfig
 from drafter_service.sessions import NGramDrafter
 from verifier_service.drafting import DraftRequest, SessionProposer
@@ -42,3 +42,17 @@ def test_replay_advances_by_the_accepted_prefix_plus_one():
 def test_replay_counts_passes_without_drafts():
     report = replay(prompt_lookup(most_recent=True), [([5, 6], [7, 8, 9])], k=4)
     assert report == {"passes": 2, "tokens_per_pass": 1.0, "accepted_share_of_drafted": 0.0, "pass_kinds": {"no draft": 1.0}}
+
+
+def test_a_tree_pass_follows_the_reference_through_the_children():
+    assert accepted_path([4, 7, 3, 9], [-1, 0, -1, 2], [3, 9, 5]) == 2  # the second child of the root, then its child
+    assert accepted_path([4, 7, 3, 9], [-1, 0, -1, 2], [5]) == 0
+
+
+def test_replay_of_a_tree_rule_accepts_a_branch_the_chain_misses():
+    # (9, 1, 2) went to 4 and (1, 2) also to 3: the chain drafts 4, the tree 4 and 3.
+    context, output = [1, 2, 3, 9, 1, 2, 4, 7, 9, 1], [2, 3, 9, 8]
+    chain = replay(ngram(NGramConfig(n_max=3)), [(context, output)], k=2)
+    tree = replay(ngram(NGramConfig(n_max=3), nodes=8), [(context, output)], k=2)
+    assert chain["tokens_per_pass"] < tree["tokens_per_pass"]
+    assert tree["passes"] == 1 and tree["pass_kinds"] == {"all accepted": 1.0}  # 3 then 9: the whole depth, plus one

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 
+import pytest
+
+from bench.acceptance_curve import curve, expected_tokens
 from bench.bench_core import ReferenceOracle, decode_batch
 from bench.draft_replay import accepted_path, ngram, prompt_lookup, replay
+from bench.spec_bench import GROUPS, geometric_mean, load_groups
 from drafter_service.ngram import NGramConfig
 from drafter_service.sessions import NGramDrafter
 from verifier_service.drafting import DraftRequest, SessionProposer
@@ -56,3 +61,26 @@ def test_replay_of_a_tree_rule_accepts_a_branch_the_chain_misses():
     tree = replay(ngram(NGramConfig(n_max=3), nodes=8), [(context, output)], k=2)
     assert chain["tokens_per_pass"] < tree["tokens_per_pass"]
     assert tree["passes"] == 1 and tree["pass_kinds"] == {"all accepted": 1.0}  # 3 then 9: the whole depth, plus one
+
+
+def test_acceptance_curve_bins_requests_by_their_acceptance():
+    # K=2. First request: 2 + 2 + 0 accepted, one rejection (the 0): a = 0.8. Second: 1 accepted, one rejection: a = 0.5.
+    rows = curve([[2, 2, 0], [1]], k=2)
+    assert [(row["bin"], row["alpha"], row["passes"]) for row in rows] == [([0.4, 0.6], 0.5, 1), ([0.8, 0.9], 0.8, 3)]
+    assert rows[0]["measured_tokens_per_pass"] == 2.0 and rows[0]["expected_tokens_per_pass"] == 1.75  # (1 - 0.5^3) / 0.5
+    assert rows[1]["measured_tokens_per_pass"] == 2.333 and rows[1]["expected_tokens_per_pass"] == 2.44  # (1 - 0.8^3) / 0.2
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_spec_bench_groups_spread_over_each_group_in_id_order(tmp_path):
+    lines = [{"question_id": i, "category": "writing" if i < 4 else "roleplay", "turns": [f"q{i}", "second turn"]} for i in range(8)]
+    lines += [{"question_id": 100 + i, "category": group, "turns": [f"{group}{i}"]} for group in GROUPS[1:] for i in range(2)]
+    path = tmp_path / "question.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in reversed(lines)) + "\n")
+    groups = load_groups(path, 2)
+    assert list(groups) == list(GROUPS)
+    assert groups["mt_bench"] == ["q0", "q4"]  # both of MT-Bench's categories, first turns only
+    assert groups["rag"] == ["rag0", "rag1"]
+    with pytest.raises(ValueError, match=r"group translation has 2 questions, fewer than --per-group 3"):
+        load_groups(path, 3)
+    assert geometric_mean([1.0, 4.0]) == pytest.approx(2.0)

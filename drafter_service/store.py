@@ -6,10 +6,10 @@ that followed it — but on disk: it survives restarts and kill -9, stays within
 a configured size, forgets stale n-grams, and serves lookups from many threads
 while one thread writes.
 
-On-disk format, version 2 (``FORMAT_VERSION``)
+On-disk format, version 3 (``FORMAT_VERSION``)
 ----------------------------------------------
 One LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``) with
-four named sub-databases. Every integer is big-endian, so byte order is
+five named sub-databases. Every integer is big-endian, so byte order is
 numeric order and keys sharing a prefix sort together. No pickle anywhere.
 
 ``meta``
@@ -31,11 +31,23 @@ numeric order and keys sharing a prefix sort together. No pickle anywhere.
     key = hour applied (uint32, hours since the Unix epoch) | namespace (8
     bytes) | observe id (UTF-8); value empty. Oldest first, so expiry and
     eviction read from the front.
+``successors`` (the *successor table*: the target's own predictions)
+    key = namespace (8 bytes) | n (uint8, 1 or 2) | n tokens (uint32 each):
+    the current token, or the previous and the current one.
+    value = value version (uint8, 1: ``SUCCESSOR_VERSION``) | k tokens
+    (uint32 each), 1 <= k <= ``MAX_SUCCESSORS``: the target's top k
+    predictions for the token after that key, best first, as a verifier last
+    computed them. The newest replace what was there (Token Recycling's rule:
+    the latest predictions are the best guess). Bounded by count,
+    ``max_successor_entries``: once full, only keys already held are
+    updated; these records are not in ``tracked_bytes`` and are never evicted.
 
-Opening a file whose ``format_version`` is 2 reads it; 1 is migrated in
-place (version 1 keyed ``applied`` by decay epoch: those ids are dropped,
-logged, so a retry in flight across the upgrade may be counted twice);
-anything else, or a value whose version byte is not 1, raises ``StoreFormatError``.
+Opening a file whose ``format_version`` is 3 reads it; 2 is migrated in place
+(the ``successors`` sub-database is added, nothing else changes); 1 too (its
+``applied`` ids were keyed by decay epoch: those ids are dropped, logged, so a
+retry in flight across the upgrade may be counted twice); anything else, or a
+value whose version byte is not 1, raises ``StoreFormatError``. Code before
+format 3 refuses a version 3 file with that message.
 
 De-duplication window
 ---------------------
@@ -174,9 +186,13 @@ import lmdb
 from drafter_service.ngram import Continuation, best_of
 from specdec.vocabulary import FINGERPRINT_BYTES, vocabulary_fingerprint  # noqa: F401 (part of the store's API)
 
-FORMAT_VERSION = 2
-# The one older format a store opens, migrating it in place (see the docstring).
+FORMAT_VERSION = 3
+# The older formats a store opens, migrating them in place (see the docstring).
 MIGRATED_FORMAT_VERSION = 1
+SUCCESSORLESS_FORMAT_VERSION = 2
+# Version byte of a ``successors`` value, and the most predictions one holds.
+SUCCESSOR_VERSION = 1
+MAX_SUCCESSORS = 16
 # Version byte of an ``ngrams`` value (its encoding has not changed since format 1).
 VALUE_VERSION = 1
 NAMESPACE_BYTES = FINGERPRINT_BYTES
@@ -203,8 +219,11 @@ MIN_MAP_BYTES = 64 << 20
 # Continuations kept per key at most: a drafter uses the first; 255 is far
 # beyond any useful ranking and bounds a value to 9 + 2040 bytes.
 MAX_CONTINUATIONS = 255
-# Named sub-databases: ngrams, coldness, applied, meta.
-SUB_DATABASES = 4
+# Named sub-databases: ngrams, coldness, applied, meta, successors.
+SUB_DATABASES = 5
+# Map bytes reserved per successor record: key 17 + value <= 65 + LMDB's
+# header, in pages about half full, with copy-on-write copies.
+SUCCESSOR_MAP_BYTES = 512
 
 _COUNT = itemgetter(1)  # of a (token, count) pair
 _HEADER = struct.Struct(">BII")  # version, last-touched epoch, total
@@ -215,6 +234,9 @@ _FIRST_PAIR = struct.Struct(">II")
 # Packers for 0..MAX_CONTINUATIONS (token, count) pairs, built once: values are encoded per write.
 _PAIRS = [struct.Struct(f">{2 * n}I") for n in range(MAX_CONTINUATIONS + 1)]
 _UINT64 = struct.Struct(">Q")
+# A successor key after its namespace (n, then n tokens), for n = 1, 2; a value's k tokens.
+_SUCCESSOR_KEYS = {n: struct.Struct(f">B{n}I") for n in (1, 2)}
+_TOKENS = [struct.Struct(f">{n}I") for n in range(MAX_SUCCESSORS + 1)]
 _META_VERSION = b"format_version"
 _META_EPOCH = b"epoch"
 _META_EPOCH_TOKENS = b"epoch_tokens"
@@ -275,7 +297,8 @@ _LMDB_META = struct.Struct("<II")  # magic, version, at +16
 _LMDB_PAGE_SIZE = struct.Struct("<I")  # at +40
 _LMDB_LAST_PAGE_AND_TXN = struct.Struct("<QQ")  # at +136
 # Sub-databases a store's main database names; anything else is not ours.
-_OUR_DATABASES = {b"ngrams", b"coldness", b"applied", b"meta"}
+_SUCCESSORLESS_DATABASES = {b"ngrams", b"coldness", b"applied", b"meta"}  # formats 1 and 2
+_OUR_DATABASES = {*_SUCCESSORLESS_DATABASES, b"successors"}
 
 
 def file_problem(path: str | os.PathLike[str]) -> str | None:
@@ -374,6 +397,9 @@ class StoreConfig:
     # Reader slots: each concurrent continuations() call holds one briefly,
     # so this must cover the serving thread pool.
     max_readers: int = 512
+    # Successor-table keys: one per token (49K for the default model) plus one
+    # per (previous, current) pair seen; 1 Mi pairs is ~100 MB of pages.
+    max_successor_entries: int = 1 << 20
 
     def __post_init__(self) -> None:
         if len(self.namespace) != NAMESPACE_BYTES:
@@ -382,7 +408,7 @@ class StoreConfig:
             raise ValueError(f"need 1 <= n_min <= n_max <= {MAX_N}, got n_min={self.n_min}, n_max={self.n_max}")
         if self.max_continuations > MAX_CONTINUATIONS:
             raise ValueError(f"max_continuations must be <= {MAX_CONTINUATIONS}, got {self.max_continuations}")
-        positive = ("max_continuations", "epoch_observations", "max_bytes", "eviction_chunk_records")
+        positive = ("max_continuations", "epoch_observations", "max_bytes", "eviction_chunk_records", "max_successor_entries")
         if any(getattr(self, name) < 1 for name in positive):
             raise ValueError(f"{', '.join(positive)} must be >= 1")
         if self.decay_shift_per_epoch < 0 or self.dedup_window_hours < 0:
@@ -398,7 +424,7 @@ class StoreConfig:
     def map_size_bytes(self) -> int:
         if self.map_size is not None:
             return self.map_size
-        return max(MAP_BYTES_PER_MAX_BYTE * self.max_bytes, MIN_MAP_BYTES)
+        return max(MAP_BYTES_PER_MAX_BYTE * self.max_bytes, MIN_MAP_BYTES) + SUCCESSOR_MAP_BYTES * self.max_successor_entries
 
     @property
     def high_water_bytes(self) -> int:
@@ -528,6 +554,7 @@ class StoreSnapshot:
     def __init__(self, store: LMDBNGramStore, txn: lmdb.Transaction, epoch: int) -> None:
         self._config, self._db, self._txn, self._epoch = store.config, store._ngrams, txn, epoch
         self._packers = store._key_packers
+        self._successors, self._namespace = store._successors, store.config.namespace
 
     def continuations(self, key: tuple[int, ...]) -> dict[int, int] | None:
         value = self._value(key)
@@ -561,6 +588,24 @@ class StoreSnapshot:
         except struct.error:
             return None  # a token id outside uint32 was never stored
         return self._txn.get(ngram_key, db=self._db)
+
+    def successors(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The target's latest top predictions after ``key`` ((current,) or (previous, current)),
+        best first, or None. A value this code cannot read is None too: drafts are hints, and
+        ``walk_table`` reports it."""
+        packer = _SUCCESSOR_KEYS.get(len(key))
+        if packer is None:
+            return None
+        try:
+            value = self._txn.get(self._namespace + packer.pack(len(key), *key), db=self._successors)
+        except struct.error:
+            return None
+        if value is None:
+            return None
+        count, odd = divmod(len(value) - 1, 4)
+        if odd or not 0 < count <= MAX_SUCCESSORS or value[0] != SUCCESSOR_VERSION:
+            return None
+        return _TOKENS[count].unpack_from(value, 1)
 
     def observe(self, tokens: Sequence[int]) -> None:
         raise TypeError("a snapshot is read-only; observe through the store")
@@ -603,6 +648,7 @@ class LMDBNGramStore:
                 self._coldness = self._env.open_db(b"coldness", txn=txn)
                 self._applied = self._env.open_db(b"applied", txn=txn)
                 self._meta = self._env.open_db(b"meta", txn=txn)
+                self._successors = self._env.open_db(b"successors", txn=txn)
                 self._initialise_meta(txn)
         except BaseException:  # not ours, another version, damaged: leave nothing open
             self._env.close()
@@ -651,6 +697,41 @@ class LMDBNGramStore:
         with self._use(), self._write_lock:
             return self._commit_with_recovery(observations)
 
+    def successors(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
+        with self.snapshot() as snapshot:
+            return snapshot.successors(key)
+
+    def record_successors(self, updates: Iterable[tuple[tuple[int, ...], Sequence[int]]]) -> int:
+        """Store the target's top predictions after each key ((current,) or (previous,
+        current)), best first, in one transaction: the newest replace what was held. A new
+        key is skipped once the table holds ``max_successor_entries``. Returns how many were
+        stored. Raises ValueError, writing nothing, for a key or prediction list it cannot hold.
+        """
+        records = []
+        for key, tokens in updates:
+            packer = _SUCCESSOR_KEYS.get(len(key))
+            if packer is None or not 0 < len(tokens) <= MAX_SUCCESSORS:
+                raise ValueError(f"a successor key has 1 or 2 tokens and 1..{MAX_SUCCESSORS} predictions, got {key} -> {len(tokens)}")
+            try:
+                records.append(
+                    (self.config.namespace + packer.pack(len(key), *key), bytes((SUCCESSOR_VERSION,)) + _TOKENS[len(tokens)].pack(*tokens))
+                )
+            except struct.error:
+                raise ValueError(f"successor key {key} or its predictions hold a token id outside uint32") from None
+        if not records:
+            return 0
+        stored = 0
+        with self._use() as env, self._write_lock, env.begin(write=True) as txn:
+            entries = txn.stat(self._successors)["entries"]
+            for packed, value in records:
+                held = txn.get(packed, db=self._successors) is not None
+                if not held and entries >= self.config.max_successor_entries:
+                    continue
+                txn.put(packed, value, db=self._successors)
+                entries += not held
+                stored += 1
+        return stored
+
     def advance_epoch(self, epochs: int = 1) -> None:
         """Age every count by ``epochs`` epochs now (tests; a time-based policy)."""
         if epochs < 1:
@@ -667,7 +748,8 @@ class LMDBNGramStore:
             meta = self._read_meta(txn)
             entries = txn.stat(self._ngrams)["entries"]
             applied_ids = txn.stat(self._applied)["entries"]
-            dbs = (None, self._ngrams, self._coldness, self._applied, self._meta)
+            successor_entries = txn.stat(self._successors)["entries"]
+            dbs = (None, self._ngrams, self._coldness, self._applied, self._meta, self._successors)
             pages = sum(_tree_pages(txn.stat(db) if db is not None else txn.stat()) for db in dbs)
         return {
             "entries": entries,  # n-gram keys, all namespaces
@@ -678,6 +760,7 @@ class LMDBNGramStore:
             "epoch_tokens": meta.epoch_tokens,
             "evictions": meta.evictions,
             "applied_ids": applied_ids,
+            "successor_entries": successor_entries,
         }
 
     def backup(self, destination_path: str | os.PathLike[str]) -> None:
@@ -765,6 +848,14 @@ class LMDBNGramStore:
         if version is None:
             txn.put(_META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
             self._write_meta(txn, _Meta(epoch=0, epoch_tokens=0, tracked_bytes=0, evictions=0))
+        elif version == bytes((SUCCESSORLESS_FORMAT_VERSION,)):  # the successors sub-database is new (opened above): nothing else changes
+            txn.put(_META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
+            log.info(
+                "%s: migrated store format %d to %d (a successor table added)",
+                self.config.path,
+                SUCCESSORLESS_FORMAT_VERSION,
+                FORMAT_VERSION,
+            )
         elif version == bytes((MIGRATED_FORMAT_VERSION,)):  # ids keyed by decay epoch: drop them, the rest is unchanged
             meta = self._read_meta(txn)
             cursor, dropped = txn.cursor(db=self._applied), 0
@@ -1001,7 +1092,7 @@ def _tree_pages(stat: Mapping[str, Any]) -> int:
 STARTUP_WALK_RECORDS = 1_000_000
 # The meta records (see the format above) and each one's length.
 _META_LAYOUT = {_META_VERSION: 1, _META_EPOCH: 4, _META_EPOCH_TOKENS: 8, _META_TRACKED: 8, _META_EVICTIONS: 8}
-_READABLE_VERSIONS = (MIGRATED_FORMAT_VERSION, FORMAT_VERSION)
+_READABLE_VERSIONS = (MIGRATED_FORMAT_VERSION, SUCCESSORLESS_FORMAT_VERSION, FORMAT_VERSION)
 _NGRAM_KEY_MAX = NAMESPACE_BYTES + 1 + 4 * MAX_N
 # Signals LMDB dies of on a damaged page: an assertion (abort), or a pointer into nowhere.
 _DAMAGE_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
@@ -1046,11 +1137,13 @@ class _Walker:
         names = set(self.txn.cursor().iternext(keys=True, values=False))
         if not names:
             return  # an environment never written (creation cut short): the store sets it up
-        if names != _OUR_DATABASES:
+        if names != _OUR_DATABASES and names != _SUCCESSORLESS_DATABASES:
             raise _Unsound(f"its sub-databases are {sorted(names)}, not this store's")
         dbs = {name: self.env.open_db(name, txn=self.txn, create=False) for name in names}
         epoch = self._meta(dbs[b"meta"])
-        sizes = {name: self.txn.stat(dbs[name])["entries"] for name in (b"ngrams", b"coldness", b"applied")}
+        if (b"successors" in names) != (self.version == FORMAT_VERSION):
+            raise _Unsound(f"format version {self.version} with sub-databases {sorted(names)}")
+        sizes = {name: self.txn.stat(dbs[name])["entries"] for name in (b"ngrams", b"coldness", b"applied", b"successors") if name in dbs}
         self.entries = len(_META_LAYOUT) + sum(sizes.values())
         if sizes[b"ngrams"] != sizes[b"coldness"]:
             raise _Unsound(f"it holds {sizes[b'ngrams']} n-gram records but {sizes[b'coldness']} coldness entries (one each)")
@@ -1061,6 +1154,8 @@ class _Walker:
         self._ngrams(dbs[b"ngrams"], dbs[b"coldness"], limits[b"ngrams"], sizes[b"ngrams"], epoch)
         self._coldness(dbs[b"coldness"], limits[b"coldness"], sizes[b"coldness"], epoch)
         self._applied(dbs[b"applied"], limits[b"applied"], sizes[b"applied"])
+        if b"successors" in dbs:
+            self._successors(dbs[b"successors"], limits[b"successors"], sizes[b"successors"])
 
     def _meta(self, db: Any) -> int:
         """Check the meta records; the current epoch."""
@@ -1068,7 +1163,7 @@ class _Walker:
         self.records += len(records)
         version = records.get(_META_VERSION)
         if version is None or len(version) != 1 or version[0] not in _READABLE_VERSIONS:
-            raise _Unsound(f"format version {version!r}; this code reads {MIGRATED_FORMAT_VERSION} (migrating it) and {FORMAT_VERSION}")
+            raise _Unsound(f"format version {version!r}; this code reads {FORMAT_VERSION} (and 1 and 2, migrating them)")
         self.version = version[0]
         if {key: len(value) for key, value in records.items()} != _META_LAYOUT:
             raise _Unsound(f"its meta records are {sorted(records)}, not this format's")
@@ -1141,6 +1236,21 @@ class _Walker:
             except UnicodeDecodeError:
                 raise _Unsound(f"applied id {key.hex()} is not UTF-8") from None
         self._walked("applied-id", walked, limit, entries)
+
+    def _successors(self, db: Any, limit: int, entries: int) -> None:
+        previous, head = b"", NAMESPACE_BYTES + 1  # namespace, n
+        walked = 0
+        for key, value in self._cursor(db, limit):
+            walked += 1
+            if key <= previous:
+                raise _Unsound(f"successor keys out of order at {key.hex()}")
+            previous = key
+            count, odd = divmod(len(value) - 1, 4)
+            if len(key) < head or key[head - 1] not in (1, 2) or len(key) != head + 4 * key[head - 1]:
+                raise _Unsound(f"successor key {key.hex()} is not namespace | n (1 or 2) | n tokens")
+            if odd or not 0 < count <= MAX_SUCCESSORS or value[0] != SUCCESSOR_VERSION:
+                raise _Unsound(f"successor value of {key.hex()} is not version {SUCCESSOR_VERSION} and 1..{MAX_SUCCESSORS} tokens")
+        self._walked("successor", walked, limit, entries)
 
 
 def _sound_pairs(flat: tuple[int, ...], total: int) -> bool:

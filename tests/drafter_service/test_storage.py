@@ -103,7 +103,7 @@ def test_a_table_with_damaged_pages_is_quarantined_at_start_up_and_the_others_se
     damage(db / DAMAGED / "data.mdb")
     assert check.main(["--db", str(db)]) == 1
     report = capsys.readouterr().out
-    assert f"{SOUND}: ok, format 2 (current)" in report
+    assert f"{SOUND}: ok, format 3 (current)" in report
     problem = report.split(f"{DAMAGED}: PROBLEM: ")[1].splitlines()[0]
 
     stores = registry(db)

@@ -102,9 +102,9 @@ def test_an_unknown_file_version_is_refused_on_open(tmp_path):
     LMDBNGramStore(config).close()
     env = lmdb.open(config.path, max_dbs=4)
     with env.begin(write=True) as txn:
-        txn.put(b"format_version", bytes([3]), db=env.open_db(b"meta", txn=txn))
+        txn.put(b"format_version", bytes([4]), db=env.open_db(b"meta", txn=txn))
     env.close()
-    with pytest.raises(StoreFormatError, match="store format version 3"):
+    with pytest.raises(StoreFormatError, match="store format version 4"):
         LMDBNGramStore(config)
 
 
@@ -238,11 +238,11 @@ def test_a_format_1_store_is_migrated_and_its_epoch_keyed_ids_dropped(tmp_path, 
         txn.put(b"format_version", b"\x01", db=env.open_db(b"meta", txn=txn))
     env.close()
     with caplog.at_level(logging.WARNING, logger="drafter_service.store"), LMDBNGramStore(config) as store:
-        assert "migrated store format 1 to 2 (dropped 1 observe ids" in caplog.text
+        assert "migrated store format 1 to 3 (dropped 1 observe ids" in caplog.text
         assert store.continuations((1, 2)) == {3: 1}  # n-grams untouched
         assert store.stats()["applied_ids"] == 0
         assert store.apply([("a", [1, 2, 3])]) == [True]
-    with LMDBNGramStore(config) as store:  # now format 2: opens as is
+    with LMDBNGramStore(config) as store:  # now format 3: opens as is
         assert store.apply([("a", [1, 2, 3])]) == [False]
 
 
@@ -722,9 +722,9 @@ def test_the_walk_reads_every_record_of_a_sound_table_or_as_many_as_it_is_allowe
         store.advance_epoch()
         store.observe([1, 2, 3])
     # 2 bigrams ((1, 2) -> 3, 5; (2, 3) -> 4), each with its coldness entry, 2 applied ids, 5 meta records.
-    assert walk_table(config.path) == TableWalk(None, records=11, entries=11, version=2)
+    assert walk_table(config.path) == TableWalk(None, records=11, entries=11, version=3)
     # 2 shared out by size, rounded up: one n-gram, one coldness entry, one applied id.
-    assert walk_table(config.path, max_records=2) == TableWalk(None, records=8, entries=11, version=2)
+    assert walk_table(config.path, max_records=2) == TableWalk(None, records=8, entries=11, version=3)
     assert walk_tables([config.path, config.path], max_records=2) == [walk_table(config.path, max_records=2)] * 2
 
 

@@ -69,6 +69,13 @@ class DrafterConfig:
     # this: the verifier's Observe deadline is 10 s, and a backlog of
     # --max-pending-write-tokens takes ~10 s to commit.
     max_write_wait_s: float = setting(30.0, minimum=0.001, help="seconds a call waits for its write to be stored")
+    # The successor table (the target's own predictions, SequenceUpdate.predictions):
+    # a verifier sends one record per position it scored, a few dozen per
+    # sequence per step. One key per token plus one per (previous, current) pair seen.
+    max_successor_entries: int = setting(1 << 20, minimum=1, help="successor-table keys per table; once full, only held keys are updated")
+    max_predicted_positions: int = setting(1024, minimum=1, help="positions of predictions one sequence may send per call")
+    # ~one busy second of a batch of 16's predictions: the writer stores them within milliseconds.
+    max_pending_successors: int = setting(1 << 16, minimum=1, help="successor-table keys waiting for the writer; beyond, dropped (hints)")
     # 128K uint32 tokens encode to at most ~0.7 MB.
     max_message_bytes: int = setting(8 << 20, minimum=1, help="gRPC message size cap, both ways, in bytes")
     grace_s: float = setting(5.0, minimum=0.0, help="seconds SIGTERM gives in-flight calls")

@@ -31,6 +31,7 @@ from specdec.flags import setting
 
 SOURCE_CONTEXT = "context"
 SOURCE_GLOBAL = "global"
+SOURCE_SUCCESSOR = "successor"  # the target's own earlier predictions (the successor table)
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,22 @@ class InMemoryNGramTable:
         # tokens; for the rest (most n-grams of a context) the summary is the count.
         self._counts: dict[tuple[int, ...], dict[int, int]] = {}
 
+        # The successor table: (current,) and (previous, current) -> the target's latest top predictions.
+        self._successors: dict[tuple[int, ...], tuple[int, ...]] = {}
+
     def __len__(self) -> int:
         return len(self._best)
+
+    def successors(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
+        return self._successors.get(key)
+
+    def record_successors(self, updates) -> int:
+        """The target's top predictions after each key, best first: the newest replace the old."""
+        count = 0
+        for key, tokens in updates:
+            self._successors[tuple(key)] = tuple(tokens)
+            count += 1
+        return count
 
     def continuations(self, key: tuple[int, ...]) -> dict[int, int] | None:
         counts = self._counts.get(key)
@@ -284,11 +299,57 @@ def alternatives(
     return found
 
 
-# Alternatives tried at each position of the chain, and how deep a branch's own
-# chain goes: a branch is a second guess, so its continuation is cut short to
-# leave nodes for guesses at the chain's later positions.
+def successor_options(table: object, tail: Sequence[int]) -> list[tuple[int, Evidence]]:
+    """The successor table's predictions after ``tail``: keyed by its last two tokens,
+    else its last one; best first. Evidence: (SOURCE_SUCCESSOR, key length, k - rank, k),
+    so the top prediction reads as unanimous and the others as contested."""
+    lookup = getattr(table, "successors", None)
+    if lookup is None:
+        return []
+    for n in (2, 1):
+        if len(tail) >= n:
+            found = lookup(tuple(tail[-n:]))
+            if found:
+                k = len(found)
+                return [(token, Evidence(SOURCE_SUCCESSOR, n, k - rank, k)) for rank, token in enumerate(found)]
+    return []
+
+
+def propose_chain_or_successors(
+    context: Sequence[int],
+    sources: Sequence[tuple[str, BestSource]],
+    k: int,
+    config: NGramConfig,
+    prefix: Sequence[int] = (),
+) -> Draft:
+    """``propose_chain``, where each link the n-gram sources cannot make is the successor
+    table's top prediction (the global source's ``successors``, when it has them): the
+    n-gram chain, else the target's own earlier guess, then n-grams again."""
+    table = next((source for name, source in sources if name == SOURCE_GLOBAL), None)
+    tokens: list[int] = []
+    evidence: list[Evidence] = []
+    tail = list(context[-config.n_max :]) + list(prefix)
+    while len(tokens) < k:
+        link = propose_chain(context, sources, k - len(tokens), config, prefix=[*prefix, *tokens])
+        tokens += link.tokens
+        evidence += link.evidence
+        if len(tokens) >= k:
+            break
+        options = successor_options(table, tail + tokens)
+        if not options:
+            break
+        tokens.append(options[0][0])
+        evidence.append(options[0][1])
+    return Draft(tokens, evidence)
+
+
+# Alternatives tried at each position of the chain, from the n-gram sources and
+# from the successor table, and how deep a branch's own chain goes: a branch is
+# a second guess, so its continuation is cut short to leave nodes for guesses
+# at the chain's later positions.
 BRANCHES_PER_POSITION = 2
-BRANCH_DEPTH = 4
+SUCCESSOR_BRANCHES_PER_POSITION = 2
+BRANCH_DEPTH = 3
 
 
 def propose_tree(
@@ -300,10 +361,13 @@ def propose_tree(
 ) -> Draft:
     """A tree of at most ``max_nodes`` draft tokens, none deeper than ``k``.
 
-    Its first nodes are ``propose_chain``'s chain (so each node's first child
-    is the best guess). Then, for each position of the chain from the first,
-    up to BRANCHES_PER_POSITION other tokens that some source saw after the
-    same suffix (``alternatives``) become siblings of the chain's token there,
+    Its first nodes are the chain (``propose_chain_or_successors``: the
+    n-gram chain, its gaps filled from the successor table; so each node's
+    first child is the best guess). Then, for each position of the chain from
+    the first, up to BRANCHES_PER_POSITION other tokens that an n-gram source
+    saw after the same suffix (``alternatives``), then up to
+    SUCCESSOR_BRANCHES_PER_POSITION of the target's own earlier predictions
+    there (``successor_options``), become siblings of the chain's token,
     each followed by its own chain of up to BRANCH_DEPTH tokens, while nodes
     are left. Parents come before their children.
 
@@ -312,23 +376,27 @@ def propose_tree(
     (1, 2) first went to 3, so 3 is a sibling of 4, followed by 9 (after
     (2, 3)): tokens [4, 7, 3, 9], parents [-1, 0, -1, 2].
     """
-    chain = propose_chain(context, sources, k, config)
+    chain = propose_chain_or_successors(context, sources, k, config)
     tokens, evidence = list(chain.tokens), list(chain.evidence)
     parents = list(range(-1, len(tokens) - 1))
     if max_nodes <= len(tokens):
         return Draft(tokens[:max_nodes], evidence[:max_nodes], parents[:max_nodes])
+    table = next((source for name, source in sources if name == SOURCE_GLOBAL), None)
     tail = list(context[-config.n_max :])
     for position in range(min(len(chain.tokens) + 1, k)):
         here = tail + chain.tokens[:position]
-        exclude = chain.tokens[position] if position < len(chain.tokens) else None
-        for token, found in alternatives(here, sources, config, exclude, BRANCHES_PER_POSITION):
+        taken = {chain.tokens[position]} if position < len(chain.tokens) else set()
+        options = alternatives(here, sources, config, chain.tokens[position] if taken else None, BRANCHES_PER_POSITION)
+        taken |= {token for token, _ in options}
+        options += [option for option in successor_options(table, here) if option[0] not in taken][:SUCCESSOR_BRANCHES_PER_POSITION]
+        for token, found in options:
             if len(tokens) >= max_nodes:
                 return Draft(tokens, evidence, parents)
             parents.append(position - 1)
             tokens.append(token)
             evidence.append(found)
             depth = min(BRANCH_DEPTH, k - position - 1, max_nodes - len(tokens))
-            branch = propose_chain(here, sources, depth, config, prefix=[token]) if depth > 0 else Draft([])
+            branch = propose_chain_or_successors(here, sources, depth, config, prefix=[token]) if depth > 0 else Draft([])
             parents += range(len(tokens) - 1, len(tokens) - 1 + len(branch.tokens))
             tokens += branch.tokens
             evidence += branch.evidence

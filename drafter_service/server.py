@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2
 from drafter_service.admission import Admission, Refused
 from drafter_service.config import VOCABULARY_PATTERN, DrafterConfig
 from drafter_service.metrics import DrafterMetrics
-from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, NGramSource
+from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR, NGramSource
 from drafter_service.sessions import (
     BAD_FEEDBACK,
     BUSY,
@@ -44,7 +44,7 @@ from drafter_service.sessions import (
     SessionTable,
 )
 from drafter_service.storage import DiskFull, StoreRegistry, TooManyVocabularies
-from drafter_service.store import MAX_OBSERVE_ID_BYTES, LMDBNGramStore, StoreClosed, StoreFull
+from drafter_service.store import MAX_OBSERVE_ID_BYTES, MAX_SUCCESSORS, LMDBNGramStore, StoreClosed, StoreFull
 from drafter_service.writer import CHUNK_SUFFIX_BYTES, ObservationWriter, WriteQueueFull, _Pending
 from specdec import serving, telemetry
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
@@ -58,7 +58,11 @@ JANITOR_INTERVAL_S = 5.0
 ADMIN_WORKERS = 2
 # A backup's name: one plain path component, nothing a filesystem reads specially.
 BACKUP_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_SOURCES = {SOURCE_CONTEXT: drafter_pb2.DRAFT_SOURCE_CONTEXT, SOURCE_GLOBAL: drafter_pb2.DRAFT_SOURCE_GLOBAL}
+_SOURCES = {
+    SOURCE_CONTEXT: drafter_pb2.DRAFT_SOURCE_CONTEXT,
+    SOURCE_GLOBAL: drafter_pb2.DRAFT_SOURCE_GLOBAL,
+    SOURCE_SUCCESSOR: drafter_pb2.DRAFT_SOURCE_SUCCESSOR,
+}
 # What the caller hears when SessionTable refuses a call.
 SESSION_STATUS = {
     EXISTS: grpc.StatusCode.ALREADY_EXISTS,
@@ -173,6 +177,23 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     invalid, f"{where}: max_tree_nodes {sequence.max_tree_nodes} is out of range [0, {max_nodes}] (--max-tree-nodes)"
                 )
             self._check_tokens(sequence.new_tokens, where)
+            if sequence.predictions.current or sequence.predictions.tokens or sequence.predictions.previous:
+                self._check_predictions(sequence.predictions, f"{where}.predictions")
+
+    def _check_predictions(self, predictions: drafter_pb2.Predictions, where: str) -> None:
+        positions, k = len(predictions.current), predictions.k
+        _check(1 <= k <= MAX_SUCCESSORS, f"{where}: k {k} is out of range [1, {MAX_SUCCESSORS}]")
+        _check(
+            positions <= self.config.max_predicted_positions,
+            f"{where}: {positions} positions, more than {self.config.max_predicted_positions} (--max-predicted-positions)",
+        )
+        _check(
+            len(predictions.previous) == positions and len(predictions.tokens) == positions * k,
+            f"{where}: {len(predictions.previous)} previous and {len(predictions.tokens)} tokens for {positions} positions of "
+            f"k {k} (need {positions} and {positions * k})",
+        )
+        for name in ("previous", "current", "tokens"):
+            self._check_tokens(getattr(predictions, name), f"{where}.{name}")
 
     def _check_observe_id(self, observe_id: str, items: int) -> None:
         """Each of ``items`` is stored under ``observe_id/index``: all of those must fit."""
@@ -185,15 +206,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         )
 
     def _table(self, vocabulary: str, context) -> LMDBNGramStore:
-        """The table a write goes to, created on first write, within --max-vocabularies;
-        none while the disk is full (the janitor clears that once space is back)."""
-        if self.stores.disk.full:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.stores.disk.refusal())
+        """The table a write goes to (``_writable_table``); RESOURCE_EXHAUSTED when there is none."""
         try:
-            store = self.stores.get(vocabulary)
+            return self._writable_table(vocabulary)
         except (TooManyVocabularies, DiskFull) as full:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
             raise  # unreached: abort raises
+
+    def _writable_table(self, vocabulary: str) -> LMDBNGramStore:
+        """The table a write goes to, created on first write, within --max-vocabularies
+        (else TooManyVocabularies); none while the disk is full (DiskFull; the janitor
+        clears that once space is back)."""
+        if self.stores.disk.full:
+            raise DiskFull(self.stores.disk.refusal())
+        store = self.stores.get(vocabulary)
         if store is not self._healthy.get(vocabulary) and self.health is not None:  # a new table (or a fresh one after a quarantine)
             self._healthy[vocabulary] = store
             self.health.set(table_health_name(vocabulary), health_pb2.HealthCheckResponse.SERVING)
@@ -270,7 +296,26 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while drafting; no session was kept")
         self.sessions.release(caller, request.sequences, sessions, drop_opened=False)
         self._count([session.last_sources for session in sessions], asked=[update.num_draft_tokens > 0 for update in request.sequences])
+        self._keep_predictions(request)
         return drafter_pb2.ProposeResponse(drafts=drafts)
+
+    def _keep_predictions(self, request: drafter_pb2.ProposeRequest) -> None:
+        """Queue the call's predictions for the successor table (newest per key); nothing when
+        no table can take them now (a full disk, --max-vocabularies reached): they are hints."""
+        updates: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        for sequence in request.sequences:
+            predictions = sequence.predictions
+            k, tokens = predictions.k, predictions.tokens
+            for index, (previous, current) in enumerate(zip(predictions.previous, predictions.current)):
+                predicted = tuple(tokens[index * k : (index + 1) * k])
+                updates += [((current,), predicted), ((previous, current), predicted)]
+        if not updates:
+            return
+        try:
+            store = self._writable_table(request.vocabulary)
+        except (TooManyVocabularies, DiskFull):
+            return
+        self.writer.submit_successors(store, updates)
 
     def _drafts(self, updates, store: LMDBNGramStore | None) -> list[drafter_pb2.SequenceDraft]:
         """Drafting reads only this call's sessions and one LMDB read transaction. With no
@@ -626,7 +671,7 @@ def create_server(config: DrafterConfig) -> DrafterServer:
     except BaseException:
         stores.close()
         raise
-    writer = ObservationWriter(config.max_pending_observations, stores.disk, config.max_pending_write_tokens)
+    writer = ObservationWriter(config.max_pending_observations, stores.disk, config.max_pending_write_tokens, config.max_pending_successors)
     servicer = DrafterServicer(config, stores, writer)
     servicer.watch_streams(guard)
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer if admin_server is None else _ServingOnly(servicer), server)

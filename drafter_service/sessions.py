@@ -313,6 +313,18 @@ class NGramDrafter:
         session.context.extend(new_tokens)
         return session.draft(self.global_table, k)
 
+    def record_predictions(self, predictions) -> None:
+        """The target's top predictions at scored positions (``drafting.Predictions``) into the
+        global table's successor table, as the service's writer stores them."""
+        k, tokens = predictions.k, predictions.tokens
+        updates = []
+        for index, (previous, current) in enumerate(zip(predictions.previous, predictions.current)):
+            predicted = tuple(tokens[index * k : (index + 1) * k])
+            updates += [((current,), predicted), ((previous, current), predicted)]
+        record = getattr(self.global_table, "record_successors", None)
+        if record is not None:
+            record(updates)
+
     def propose_tree(self, session_id: str, new_tokens: Iterable[int], k: int, max_nodes: int) -> Draft:
         """``propose``, as a tree of up to ``max_nodes`` tokens none deeper than ``k``."""
         session = self._session(session_id)

@@ -344,6 +344,7 @@ class StoreRegistry:
                 max_bytes=self.config.max_bytes,
                 epoch_observations=epoch_tokens(self.config.max_bytes),
                 dedup_window_hours=self.config.dedup_window_hours,
+                max_successor_entries=self.config.max_successor_entries,
             )
             return LMDBNGramStore(store_config, on_corruption=self._on_corruption)
         except (OSError, lmdb.Error) as error:

@@ -9,6 +9,13 @@ maximum), then marks its items ``abandoned``; an item whose caller has given
 up is dropped before its next chunk is committed, however few chunks it has,
 so a write nobody waits for never holds the writer. Chunks already committed
 stay (a retry under the same id skips them).
+
+The writer also stores the target's predictions that verifiers send with
+Propose (the successor table): ``submit_successors`` never blocks its caller,
+keeps the newest predictions per key, and drops keys beyond its bound
+(counted); the writer commits what is pending before each group of
+observations, in one transaction per table. Predictions are hints, resent
+with every step, so a dropped or lost one costs a draft, never an output.
 """
 
 from __future__ import annotations
@@ -66,6 +73,13 @@ class _Pending:
         return chunk_id, self.tokens[low - context : low + CHUNK_TOKENS], context
 
 
+class _Wake:
+    """Queued to wake the writer for pending successor-table updates."""
+
+
+_WAKE = _Wake()
+
+
 class WriteQueueFull(Exception):
     """The queue holds as many observations or tokens as it may; the message names the flag."""
 
@@ -79,14 +93,59 @@ class ObservationWriter(threading.Thread):
     in progress, and long ones always advance.
     """
 
-    def __init__(self, max_pending: int, disk: DiskSpace, max_pending_tokens: int = 1 << 20) -> None:
+    def __init__(self, max_pending: int, disk: DiskSpace, max_pending_tokens: int = 1 << 20, max_pending_successors: int = 1 << 16) -> None:
         super().__init__(name="drafter-writer", daemon=True)
-        self.queue: queue.Queue[_Pending | None] = queue.Queue()
+        self.queue: queue.Queue[_Pending | _Wake | None] = queue.Queue()
         self.disk = disk
         self.max_pending, self.max_pending_tokens = max_pending, max_pending_tokens
         self.pending = self.pending_tokens = 0  # submitted and not yet done
         self.dropped = 0  # items dropped because their caller gave up
         self._accounting = threading.Lock()
+        # Successor-table updates waiting for the writer: per table, key -> predictions (the newest).
+        self.max_pending_successors = max_pending_successors
+        self._successors: dict[int, tuple[LMDBNGramStore, dict[tuple[int, ...], tuple[int, ...]]]] = {}
+        self._successor_keys = 0  # keys in _successors
+        self._woken = False  # a _WAKE is queued and not yet taken
+        self.dropped_successors = 0  # keys dropped: beyond the bound, the disk full, or the table gone
+        self.stored_successors = 0
+
+    def submit_successors(self, store: LMDBNGramStore, updates: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+        """Queue the target's predictions for ``store`` (see the module docstring). Never blocks:
+        a key beyond --max-pending-successors is dropped and counted."""
+        if not updates:
+            return
+        with self._accounting:
+            pending = self._successors.setdefault(id(store), (store, {}))[1]
+            for key, tokens in updates:
+                if key not in pending:
+                    if self._successor_keys >= self.max_pending_successors:
+                        self.dropped_successors += 1
+                        continue
+                    self._successor_keys += 1
+                pending[key] = tokens
+            wake, self._woken = not self._woken, True
+        if wake:
+            self.queue.put_nowait(_WAKE)
+
+    def _store_successors(self) -> None:
+        """Commit the pending successor-table updates, one transaction per table."""
+        with self._accounting:
+            tables, self._successors, self._successor_keys, self._woken = self._successors, {}, 0, False
+        for store, updates in tables.values():
+            if self.disk.check():
+                self.dropped_successors += len(updates)
+                continue
+            try:
+                stored = store.record_successors(updates.items())
+            except StoreClosed:  # set aside meanwhile: the next step's predictions go to its successor
+                self.dropped_successors += len(updates)
+                continue
+            except Exception:  # never kills the writer; predictions are hints
+                log.exception("storing %d successor-table predictions failed", len(updates))
+                self.dropped_successors += len(updates)
+                continue
+            self.stored_successors += stored
+            self.dropped_successors += len(updates) - stored
 
     def submit(self, items: list[_Pending]) -> None:
         """Queue ``items``, all or none: ``WriteQueueFull`` beyond --max-pending-observations
@@ -126,15 +185,19 @@ class ObservationWriter(threading.Thread):
         waiting: deque[_Pending] = deque()  # with chunks left, the longest-waiting first
         stopping = False
         while True:
+            woken = False  # successor-table updates are pending
             while True:  # block only when there is nothing to do
                 try:
-                    item = self.queue.get(block=not (waiting or stopping))
+                    item = self.queue.get(block=not (waiting or stopping or woken))
                 except queue.Empty:
                     break
                 if item is None:
                     stopping = True
+                elif isinstance(item, _Wake):
+                    woken = True
                 else:
                     waiting.append(item)
+            self._store_successors()
             self._drop_given_up(waiting)
             if not waiting:
                 if stopping:

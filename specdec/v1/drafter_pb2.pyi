@@ -12,12 +12,26 @@ class DraftSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFT_SOURCE_UNSPECIFIED: _ClassVar[DraftSource]
     DRAFT_SOURCE_CONTEXT: _ClassVar[DraftSource]
     DRAFT_SOURCE_GLOBAL: _ClassVar[DraftSource]
+    DRAFT_SOURCE_SUCCESSOR: _ClassVar[DraftSource]
 DRAFT_SOURCE_UNSPECIFIED: DraftSource
 DRAFT_SOURCE_CONTEXT: DraftSource
 DRAFT_SOURCE_GLOBAL: DraftSource
+DRAFT_SOURCE_SUCCESSOR: DraftSource
+
+class Predictions(_message.Message):
+    __slots__ = ("k", "previous", "current", "tokens")
+    K_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    k: int
+    previous: _containers.RepeatedScalarFieldContainer[int]
+    current: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, k: _Optional[int] = ..., previous: _Optional[_Iterable[int]] = ..., current: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("session_id", "new_tokens", "open", "num_draft_tokens", "verified_draft_tokens", "accepted_draft_tokens", "max_tree_nodes")
+    __slots__ = ("session_id", "new_tokens", "open", "num_draft_tokens", "verified_draft_tokens", "accepted_draft_tokens", "max_tree_nodes", "predictions")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +39,7 @@ class SequenceUpdate(_message.Message):
     VERIFIED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     open: bool
@@ -32,7 +47,8 @@ class SequenceUpdate(_message.Message):
     verified_draft_tokens: int
     accepted_draft_tokens: int
     max_tree_nodes: int
-    def __init__(self, session_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., open: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., verified_draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
+    predictions: Predictions
+    def __init__(self, session_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., open: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., verified_draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., predictions: _Optional[_Union[Predictions, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("vocabulary", "sequences")

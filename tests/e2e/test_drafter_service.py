@@ -589,3 +589,26 @@ def test_the_check_finds_random_pages(tmp_path):
             handle.write(rng.randbytes(4096))
     check = subprocess.run([sys.executable, "-m", "drafter_service.check", "--db", str(db)], capture_output=True, text=True, timeout=60)
     assert check.returncode == 1 and f"{VOCABULARY}: PROBLEM" in check.stdout
+
+
+def test_the_successor_table_survives_kill_9(tmp_path):
+    """The target's predictions, sent with Propose, are drafted from once stored, and after
+    kill -9 and a restart still are: the warm state of the successor table is on disk."""
+    db = tmp_path / "db"
+    predictions = pb.Predictions(k=2, previous=[70, 71], current=[71, 72], tokens=[72, 80, 73, 81])
+
+    def tree(stub, session, tokens, **extra):
+        update = pb.SequenceUpdate(session_id=session, new_tokens=tokens, open=True, num_draft_tokens=3, max_tree_nodes=8, **extra)
+        return stub.Propose(pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[update]), timeout=5).drafts[0]
+
+    with drafter(db) as server:
+        tree(server.stub, "sender", [70, 71], predictions=predictions)
+        deadline = time.monotonic() + 10
+        while list(tree(server.stub, f"probe-{time.monotonic()}", [5, 70, 71]).tokens[:2]) != [72, 73]:
+            assert time.monotonic() < deadline, "the predictions were never drafted from"
+            time.sleep(0.05)
+        server.kill()
+    with drafter(db) as server:
+        draft = tree(server.stub, "after", [5, 70, 71])
+        assert list(draft.tokens[:2]) == [72, 73] and list(draft.sources[:2]) == [pb.DRAFT_SOURCE_SUCCESSOR] * 2
+        assert server.terminate() == 0

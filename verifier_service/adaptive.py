@@ -101,6 +101,7 @@ MATCH_LENGTH_BUCKETS = 4
 
 SOURCE_CONTEXT = "context"  # the request's own prompt and output (the drafter's names for its sources)
 SOURCE_GLOBAL = "global"  # the table learned across requests
+SOURCE_SUCCESSOR = "successor"  # the target's own earlier predictions (the drafter's successor table)
 
 
 def evidence_bucket(evidence, position: int, branch: bool = False) -> tuple:

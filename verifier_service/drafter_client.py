@@ -27,8 +27,8 @@ import grpc
 
 from specdec import serving, telemetry
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
-from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL
-from verifier_service.drafting import DraftEvidence, DraftRequest, ProposedDraft
+from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR
+from verifier_service.drafting import DraftEvidence, DraftRequest, Predictions, ProposedDraft
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +171,7 @@ class RemoteDrafter:
                 open=True,
                 num_draft_tokens=request.k,
                 max_tree_nodes=request.max_nodes,
+                predictions=_predictions(request.predictions),
             )
         return drafter_pb2.SequenceUpdate(
             session_id=self._session(request.session_id),
@@ -179,6 +180,7 @@ class RemoteDrafter:
             verified_draft_tokens=request.verified,
             accepted_draft_tokens=request.accepted,
             max_tree_nodes=request.max_nodes,
+            predictions=_predictions(request.predictions),
         )
 
     def _on_error(self, error: grpc.RpcError) -> None:
@@ -241,7 +243,17 @@ class RemoteDrafter:
                 pass
 
 
-_SOURCES = {drafter_pb2.DRAFT_SOURCE_CONTEXT: SOURCE_CONTEXT, drafter_pb2.DRAFT_SOURCE_GLOBAL: SOURCE_GLOBAL}
+_SOURCES = {
+    drafter_pb2.DRAFT_SOURCE_CONTEXT: SOURCE_CONTEXT,
+    drafter_pb2.DRAFT_SOURCE_GLOBAL: SOURCE_GLOBAL,
+    drafter_pb2.DRAFT_SOURCE_SUCCESSOR: SOURCE_SUCCESSOR,
+}
+
+
+def _predictions(predictions: Predictions | None) -> drafter_pb2.Predictions | None:
+    if predictions is None or not predictions.current:
+        return None
+    return drafter_pb2.Predictions(k=predictions.k, previous=predictions.previous, current=predictions.current, tokens=predictions.tokens)
 
 
 def _draft(message: drafter_pb2.SequenceDraft) -> ProposedDraft:

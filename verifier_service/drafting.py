@@ -17,6 +17,19 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 
+@dataclass(frozen=True)
+class Predictions:
+    """The target's top-k predictions at the positions one step scored for a sequence:
+    position i is the token ``current[i]`` (after ``previous[i]``), and
+    ``tokens[i * k : (i + 1) * k]`` its k most likely next tokens, best first. The
+    drafter keeps them as its successor table."""
+
+    k: int
+    previous: list[int]
+    current: list[int]
+    tokens: list[int]
+
+
 @dataclass
 class DraftRequest:
     """One sequence's part of a batched propose call."""
@@ -30,6 +43,8 @@ class DraftRequest:
     accepted: int = 0
     # Tree nodes wanted (0: a chain of k). The proposer may return fewer, or a chain.
     max_nodes: int = 0
+    # The target's predictions at the positions scored since the previous call.
+    predictions: Predictions | None = None
 
 
 class DraftEvidence(NamedTuple):
@@ -82,6 +97,8 @@ class SessionProposer:
         drafts = []
         for request in requests:
             new = self._new_tokens(request.session_id, request.tokens)
+            if request.predictions is not None and hasattr(self.drafter, "record_predictions"):
+                self.drafter.record_predictions(request.predictions)
             if request.max_nodes and hasattr(self.drafter, "propose_tree"):
                 draft = self.drafter.propose_tree(request.session_id, new, request.k, request.max_nodes)
             else:

@@ -49,7 +49,7 @@ from specdec.flags import setting
 from specdec.limits import ConnectionLimits
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from specdec.vocabulary import tokenizer_fingerprint
-from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL
+from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR
 from verifier_service.calibration import StepCostModel
 from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
 from verifier_service.engine import EngineConfig, SpeculativeEngine
@@ -85,6 +85,7 @@ TOKEN_SOURCES = {
     SOURCE_CONTEXT: verifier_pb2.TOKEN_SOURCE_CONTEXT,
     SOURCE_GLOBAL: verifier_pb2.TOKEN_SOURCE_GLOBAL,
     SOURCE_DRAFT: verifier_pb2.TOKEN_SOURCE_DRAFT,
+    SOURCE_SUCCESSOR: verifier_pb2.TOKEN_SOURCE_SUCCESSOR,
 }
 
 

@@ -14,7 +14,7 @@ from drafter_service.server import DrafterConfig, create_server
 from specdec.v1 import drafter_pb2 as pb
 from specdec.v1 import drafter_pb2_grpc as rpc
 from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
-from verifier_service.drafting import DraftEvidence, DraftRequest
+from verifier_service.drafting import DraftEvidence, DraftRequest, Predictions
 
 VOCABULARY = "00112233445566aa"
 # Upper bound on waiting for background work (observations, reconnects); never a pass/fail threshold.
@@ -406,3 +406,21 @@ def test_closing_many_sessions_stays_within_the_drafters_per_call_limits():
         assert sum(recorder.calls, []) == ids  # each once, in order
     finally:
         client.stop(timeout_s=0)
+
+
+def test_trees_and_predictions_travel_both_ways(drafters, clients):
+    server = drafters.start()
+    client = clients(server.port)
+    # The target predicted 50 then 51 after (5, 6), and 52 after (6, 7).
+    predictions = Predictions(2, previous=[5, 6], current=[6, 7], tokens=[50, 51, 52, 53])
+    client.propose([DraftRequest("seq-0", [1, 5, 6], 2, max_nodes=6, predictions=predictions)])
+    update = client.stub.proposes[0].sequences[0]
+    assert update.max_tree_nodes == 6
+    assert (update.predictions.k, list(update.predictions.previous), list(update.predictions.current)) == (2, [5, 6], [6, 7])
+    assert list(update.predictions.tokens) == [50, 51, 52, 53]
+    store = server.servicer.stores.find(VOCABULARY)
+    wait_until(lambda: store is not None and store.successors((5, 6)) == (50, 51), "the successor table holds the predictions")
+    [draft] = client.propose([DraftRequest("seq-1", [9, 5, 6], 2, max_nodes=6)])
+    # (5, 6) -> 50 best, 51 second: a root with two children; nothing is known after either.
+    assert (draft.tokens, draft.parents) == ([50, 51], [-1, -1])
+    assert [evidence.source for evidence in draft.evidence] == ["successor", "successor"]

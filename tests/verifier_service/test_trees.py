@@ -6,6 +6,7 @@ On the tiny seeded Llama (and a sliding-window Mistral), against full recomputat
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -57,7 +58,7 @@ class TreeProposer:
     def propose(self, requests: list[DraftRequest]) -> list[ProposedDraft]:
         drafts = []
         for request in requests:
-            self.requests.append(request)
+            self.requests.append(dataclasses.replace(request, tokens=list(request.tokens)))  # the engine's list grows
             prompt = next(p for p in self.prompts if request.tokens[: len(p)] == p)
             done = len(request.tokens) - len(prompt)
             tokens, parents = self.shape(self.reference(prompt)[done : done + request.k], request.k)
@@ -242,3 +243,37 @@ def test_the_usable_tree_keeps_valid_nodes_and_their_order(tiny_model, tiny_toke
     assert nodes == [0, 1, 2, 6] and parents == [-1, -1, 0, 2]
     assert engine._usable(draft, k=1, max_nodes=16) == ([0, 1], [-1, -1])  # depth 1: the root's children
     assert engine._usable(draft, k=8, max_nodes=2) == ([0, 1], [-1, -1])
+
+
+# -- the target's predictions, for the drafter's successor table -----------------------
+
+
+def test_each_propose_carries_the_targets_top_predictions_at_the_positions_scored(tiny_model, tiny_tokenizer):
+    proposer = TreeProposer(lambda prompt: truth(tiny_model, prompt))
+    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), adaptive_max_k=3, adaptive_max_nodes=9)
+    engine.generate([GenerationRequest(p, 20, num_speculative_tokens=None) for p in PROMPTS[:2]])
+    by_session: dict[str, list[DraftRequest]] = {}
+    for request in proposer.requests:
+        by_session.setdefault(request.session_id, []).append(request)
+    checked = 0
+    for requests in by_session.values():
+        assert requests[0].predictions is None  # nothing scored yet
+        for before, after in zip(requests, requests[1:]):
+            predictions = after.predictions
+            assert predictions is not None and predictions.k == 8
+            positions = len(predictions.current)
+            assert len(predictions.previous) == positions and len(predictions.tokens) == 8 * positions
+            # Position 0 is the last token the previous step fed; the target's top prediction there is
+            # the greedy next token, which the sequence now holds.
+            assert (predictions.previous[0], predictions.current[0]) == (before.tokens[-2], before.tokens[-1])
+            assert predictions.tokens[0] == after.tokens[len(before.tokens)]
+            assert len(set(predictions.tokens[:8])) == 8  # k distinct tokens, best first
+            checked += 1
+    assert checked > 5
+
+
+def test_no_predictions_are_kept_when_switched_off(tiny_model, tiny_tokenizer):
+    proposer = TreeProposer(lambda prompt: truth(tiny_model, prompt))
+    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), successor_top_k=0)
+    engine.generate([GenerationRequest(PROMPTS[0], 10, num_speculative_tokens=None)])
+    assert all(request.predictions is None for request in proposer.requests)

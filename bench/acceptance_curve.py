@@ -51,17 +51,17 @@ def curve(requests: list[list[int]], k: int) -> list[dict]:
     rows = []
     for low, high in zip(BINS, BINS[1:]):
         chosen = []
-        for passes in requests:
-            accepted = sum(passes)
-            rejections = sum(count < k for count in passes)
-            if passes and low <= accepted / (accepted + rejections or 1) < high:
-                chosen.append(passes)
+        for request in requests:
+            accepted = sum(request)
+            rejections = sum(count < k for count in request)
+            if request and low <= accepted / (accepted + rejections or 1) < high:
+                chosen.append(request)
         if not chosen:
             continue
-        accepted = sum(sum(passes) for passes in chosen)
-        rejections = sum(count < k for passes in chosen for count in passes)
+        accepted = sum(sum(request) for request in chosen)
+        rejections = sum(count < k for request in chosen for count in request)
         alpha = accepted / (accepted + rejections) if accepted + rejections else 0.0
-        passes = sum(len(p) for p in chosen)
+        passes = sum(len(request) for request in chosen)
         rows.append(
             {
                 "bin": [low, min(high, 1.0)],
@@ -70,7 +70,7 @@ def curve(requests: list[list[int]], k: int) -> list[dict]:
                 "alpha": round(alpha, 3),
                 "measured_tokens_per_pass": round((accepted + passes) / passes, 3),
                 "expected_tokens_per_pass": round(expected_tokens(alpha, k), 3),
-                "all_accepted_share": round(sum(count == k for p in chosen for count in p) / passes, 3),
+                "all_accepted_share": round(sum(count == k for request in chosen for count in request) / passes, 3),
                 "expected_all_accepted_share": round(alpha**k, 3),
             }
         )

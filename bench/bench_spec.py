@@ -27,7 +27,8 @@ checked against plain's: greedy speculation must not change a token.
 Batch (``--batch N``, 0 to skip): the group's first N prompts prefilled
 together, then only the decoding timed, for plain, chain and default.
 
-Speedups are per group, then the geometric mean over the six groups.
+Speedups are per group (single stream: the median over ``--rounds`` of
+same-round ratios), then the geometric mean over the six groups.
 Writes ``spec_bench.json`` and ``spec_bench.png`` under ``--out``, and
 prints Markdown tables.
 """
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -61,14 +63,18 @@ def run_ours(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int, k: 
 
 
 def measure_single(model, tokenizer, groups: dict[str, list[str]], max_new_tokens: int, rounds: int) -> dict:
+    """Per group, ``rounds`` passes over its prompts, every method in turn per prompt; a
+    method's speedup is the median over rounds of its tokens/s over plain's in the same
+    round (this machine's speed drifts by tens of percent within minutes)."""
     engines = {name: SpeculativeEngine(model, tokenizer, None, config) for name, (config, _) in OURS.items()}
+    names = [*OURS, *(f"hf-pld-{k}" for k in PLD_KS)]
     report = {}
     for group, prompts in groups.items():
         ids_list = [chat_prompt_ids(tokenizer, prompt) for prompt in prompts]
-        names = [*OURS, *(f"hf-pld-{k}" for k in PLD_KS)]
-        totals = {name: {"tokens": 0, "seconds": 0.0, "passes": 0, "drafted": 0, "accepted": 0} for name in names}
+        per_round = []
         mismatches = set()
         for _ in range(rounds):
+            totals = {name: {"tokens": 0, "seconds": 0.0, "passes": 0, "drafted": 0, "accepted": 0} for name in names}
             for ids in ids_list:
                 reference = None
                 for name in names:
@@ -86,16 +92,23 @@ def measure_single(model, tokenizer, groups: dict[str, list[str]], max_new_token
                         total["passes"] += stats.target_forward_passes
                         total["drafted"] += stats.draft_tokens
                         total["accepted"] += stats.accepted_tokens
-        plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"]
-        rows = {}
-        for name, total in totals.items():
-            rate = total["tokens"] / total["seconds"]
-            rows[name] = {"tokens_per_s": round(rate, 2), "speedup_vs_plain": round(rate / plain_rate, 3), "tokens": total["tokens"]}
-            if total["passes"]:
-                rows[name]["tokens_per_pass"] = round(total["tokens"] / total["passes"], 3)
-                rows[name]["acceptance_rate"] = round(total["accepted"] / total["drafted"], 3) if total["drafted"] else 0.0
+            per_round.append(totals)
+        rows: dict[str, dict] = {}
+        for name in names:
+            rates = [totals[name]["tokens"] / totals[name]["seconds"] for totals in per_round]
+            ratios = [rate / (totals["plain"]["tokens"] / totals["plain"]["seconds"]) for rate, totals in zip(rates, per_round)]
+            first = per_round[0][name]
+            rows[name] = {
+                "tokens_per_s": round(statistics.median(rates), 2),
+                "speedup_vs_plain": round(statistics.median(ratios), 3),
+                "speedup_per_round": [round(ratio, 3) for ratio in ratios],
+                "tokens": first["tokens"],
+            }
+            if first["passes"]:
+                rows[name]["tokens_per_pass"] = round(first["tokens"] / first["passes"], 3)
+                rows[name]["acceptance_rate"] = round(first["accepted"] / first["drafted"], 3) if first["drafted"] else 0.0
         pld = max((f"hf-pld-{k}" for k in PLD_KS), key=lambda name: rows[name]["speedup_vs_plain"])
-        report[group] = {"prompts": len(prompts), "mismatches": sorted(mismatches), "best_pld": pld, "methods": rows}
+        report[group] = {"prompts": len(prompts), "rounds": rounds, "mismatches": sorted(mismatches), "best_pld": pld, "methods": rows}
         print(f"{group}: " + ", ".join(f"{name} x{row['speedup_vs_plain']:.2f}" for name, row in rows.items()), flush=True)
     return report
 
@@ -195,7 +208,9 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--per-group", type=int, default=4, help="prompts per group, single stream")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--rounds", type=int, default=1, help="passes over the prompts, single stream")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="passes over the prompts, single stream (speedups: medians of same-round ratios)"
+    )
     parser.add_argument("--batch", type=int, default=16, help="prefilled sequences per group in the batch run (0: skip it)")
     parser.add_argument("--single", action=argparse.BooleanOptionalAction, default=True, help="run the single-stream part")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 # Unverified buckets start at even odds, worth two observations: one
@@ -195,16 +195,23 @@ def _parent(bucket: tuple) -> tuple:
 
 @dataclass
 class SequenceCalibration:
-    """How a sequence's drafts fare against the model's hazards: accepted / expected, faded."""
+    """How a sequence's drafts fare against the model's hazards: accepted / expected, faded,
+    per source. Per source because a sequence may copy its context well while the
+    target's earlier predictions (or the global table) miss on the same text: one
+    factor for all would let one source's failures stop the others being verified."""
 
-    accepted: float = 0.0
-    expected: float = 0.0
     idle: int = 0  # steps since the sequence last verified a draft it had
     probe_after: int = PROBE_AFTER  # idle steps before it probes
+    _record: dict[str, list[float]] = field(default_factory=dict)  # source -> [accepted, expected]
 
     @property
     def factor(self) -> float:
-        return (self.accepted + CALIBRATION_WEIGHT) / (self.expected + CALIBRATION_WEIGHT)
+        """The factor of drafts that name no source (``learn``'s)."""
+        return self.factor_of("")
+
+    def factor_of(self, source: str) -> float:
+        accepted, expected = self._record.get(source, (0.0, 0.0))
+        return (accepted + CALIBRATION_WEIGHT) / (expected + CALIBRATION_WEIGHT)
 
     @property
     def probe_due(self) -> bool:
@@ -212,25 +219,34 @@ class SequenceCalibration:
 
     def age(self) -> None:
         """One step passed."""
-        self.accepted *= SEQUENCE_STEP_RETENTION
-        self.expected *= SEQUENCE_STEP_RETENTION
+        for record in self._record.values():
+            record[0] *= SEQUENCE_STEP_RETENTION
+            record[1] *= SEQUENCE_STEP_RETENTION
 
     def skipped(self) -> None:
         """A step where the sequence had a draft and verified none of it."""
         self.idle += 1
 
     def learn(self, hazards: Sequence[float], accepted: int, probe: bool = False) -> None:
-        """``hazards`` of the verified tokens (as predicted), ``accepted`` of them kept;
-        ``probe``: verified because the sequence was due a probe, not because it paid."""
-        self.learn_reached(hazards[: accepted + 1], accepted, probe)
+        """``hazards`` of the verified tokens of a chain naming no source (as predicted),
+        ``accepted`` of them kept; ``probe``: verified because the sequence was due a
+        probe, not because it paid."""
+        self.learn_reached([("", hazard, index < accepted) for index, hazard in enumerate(hazards[: accepted + 1])], probe)
 
-    def learn_reached(self, reached: Sequence[float], accepted: int, probe: bool = False) -> None:
-        """``learn`` for a tree: ``reached``, the predicted hazards of the verified
-        tokens that were reached (siblings included), ``accepted`` of them kept."""
-        self.accepted = self.accepted * SEQUENCE_RETENTION + accepted
-        self.expected = self.expected * SEQUENCE_RETENTION + sum(reached)
+    def learn_reached(self, reached: Sequence[tuple[str, float, bool]], probe: bool = False) -> None:
+        """``learn`` for any draft: (source, predicted hazard, accepted) of each verified
+        token that was reached (its parent accepted; siblings included)."""
+        touched = set()
+        for source, hazard, accepted in reached:
+            record = self._record.setdefault(source, [0.0, 0.0])
+            if source not in touched:  # one verified draft is one observation of each source in it
+                record[0] *= SEQUENCE_RETENTION
+                record[1] *= SEQUENCE_RETENTION
+                touched.add(source)
+            record[0] += accepted
+            record[1] += hazard
         self.idle = 0
-        if accepted:
+        if any(accepted for _, _, accepted in reached):
             self.probe_after = PROBE_AFTER
         elif probe:
             self.probe_after = min(2 * self.probe_after, PROBE_MAX_AFTER)
@@ -300,8 +316,10 @@ class Planner:
         adaptive, survivals = [], []
         base_tokens, base_expected = len(rows), float(len(rows))
         for row in rows:
-            factor = row.calibration.factor
-            hazards = [min(MAX_HAZARD, self.acceptance.hazard(bucket, EXPLORATION) * factor) for bucket in row.buckets]
+            calibration = row.calibration
+            hazards = [
+                min(MAX_HAZARD, self.acceptance.hazard(bucket, EXPLORATION) * calibration.factor_of(bucket[0])) for bucket in row.buckets
+            ]
             survivals_of_row = survival(hazards, row.parents if row.tree else None)
             if row.adaptive:
                 adaptive.append(row)
@@ -339,7 +357,7 @@ class Planner:
             outcomes = [
                 (row.buckets[node], node in on_path) for node in range(row.verify) if row.parents[node] < 0 or row.parents[node] in on_path
             ]
-            calibration.learn_reached([self.acceptance.hazard(bucket) for bucket, _ in outcomes], len(path), row.probe)
+            calibration.learn_reached([(bucket[0], self.acceptance.hazard(bucket), accepted) for bucket, accepted in outcomes], row.probe)
             self.acceptance.learn_outcomes(outcomes)
         elif row.draft and row.adaptive:
             calibration.skipped()

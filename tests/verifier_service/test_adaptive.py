@@ -198,3 +198,28 @@ def test_fixed_rows_yield_counts_in_the_rate_drafts_must_beat():
     cost = float  # a token costs one second
     assert plan_verification([[0.9]], base_tokens=5, base_expected=5.0, cost=cost).counts == [0]
     assert plan_verification([[0.9]], base_tokens=5, base_expected=2.0, cost=cost).counts == [1]
+
+
+def test_a_sequences_calibration_is_kept_per_source():
+    # The target's earlier predictions keep missing while context copies hold: only the former's factor falls.
+    calibration = SequenceCalibration()
+    for _ in range(10):
+        calibration.learn_reached([("successor", 0.8, False), ("context", 0.5, True)])
+    assert calibration.factor_of("successor") < 0.3
+    assert calibration.factor_of("context") > 1.3
+    assert calibration.factor == calibration.factor_of("global") == 1.0  # sources never verified: no evidence either way
+
+
+def test_survival_of_a_tree_follows_each_nodes_path():
+    assert survival([0.5, 0.4, 0.5], parents=[-1, -1, 0]) == [0.5, 0.4, 0.25]  # the docstring example
+    assert survival([0.5, 0.5, 1.0]) == survival([0.5, 0.5, 1.0], parents=[-1, 0, 1])  # a chain is a tree
+
+
+def test_a_plan_over_trees_is_closed_under_ancestors():
+    # Row 0's tree: node 0 (0.9) with children 1 (0.3) and 2 (0.6); node 3 (0.5) under node 2 (0.6 * 0.5 = 0.3).
+    survivals = [survival([0.9, 1 / 3, 2 / 3, 0.5], parents=[-1, 0, 0, 2])]
+    plan = plan_verification(survivals, 1, 1.0, lambda n: 1.0 + 0.25 * n)
+    assert plan.chosen == [[0, 2]]  # 0.9 and 0.6 pay at 0.25 a token; the 0.3s do not
+    assert plan.counts == [2]
+    for chosen in (plan_verification(survivals, 1, 1.0, lambda n: 1.0).chosen[0], [0, 2]):
+        assert all(node == 0 or [-1, 0, 0, 2][node] in chosen for node in chosen)

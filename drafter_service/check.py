@@ -6,10 +6,12 @@ quarantine is a PROBLEM here and one it serves is ok: the file is whole (not tru
 and an LMDB environment; it holds this store's sub-databases and format record, in a
 version this code reads; every record of every sub-database is read through its cursor
 (a damaged page is an error, or kills the walk's own child process, never this one) and
-decodes per the format, each n-gram with its coldness entry. Nothing is changed. It also
-lists the tables the drafter quarantined. Exit 0 when every table is sound, 1 otherwise.
-A format 1 table is sound: the drafter migrates it to format 2 when it opens it (observe
-ids were kept by decay epoch then, and are dropped).
+decodes per the format, each n-gram with its coldness entry, each successor-table
+record with its version and 1..16 predictions. Nothing is changed. It also lists the
+tables the drafter quarantined. Exit 0 when every table is sound, 1 otherwise. Format 1
+and 2 tables are sound: the drafter migrates them to format 3 when it opens them (a
+format 2 table gains the successor table; format 1 kept observe ids by decay epoch, and
+those are dropped).
 """
 
 from __future__ import annotations
@@ -30,10 +32,8 @@ def verdict(name: str, walk: TableWalk) -> str:
     if walk.version is None:
         return f"{name}: ok, empty (never written: the drafter sets it up when it opens it)"
     if walk.version != FORMAT_VERSION:
-        return (
-            f"{name}: ok, format {walk.version}: the drafter migrates it to {FORMAT_VERSION} when it opens it "
-            f"(its observe ids are dropped), {walk.records} records"
-        )
+        change = "its observe ids are dropped" if walk.version == 1 else "a successor table is added"
+        return f"{name}: ok, format {walk.version}: the drafter migrates it to {FORMAT_VERSION} when it opens it ({change}), {walk.records} records"
     return f"{name}: ok, format {FORMAT_VERSION} (current), {walk.records} records"
 
 

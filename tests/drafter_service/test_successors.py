@@ -205,3 +205,12 @@ def test_malformed_predictions_are_invalid_argument_naming_the_field(running, pr
     context = aborted(servicer.Propose, request, FakeContext())
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT
     assert context.details.startswith("sequences[0].predictions") and message in context.details
+
+
+def test_the_check_says_what_opening_an_older_table_will_do():
+    from drafter_service.check import verdict
+    from drafter_service.store import TableWalk
+
+    assert "migrates it to 3 when it opens it (a successor table is added), 11 records" in verdict("t", TableWalk(None, 11, 11, 2))
+    assert "(its observe ids are dropped)" in verdict("t", TableWalk(None, 11, 11, 1))
+    assert verdict("t", TableWalk(None, 11, 11, 3)) == "t: ok, format 3 (current), 11 records"

@@ -33,7 +33,8 @@ def verdict(name: str, walk: TableWalk) -> str:
         return f"{name}: ok, empty (never written: the drafter sets it up when it opens it)"
     if walk.version != FORMAT_VERSION:
         change = "its observe ids are dropped" if walk.version == 1 else "a successor table is added"
-        return f"{name}: ok, format {walk.version}: the drafter migrates it to {FORMAT_VERSION} when it opens it ({change}), {walk.records} records"
+        migration = f"the drafter migrates it to {FORMAT_VERSION} when it opens it ({change})"
+        return f"{name}: ok, format {walk.version}: {migration}, {walk.records} records"
     return f"{name}: ok, format {FORMAT_VERSION} (current), {walk.records} records"
 
 

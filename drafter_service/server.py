@@ -315,6 +315,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             store = self._writable_table(request.vocabulary)
         except (TooManyVocabularies, DiskFull):
             return
+        except Exception:  # a table that cannot be opened now must not fail the drafts already made
+            log.exception("no table for %d successor-table predictions; dropped", len(updates))
+            return
         self.writer.submit_successors(store, updates)
 
     def _drafts(self, updates, store: LMDBNGramStore | None) -> list[drafter_pb2.SequenceDraft]:

@@ -135,6 +135,10 @@ class EngineConfig:
         8, minimum=0, help="the target's top predictions per scored position sent to the drafter (0: none; at most 16)"
     )
 
+    def __post_init__(self) -> None:
+        if self.successor_top_k > MAX_PREDICTIONS:
+            raise ValueError(f"successor_top_k must be at most {MAX_PREDICTIONS} (what the drafter keeps), got {self.successor_top_k}")
+
 
 @dataclass(eq=False)
 class _Sequence:

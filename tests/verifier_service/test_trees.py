@@ -277,3 +277,8 @@ def test_no_predictions_are_kept_when_switched_off(tiny_model, tiny_tokenizer):
     engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), successor_top_k=0)
     engine.generate([GenerationRequest(PROMPTS[0], 10, num_speculative_tokens=None)])
     assert all(request.predictions is None for request in proposer.requests)
+
+
+def test_more_predictions_than_the_drafter_keeps_is_refused_at_configuration():
+    with pytest.raises(ValueError, match=r"successor_top_k must be at most 16 \(what the drafter keeps\), got 17"):
+        EngineConfig(successor_top_k=17)

@@ -315,6 +315,18 @@ def successor_options(table: object, tail: Sequence[int]) -> list[tuple[int, Evi
     return []
 
 
+def successor_updates(predictions) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """A verifier's predictions (``k``, ``previous``, ``current``, ``tokens``: the proto's
+    ``Predictions`` or ``drafting.Predictions``) as successor-table updates: each
+    position's k predictions under (current,) and under (previous, current)."""
+    k, tokens = predictions.k, predictions.tokens
+    updates = []
+    for index, (previous, current) in enumerate(zip(predictions.previous, predictions.current)):
+        predicted = tuple(tokens[index * k : (index + 1) * k])
+        updates += [((current,), predicted), ((previous, current), predicted)]
+    return updates
+
+
 def propose_chain_or_successors(
     context: Sequence[int],
     sources: Sequence[tuple[str, BestSource]],

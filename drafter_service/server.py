@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2
 from drafter_service.admission import Admission, Refused
 from drafter_service.config import VOCABULARY_PATTERN, DrafterConfig
 from drafter_service.metrics import DrafterMetrics
-from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR, NGramSource
+from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR, NGramSource, successor_updates
 from drafter_service.sessions import (
     BAD_FEEDBACK,
     BUSY,
@@ -302,13 +302,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def _keep_predictions(self, request: drafter_pb2.ProposeRequest) -> None:
         """Queue the call's predictions for the successor table (newest per key); nothing when
         no table can take them now (a full disk, --max-vocabularies reached): they are hints."""
-        updates: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-        for sequence in request.sequences:
-            predictions = sequence.predictions
-            k, tokens = predictions.k, predictions.tokens
-            for index, (previous, current) in enumerate(zip(predictions.previous, predictions.current)):
-                predicted = tuple(tokens[index * k : (index + 1) * k])
-                updates += [((current,), predicted), ((previous, current), predicted)]
+        updates = [update for sequence in request.sequences for update in successor_updates(sequence.predictions)]
         if not updates:
             return
         try:

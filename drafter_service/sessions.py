@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from drafter_service.ngram import ContextIndex, Draft, InMemoryNGramTable, NGramConfig, NGramSource
+from drafter_service.ngram import ContextIndex, Draft, InMemoryNGramTable, NGramConfig, NGramSource, successor_updates
 
 # SessionError kinds.
 EXISTS = "exists"  # opened twice
@@ -316,14 +316,9 @@ class NGramDrafter:
     def record_predictions(self, predictions) -> None:
         """The target's top predictions at scored positions (``drafting.Predictions``) into the
         global table's successor table, as the service's writer stores them."""
-        k, tokens = predictions.k, predictions.tokens
-        updates = []
-        for index, (previous, current) in enumerate(zip(predictions.previous, predictions.current)):
-            predicted = tuple(tokens[index * k : (index + 1) * k])
-            updates += [((current,), predicted), ((previous, current), predicted)]
         record = getattr(self.global_table, "record_successors", None)
         if record is not None:
-            record(updates)
+            record(successor_updates(predictions))
 
     def propose_tree(self, session_id: str, new_tokens: Iterable[int], k: int, max_nodes: int) -> Draft:
         """``propose``, as a tree of up to ``max_nodes`` tokens none deeper than ``k``."""

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from verifier_service.kv_cache import STEP_KWARG, SlotKVCache, _visible, plan_step, slot_attention
+from verifier_service.kv_cache import STEP_KWARG, SlotKVCache, _visible, partition_rows, plan_step, slot_attention
 
 CPU = torch.device("cpu")
 
@@ -43,12 +43,13 @@ def test_plan_step_docstring_example():
     assert layout.write_slots.tolist() == [0, 0, 1]
     assert layout.write_positions.tolist() == [3, 4, 5]
     assert layout.position_ids.tolist() == [[3, 4, 5]]
-    # Width 2: row 1's padding query repeats its only token (packed index 2), at its position.
-    assert layout.gather.tolist() == [[0, 1], [2, 2]]
-    assert layout.query_positions.tolist() == [[3, 4], [5, 5]]
-    assert (layout.rows, layout.width, layout.columns, layout.decode_tokens) == (2, 2, 6, 3)
-    assert layout.scatter_rows.tolist() == [0, 0, 1]
-    assert layout.scatter_queries.tolist() == [0, 1, 0]
+    # One group, width 2: row 1's padding query repeats its only token (packed index 2), at its position.
+    [group] = layout.groups
+    assert group.gather.tolist() == [[0, 1], [2, 2]]
+    assert group.query_positions.tolist() == [[3, 4], [5, 5]]
+    assert (layout.rows, group.width, group.columns, layout.decode_tokens) == (2, 2, 6, 3)
+    assert group.scatter_rows.tolist() == [0, 0, 1]
+    assert group.scatter_queries.tolist() == [0, 1, 0]
 
 
 def test_plan_step_packs_prefill_segments_after_the_decode_rows():
@@ -59,9 +60,20 @@ def test_plan_step_packs_prefill_segments_after_the_decode_rows():
     assert [(s.slot, s.start, s.length, s.first_position) for s in layout.segments] == [(2, 1, 3, 0), (1, 4, 2, 6)]
 
 
+def test_rows_are_cut_where_padding_would_cost_more_than_another_call():
+    # The docstring's example: two one-token rows together, the wide row alone.
+    assert partition_rows([(100, 1), (100, 1), (100, 9)]) == [(0, 2), (2, 3)]
+    # Short rows of one width share a call; so does everything when splitting is off (GPUs).
+    assert partition_rows([(3, 2), (5, 1)]) == [(0, 2)]
+    assert partition_rows([(100, 1), (100, 1), (100, 9)], split=False) == [(0, 3)]
+    # A long prompt beside short ones: the short rows stop reading its columns.
+    assert partition_rows([(10, 1), (12, 1), (900, 1)]) == [(0, 2), (2, 3)]
+    assert partition_rows([]) == []
+
+
 def test_decode_mask_lets_each_query_see_its_own_columns_only():
     layout = plan_step(SlotKVCache(2, 8), [(2, 2), (0, 1)], [], CPU)
-    mask = layout.decode_mask(groups=1, window=None)[:, 0].int().tolist()
+    mask = layout.groups[0].mask(groups=1, window=None)[:, 0].int().tolist()
     # Row 0: 2 cached tokens, queries at positions 2 and 3. Row 1: one query at position 0;
     # its padding query copies it. Columns run to 4 (the furthest write, + 1).
     assert mask == [
@@ -72,7 +84,7 @@ def test_decode_mask_lets_each_query_see_its_own_columns_only():
 
 def test_decode_mask_repeats_once_per_query_head_of_a_kv_head():
     layout = plan_step(SlotKVCache(1, 8), [(1, 2)], [], CPU)
-    mask = layout.decode_mask(groups=3, window=None)
+    mask = layout.groups[0].mask(groups=3, window=None)
     assert mask.shape == (1, 1, 6, 3)  # [rows, 1, groups * width, columns]
     assert mask[0, 0].int().tolist() == [[1, 1, 0], [1, 1, 1]] * 3
 
@@ -194,3 +206,25 @@ def test_slot_attention_refuses_soft_capping():
     x = torch.zeros(1, 1, 1, 2)
     with pytest.raises(NotImplementedError, match="soft-capping and attention sinks are not supported"):
         slot_attention(attention_module(), x, x, x, None, softcap=30.0, **{STEP_KWARG: layout})
+
+
+def test_split_decode_groups_attend_exactly_as_one_padded_call():
+    """Rows of different lengths and widths, a tree among them: cut into several calls
+    (the CPU's default here) or attended in one padded call, every token's output is the same."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim = 4, 2, 8
+    rows = [(300, 1), (10, 1), (290, 9), (5, 2)]
+    trees = [None, None, [-1, 0, 0, 1, 1, 2, 0, 6, 7], None]
+    new_keys = torch.randn(1, kv_heads, 13, dim)
+    query = torch.randn(1, heads, 13, dim)
+    outputs = []
+    for split in (True, False):
+        cache = SlotKVCache(slots=4, capacity=320)
+        keys, values = cache.layer(0, torch.zeros(1, kv_heads, 1, dim))
+        torch.manual_seed(3)
+        keys.copy_(torch.randn_like(keys)), values.copy_(torch.randn_like(values))
+        layout = plan_step(cache, rows, [], CPU, trees, split=split)
+        assert len(layout.groups) == (3 if split else 1)
+        output, _ = slot_attention(attention_module(), query, new_keys, 2 * new_keys, None, **{STEP_KWARG: layout})
+        outputs.append(output)
+    torch.testing.assert_close(outputs[0], outputs[1])

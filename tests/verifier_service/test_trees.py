@@ -16,9 +16,10 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from tests.verifier_service.test_engine_adaptive import FrozenStepCost, truth
 from tests.verifier_service.test_model_support import SMALL, seeded
+from verifier_service import kv_cache
 from verifier_service.drafting import DraftRequest, ProposedDraft
 from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.kv_cache import tree_depths
+from verifier_service.kv_cache import partition_rows, tree_depths
 from verifier_service.rejection import SamplingParams
 
 VOCAB = 64
@@ -139,6 +140,25 @@ def test_greedy_trees_equal_plain_decoding_and_accept_whole_paths(tiny_model, ti
     # Feedback is about the drafter's chain (the first nodes: two wrong ones here), never the branches.
     assert {request.accepted for request in proposer.requests} == {0}
     assert {request.verified for request in proposer.requests} <= {0, 1, 2}  # 1: the last step's depth-1 tree
+
+
+def test_rows_cut_into_several_attention_calls_stay_exact(tiny_model, tiny_tokenizer, monkeypatch):
+    """A 300-token prompt beside short ones, a tree on every row: the CPU cuts the decode
+    rows into several attention calls (the long row alone), and the output is plain decoding's."""
+    cuts = []
+
+    def recording(counts, split=True):
+        cuts.append(partition_rows(counts, split))
+        return cuts[-1]
+
+    monkeypatch.setattr(kv_cache, "partition_rows", recording)
+    prompts = [*PROMPTS[:3], [(7 * j) % 60 + 2 for j in range(300)]]
+    proposer = TreeProposer(lambda prompt: truth(tiny_model, prompt), prompts=prompts)
+    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), adaptive_max_k=4, adaptive_max_nodes=12)
+    results = engine.generate([GenerationRequest(p, 31, num_speculative_tokens=None) for p in prompts])
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == truth(tiny_model, prompt)[:31]
+    assert any(len(cut) > 1 for cut in cuts)
 
 
 def test_greedy_trees_with_joins_and_rejections_equal_plain_decoding(tiny_model, tiny_tokenizer):

@@ -8,11 +8,13 @@ import pytest
 
 from verifier_service.adaptive import (
     AcceptanceModel,
+    Planner,
     SequenceCalibration,
     evidence_bucket,
     plan_verification,
     survival,
 )
+from verifier_service.calibration import StepCostModel
 from verifier_service.drafting import DraftEvidence
 
 # -- evidence buckets -----------------------------------------------------------------
@@ -223,3 +225,54 @@ def test_a_plan_over_trees_is_closed_under_ancestors():
     assert plan.counts == [2]
     for chosen in (plan_verification(survivals, 1, 1.0, lambda n: 1.0).chosen[0], [0, 2]):
         assert all(node == 0 or [-1, 0, 0, 2][node] in chosen for node in chosen)
+
+
+# -- the planner's own record ---------------------------------------------------------
+
+
+class PlannedChain:
+    """A decoding row with a chain draft in ``buckets`` (what ``Planner`` reads and sets)."""
+
+    def __init__(self, buckets: list[tuple]) -> None:
+        self.draft = list(range(len(buckets)))
+        self.buckets = buckets
+        self.parents = list(range(-1, len(buckets) - 1))
+        self.tree, self.verify, self.probe, self.adaptive = False, 0, False, True
+        self.calibration = SequenceCalibration()
+
+    def choose(self, chosen: list[int]) -> None:
+        self.verify = len(chosen)
+
+
+def planner_step(planner: Planner, rows: int, accept: bool) -> int:
+    """One planned step of ``rows`` chains whose verified tokens are all accepted (or none): tokens verified."""
+    chains = [PlannedChain([A, B, C]) for _ in range(rows)]
+    planner.plan(chains, 0, 0)
+    for chain in chains:
+        planner.learn(chain, list(range(chain.verify)) if accept else [])
+    planner.age()
+    return sum(chain.verify for chain in chains)
+
+
+def test_the_planners_realism_falls_when_what_it_chose_was_rejected_and_recovers_no_higher_than_one():
+    planner = Planner(StepCostModel.linear(1.0, 0.01))
+    assert planner.realism == 1.0
+    assert planner_step(planner, 4, accept=False) > 0
+    low = planner.realism
+    assert low < 1.0
+    for _ in range(60):
+        planner_step(planner, 4, accept=True)
+    assert low < planner.realism <= 1.0
+
+
+def test_a_planner_that_overestimated_verifies_fewer_tokens_where_each_barely_pays():
+    # 16 rows, each token 4% of a step: one pays only if it survives with ~0.4 or more.
+    trusted, burnt = Planner(StepCostModel.linear(1.0, 0.04)), Planner(StepCostModel.linear(1.0, 0.04))
+    for _ in range(3):
+        planner_step(burnt, 16, accept=False)
+    assert burnt.realism < 0.5
+    for _ in range(20):  # the same well-accepted estimates for both
+        trusted.acceptance.learn([A, B, C], accepted=3)
+    burnt.acceptance = trusted.acceptance
+    assert planner_step(trusted, 16, accept=True) == 48
+    assert planner_step(burnt, 16, accept=True) < 48

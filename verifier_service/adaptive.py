@@ -403,7 +403,6 @@ class Planner:
         for index in (0, 1):
             self._record[index] = self._record[index] * REALISM_RETENTION + self._step[index]
         self._step = [0.0, 0.0]
-        self._expected = {}
 
 
 @dataclass

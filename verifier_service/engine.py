@@ -797,8 +797,8 @@ class SpeculativeEngine:
 
 def _cache_reads(rows: list[_Row], chunks: list[tuple[_Sequence, int, int]]) -> int:
     """Cached tokens a step's attention reads, about: each decode row its own (a CPU cuts
-    the rows into attention calls where reading a longer row's columns would cost more;
-    ``StepLayout.cache_reads`` has the exact count), a prefill chunk its slot's earlier tokens."""
+    the rows into attention calls where reading a longer row's columns would cost more),
+    a prefill chunk its slot's earlier tokens."""
     return sum(row.sequence.cached for row in rows) + sum(first for _, first, _ in chunks)
 
 

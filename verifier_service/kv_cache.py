@@ -251,11 +251,6 @@ class StepLayout:
     segments: list[Segment]
     _masks: dict = field(default_factory=dict)
 
-    @property
-    def cache_reads(self) -> int:
-        """Cached columns the decode rows' attention reads, summed over rows."""
-        return sum(group.rows * group.columns for group in self.groups)
-
     def segment_mask(self, segment: Segment, window: int | None) -> torch.Tensor | None:
         """[length, first_position + length] bool, or None when plain causal attention is exact."""
         if segment.first_position == 0 and window is None:

@@ -16,7 +16,12 @@ before any timing. Tree rules (``propose_tree`` at 8, 16 and 64 nodes) are
 replayed as if every node were verified: a pass follows the reference
 through the children. Their ``warm`` variants draft with a global table
 that holds the other prompts' outputs, as a service learns from its other
-traffic. Writes ``draft_replay.json`` under ``--out``.
+traffic. The successor-table rules (``with_successors``) add the target's
+own top-8 predictions (one teacher-forced pass per reference), learned as
+the verifier sends them: at the positions passes scored, and with "prompt's
+predictions too" at the prompt's positions as well (what prefill would have
+to compute); their prefill cost is timed beside (``prompt_prediction_cost``).
+Writes ``draft_replay.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -29,7 +34,16 @@ from pathlib import Path
 
 from bench.bench_core import decode_batch
 from bench.workloads import service_prompts
-from drafter_service.ngram import ContextIndex, InMemoryNGramTable, NGramConfig, NGramSource
+from drafter_service.ngram import (
+    SOURCE_CONTEXT,
+    SOURCE_GLOBAL,
+    ContextIndex,
+    InMemoryNGramTable,
+    NGramConfig,
+    NGramSource,
+    propose_chain_or_successors,
+    propose_tree,
+)
 from verifier_service.engine import SpeculativeEngine
 from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
 
@@ -136,6 +150,115 @@ def single_token_keys(references: list[tuple[list[int], list[int]]]) -> dict:
 
 
 TREE_NODES = (8, 16, 64)
+# Predictions per position kept in the successor table (the verifier's --successor-top-k).
+SUCCESSOR_TOP_K = 8
+SUCCESSOR_TREE_NODES = 16
+
+
+def target_predictions(model, references: list[tuple[list[int], list[int]]], k: int = SUCCESSOR_TOP_K) -> list[list[tuple[int, ...]]]:
+    """The target's top ``k`` next tokens after every token of each prompt + output, best
+    first (one teacher-forced pass each: at an output position its first is greedy's next token)."""
+    import torch
+
+    found = []
+    with torch.inference_mode():
+        for prompt, output in references:
+            ids = torch.tensor([prompt + output], device=model.device)
+            found.append([tuple(row) for row in model(ids).logits[0].topk(k, dim=-1).indices.tolist()])
+    return found
+
+
+def successor_entries(tokens: list[int], predictions: list[tuple[int, ...]], start: int, stop: int) -> list:
+    """The successor-table updates of positions [start, stop): each position's predictions
+    under (its token,) and (the token before, its token), as ``ngram.successor_updates``."""
+    updates = []
+    for position in range(max(start, 0), stop):
+        updates.append(((tokens[position],), predictions[position]))
+        if position > 0:
+            updates.append(((tokens[position - 1], tokens[position]), predictions[position]))
+    return updates
+
+
+def prompt_prediction_cost(model, prompts: list[list[int]], k: int = SUCCESSOR_TOP_K) -> dict:
+    """What the prompt's predictions add to prefill: each prompt prefilled with logits at its
+    last position only (as the engine does) and with logits and top ``k`` at every
+    position, best of three each, summed over the prompts."""
+    import time
+
+    import torch
+
+    def best(run) -> float:
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    last = every = 0.0
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=model.device)
+            last += best(lambda: model(ids, logits_to_keep=1))
+            every += best(lambda: model(ids).logits[0].topk(k, dim=-1))
+    return {
+        "prompts": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)),
+        "prefill_s": round(last, 3),
+        "prefill_with_predictions_s": round(every, 3),
+        "extra_s_per_prompt": round((every - last) / len(prompts), 4),
+    }
+
+
+def with_successors(
+    references: list[tuple[list[int], list[int]]],
+    predictions: list[list[tuple[int, ...]]],
+    config: NGramConfig,
+    nodes: int = 0,
+    prompt_predictions: bool = False,
+    warm: bool = False,
+) -> Drafter:
+    """The service's rule with the successor table (the n-gram chain, its gaps filled
+    from the target's earlier predictions; with ``nodes``, the tree the drafter builds).
+
+    The table learns a reference's predictions as the verifier sends them: a pass
+    drafting after ``context`` knows those at every position before its last token
+    (the passes before scored them) from the first output token on, or, with
+    ``prompt_predictions``, from the prompt's first token (prefill sends them too).
+    ``warm``: each reference's table starts with every other reference's n-grams and
+    predictions, as a service's table holds its other traffic's. Each reference
+    starts from a table of its own (and its own context), however many passes came before.
+    """
+    full = [prompt + output for prompt, output in references]
+    state: dict = {"reference": -1, "table": None, "known": 0}
+
+    def table_for(index: int) -> InMemoryNGramTable:
+        table = InMemoryNGramTable(config.n_min, config.n_max)
+        if warm:
+            for other, tokens in enumerate(full):
+                if other != index:
+                    table.observe(tokens)
+                    table.record_successors(successor_entries(tokens, predictions[other], 0, len(tokens)))
+        return table
+
+    def draft(context: list[int], k: int):
+        index = state["reference"]
+        if index < 0 or full[index][: len(context)] != context:
+            index = next(i for i, tokens in enumerate(full) if tokens[: len(context)] == context and len(context) > len(references[i][0]))
+            state.update(reference=index, table=table_for(index), known=0 if prompt_predictions else len(references[index][0]) - 1)
+        table = state["table"]
+        known = len(context) - 1  # the prediction after the last token is what this pass computes
+        table.record_successors(successor_entries(full[index], predictions[index], state["known"], known))
+        state["known"] = max(state["known"], known)
+        index_of_context = ContextIndex(config)
+        index_of_context.extend(context)
+        sources = ((SOURCE_CONTEXT, index_of_context), (SOURCE_GLOBAL, table))
+        if nodes:
+            proposed = propose_tree(context, sources, k, nodes, config)
+            return proposed.tokens, proposed.parents or list(range(-1, len(proposed.tokens) - 1))
+        return propose_chain_or_successors(context, sources, k, config).tokens
+
+    return draft
 
 
 def main(argv=None) -> None:
@@ -176,6 +299,14 @@ def main(argv=None) -> None:
         produced = sum(total["passes"] * total["tokens_per_pass"] for total in totals)
         report[name] = {"passes": passes, "tokens_per_pass": round(produced / passes, 3)}
     report["1-token keys where 2-token keys find nothing"] = single_token_keys(references)
+    predictions = target_predictions(loaded.model, references)
+    for nodes in (0, SUCCESSOR_TREE_NODES):
+        for prompt_predictions in (False, True):
+            for warm in (False, True):
+                name = f"n-gram {'chain' if not nodes else f'tree, {nodes} nodes'} + successor table"
+                name += ", prompt's predictions too" * prompt_predictions + ", warm" * warm
+                report[name] = replay(with_successors(references, predictions, config, nodes, prompt_predictions, warm), references, args.k)
+    report["prompt's predictions at prefill"] = prompt_prediction_cost(loaded.model, prompts)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"model": args.model, "kind": args.kind, "prompts": len(prompts), "k": args.k, "max_new_tokens": args.max_new_tokens}
     (args.out / "draft_replay.json").write_text(json.dumps({"meta": meta, "rules": report}, indent=2) + "\n")

@@ -9,8 +9,8 @@ import pytest
 
 from bench.acceptance_curve import curve, expected_tokens
 from bench.bench_core import ReferenceOracle, decode_batch
-from bench.draft_replay import accepted_path, ngram, prompt_lookup, replay
-from bench.spec_bench import GROUPS, geometric_mean, load_groups
+from bench.draft_replay import accepted_path, ngram, prompt_lookup, replay, with_successors
+from bench.spec_bench import GROUPS, geometric_mean, load_groups, other_prompts
 from drafter_service.ngram import NGramConfig
 from drafter_service.sessions import NGramDrafter
 from verifier_service.drafting import DraftRequest, SessionProposer
@@ -84,3 +84,40 @@ def test_spec_bench_groups_spread_over_each_group_in_id_order(tmp_path):
     with pytest.raises(ValueError, match=r"group translation has 2 questions, fewer than --per-group 3"):
         load_groups(path, 3)
     assert geometric_mean([1.0, 4.0]) == pytest.approx(2.0)
+
+
+def test_spec_bench_teaching_prompts_are_never_measured_ones(tmp_path):
+    lines = [{"question_id": i, "category": group, "turns": [f"{group}{i}"]} for group in GROUPS for i in range(6)]
+    path = tmp_path / "question.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    measured, taught = load_groups(path, 2), other_prompts(path, 2, 2)
+    assert measured["qa"] == ["qa0", "qa3"]
+    assert taught["qa"] == ["qa1", "qa4"]  # spread over the four left: 1, 2, 4, 5
+    assert all(not set(taught[group]) & set(measured[group]) for group in GROUPS)
+    with pytest.raises(ValueError, match=r"group mt_bench has 4 questions besides the 2 measured, fewer than 5"):
+        other_prompts(path, 2, 5)
+
+
+def test_replay_with_the_successor_table_drafts_what_the_target_predicted_earlier():
+    # Output 3 4 9 3 4 7: at "... 9 3" no n-gram of 2+ tokens recurs, but the target
+    # predicted 4 after 3 two tokens in: the successor table drafts 4, then n-grams 9 (wrong, 7).
+    prompt, output = [1, 2], [3, 4, 9, 3, 4, 7]
+    tokens = prompt + output
+    predictions = [(tokens[i + 1],) if i + 1 < len(tokens) else (0,) for i in range(len(tokens))]
+    references = [(prompt, output)]
+    plain = replay(ngram(NGramConfig()), references, k=8)
+    successors = replay(with_successors(references, [predictions], NGramConfig()), references, k=8)
+    assert plain["tokens_per_pass"] == 1.0
+    assert successors["passes"] == plain["passes"] - 1 and successors["tokens_per_pass"] > 1.0
+
+
+def test_replay_with_the_prompts_predictions_learns_them_from_prefill():
+    # The target predicted 9 after the prompt's 7; only the prompt's predictions know it
+    # when the output reaches 7 again.
+    prompt, output = [7, 1, 2], [3, 7, 9]
+    predictions = [(9,), (2,), (3,), (7,), (9,), (0,)]
+    references = [(prompt, output)]
+    decoded_only = replay(with_successors(references, [predictions], NGramConfig()), references, k=8)
+    with_prompt = replay(with_successors(references, [predictions], NGramConfig(), prompt_predictions=True), references, k=8)
+    assert decoded_only["tokens_per_pass"] == 1.0
+    assert with_prompt["tokens_per_pass"] == 1.5 and with_prompt["pass_kinds"] == {"all accepted": 0.5, "no draft": 0.5}

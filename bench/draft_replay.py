@@ -171,7 +171,7 @@ def target_predictions(model, references: list[tuple[list[int], list[int]]], k: 
 def successor_entries(tokens: list[int], predictions: list[tuple[int, ...]], start: int, stop: int) -> list:
     """The successor-table updates of positions [start, stop): each position's predictions
     under (its token,) and (the token before, its token), as ``ngram.successor_updates``."""
-    updates = []
+    updates: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for position in range(max(start, 0), stop):
         updates.append(((tokens[position],), predictions[position]))
         if position > 0:

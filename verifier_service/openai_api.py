@@ -10,7 +10,11 @@ validation (``SpeculativeEngine.validate``), spans and metrics.
 What OpenAI's API says is followed where it has a rule: ``temperature``
 defaults to 1 (sampling; 0 is greedy), ``/v1/completions``' ``max_tokens``
 to 16, chat's to what the request's cache room and ``--max-new-tokens-limit``
-allow; ``n`` must be 1. Errors have OpenAI's shape, ``{"error": {"message",
+allow; ``n`` must be 1. No field is dropped without a word (``check_fields``):
+a key the endpoint does not know is a 400 naming it, and a known field this
+server does not honour (penalties, ``logit_bias``, ``logprobs``, ``echo``,
+``tools``, ``response_format``, ...) is a 400 naming it unless it holds its
+no-op value (a penalty of 0, ``logprobs: false``). Errors have OpenAI's shape, ``{"error": {"message",
 "type", "param", "code"}}``: 400 naming the field in ``param``, 404 for
 another model, 429 for a full queue, 503 while the model loads or the
 server drains. Beyond OpenAI's fields, a request may set
@@ -89,6 +93,115 @@ PARAMS = {
     "prompt": "prompt",
     "token ids": "prompt",
 }
+
+
+# Every field a body may carry. A request with any other key is refused (400, the key in
+# ``param``): a field this server does not know would otherwise be dropped without a word.
+# Honoured: read by ``_generation_request`` and ``_parse``. ``user``, ``metadata``,
+# ``safety_identifier`` and ``prompt_cache_key`` only label a request for its sender;
+# they change nothing in the answer, so any value is taken.
+HONOURED = {
+    "model",
+    "max_tokens",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "top_k",
+    "num_speculative_tokens",
+    "user",
+    "metadata",
+    "safety_identifier",
+    "prompt_cache_key",
+}
+HONOURED_CHAT = HONOURED | {"messages", "max_completion_tokens"}
+HONOURED_COMPLETIONS = HONOURED | {"prompt"}
+
+
+def _absent(value: Any) -> bool:
+    return value is None
+
+
+def _no_penalty(value: Any) -> bool:
+    return value is None or (not isinstance(value, bool) and value == 0)
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value == {} or value == []
+
+
+def _one_of(*values: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or (not isinstance(value, bool) and any(value == allowed for allowed in values))
+
+
+# Known fields this server does not honour: each is refused (400, named in ``param``)
+# unless it holds a value that changes nothing, its no-op (what the predicate accepts,
+# shown in the message). (field, no-op predicate, the no-op in words, why it is refused)
+_NOT_HONOURED: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
+    ("frequency_penalty", _no_penalty, "0", "penalties are not applied yet"),
+    ("presence_penalty", _no_penalty, "0", "penalties are not applied yet"),
+    ("repetition_penalty", _one_of(1), "1", "penalties are not applied yet"),
+    ("logit_bias", _empty, "{}", "logit_bias is not applied yet"),
+    ("min_tokens", _no_penalty, "0", "min_tokens is not applied yet"),
+    ("service_tier", _one_of("auto", "default"), '"auto"', "this server has one tier"),
+    ("store", lambda value: value is None or value is False, "false", "this server stores no completions"),
+)
+_NOT_HONOURED_CHAT = (
+    *_NOT_HONOURED,
+    ("logprobs", lambda value: value is None or value is False, "false", "log-probabilities are not returned yet"),
+    ("top_logprobs", _no_penalty, "0", "log-probabilities are not returned yet"),
+    ("response_format", lambda value: value is None or value == {"type": "text"}, '{"type": "text"}', "structured output is not supported"),
+    ("tools", _empty, "[]", "tool calling is not supported"),
+    ("tool_choice", _one_of("none", "auto"), '"none"', "tool calling is not supported"),
+    ("parallel_tool_calls", lambda value: value is None or isinstance(value, bool), "true", "tool calling is not supported"),
+    ("functions", _empty, "[]", "function calling is not supported"),
+    ("function_call", _one_of("none", "auto"), '"none"', "function calling is not supported"),
+    ("modalities", lambda value: value is None or value == ["text"], '["text"]', "only text is generated"),
+    ("audio", _absent, "null", "only text is generated"),
+    ("prediction", _absent, "null", "predicted outputs are not taken yet"),
+    ("reasoning_effort", _absent, "null", "the model has no reasoning setting"),
+    ("verbosity", _absent, "null", "the model has no verbosity setting"),
+    ("web_search_options", _absent, "null", "this server has no web search"),
+)
+_NOT_HONOURED_COMPLETIONS = (
+    *_NOT_HONOURED,
+    ("logprobs", _absent, "null", "log-probabilities are not returned yet"),
+    ("echo", lambda value: value is None or value is False, "false", "echo is not supported yet"),
+    ("best_of", _one_of(1), "1", "best_of is not supported"),
+    ("suffix", lambda value: value is None or value == "", "null", "suffix (insertion) is not supported"),
+)
+# stream_options' keys: include_usage is honoured; the rest must be absent or their no-op.
+STREAM_OPTIONS = {"include_usage", "include_obfuscation", "continuous_usage_stats"}
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    """400 for a key this endpoint does not know, or a known field it does not honour set to
+    anything but its no-op: nothing a client sends is silently dropped."""
+    honoured = HONOURED_CHAT if chat else HONOURED_COMPLETIONS
+    refused = {name: (no_op, shown, why) for name, no_op, shown, why in (_NOT_HONOURED_CHAT if chat else _NOT_HONOURED_COMPLETIONS)}
+    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+    for name, value in body.items():
+        if name in honoured:
+            continue
+        if name not in refused:
+            raise ApiError(
+                400,
+                f"unknown field {_shown(name)} for {endpoint}: this server takes OpenAI's fields and refuses any other "
+                "rather than ignore it (the README lists each field and what is done with it)",
+                param=name,
+                code="unknown_field",
+            )
+        no_op, shown, why = refused[name]
+        if not no_op(value):
+            raise ApiError(
+                400,
+                f"{name} is not supported here ({why}); leave it out or set it to {shown}, got {_shown(value)}",
+                param=name,
+                code="unsupported_field",
+            )
 
 
 class ApiError(Exception):
@@ -281,9 +394,15 @@ class OpenAIApi:
             raise ApiError(400, f"the body must be a JSON object in UTF-8: {error}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
+        check_fields(body, chat)
         generation = self._generation_request(body, chat, request_id)
         stream = _take(body, "stream", (bool,), "true or false", False)
         options = _take(body, "stream_options", (dict,), "an object", {})
+        for name in options:
+            if name not in STREAM_OPTIONS:
+                raise ApiError(400, f"unknown field {_shown(name)} in stream_options: only include_usage is taken", param="stream_options")
+        if options.get("include_obfuscation") or options.get("continuous_usage_stats"):
+            raise ApiError(400, "stream_options: only include_usage is supported; leave the others out or false", param="stream_options")
         return generation, stream, _take(options, "include_usage", (bool,), "true or false", False)
 
     def _submit(self, generation: GenerationRequest, span) -> RequestHandle:

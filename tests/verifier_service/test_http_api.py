@@ -450,3 +450,114 @@ def test_the_http_limits_reach_the_server(tiny_model, chat_tokenizer):
         assert (limits.max_connections, limits.header_timeout_s, limits.body_timeout_s) == (9, 2.5, 3.5)
     finally:
         verifier.stop(0)
+
+
+# -- no field silently dropped -------------------------------------------------------------
+
+# Each known field this server does not honour: (no-op values, taken; values that would
+# change the answer, refused with the field in ``param``).
+NOT_HONOURED = {
+    "frequency_penalty": ([0, 0.0, None], [0.5, -1]),
+    "presence_penalty": ([0], [1.2]),
+    "repetition_penalty": ([1, 1.0], [1.3, True]),
+    "logit_bias": ([{}, None], [{"5": -100}]),
+    "min_tokens": ([0], [4]),
+    "service_tier": (["auto", "default"], ["flex"]),
+    "store": ([False], [True]),
+}
+NOT_HONOURED_CHAT = NOT_HONOURED | {
+    "logprobs": ([False], [True]),
+    "top_logprobs": ([0], [3]),
+    "response_format": ([{"type": "text"}], [{"type": "json_object"}]),
+    "tools": ([[]], [[{"type": "function", "function": {"name": "f", "parameters": {}}}]]),
+    "tool_choice": (["none", "auto"], ["required", {"type": "function", "function": {"name": "f"}}]),
+    "parallel_tool_calls": ([True, False], ["yes"]),
+    "functions": ([[]], [[{"name": "f"}]]),
+    "function_call": (["none"], [{"name": "f"}]),
+    "modalities": ([["text"]], [["text", "audio"]]),
+    "audio": ([None], [{"voice": "alloy", "format": "wav"}]),
+    "prediction": ([None], [{"type": "content", "content": "t5"}]),
+    "reasoning_effort": ([None], ["low"]),
+    "verbosity": ([None], ["high"]),
+    "web_search_options": ([None], [{}]),
+}
+NOT_HONOURED_COMPLETIONS = NOT_HONOURED | {
+    "logprobs": ([None], [0, 2]),
+    "echo": ([False], [True]),
+    "best_of": ([1], [3]),
+    "suffix": ([None, ""], ["t9"]),
+}
+
+
+def chat_body(**fields) -> dict:
+    return {"messages": [{"role": "user", "content": "t5 t9"}], "max_tokens": 2, "temperature": 0} | fields
+
+
+def field_cases(table: dict) -> list:
+    return [
+        (name, value, taken)
+        for name, (no_ops, changes) in table.items()
+        for values, taken in ((no_ops, True), (changes, False))
+        for value in values
+    ]
+
+
+@pytest.mark.parametrize(("name", "value", "taken"), field_cases(NOT_HONOURED_CHAT))
+def test_a_chat_field_not_honoured_is_taken_only_at_its_no_op(client, name, value, taken):
+    response = client.post("/v1/chat/completions", json=chat_body(**{name: value}))
+    if taken:
+        assert response.status_code == 200, response.text
+        return
+    error = assert_openai_error(response, 400)
+    assert (error["param"], error["code"]) == (name, "unsupported_field")
+    assert error["message"].startswith(f"{name} is not supported here (") and "leave it out or set it to" in error["message"]
+
+
+@pytest.mark.parametrize(("name", "value", "taken"), field_cases(NOT_HONOURED_COMPLETIONS))
+def test_a_completions_field_not_honoured_is_taken_only_at_its_no_op(client, name, value, taken):
+    response = client.post("/v1/completions", json=completion(**{name: value}))
+    if taken:
+        assert response.status_code == 200, response.text
+        return
+    error = assert_openai_error(response, 400)
+    assert (error["param"], error["code"]) == (name, "unsupported_field")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "key"),
+    [
+        ("/v1/chat/completions", chat_body(guided_json={"type": "object"}), "guided_json"),
+        ("/v1/chat/completions", chat_body(prompt="t5"), "prompt"),  # a completions field
+        ("/v1/chat/completions", chat_body(echo=True), "echo"),
+        ("/v1/completions", completion(messages=[]), "messages"),  # a chat field
+        ("/v1/completions", completion(max_completion_tokens=2), "max_completion_tokens"),
+        ("/v1/completions", completion(Temperature=0.5), "Temperature"),  # keys are case-sensitive
+    ],
+)
+def test_an_unknown_field_is_a_400_naming_it(client, path, body, key):
+    error = assert_openai_error(client.post(path, json=body), 400)
+    assert (error["param"], error["code"]) == (key, "unknown_field")
+    assert f'unknown field "{key}" for {path}' in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("options", "status"),
+    [
+        ({"include_usage": True}, 200),
+        ({"include_obfuscation": False}, 200),
+        ({"continuous_usage_stats": True}, 400),
+        ({"usage": True}, 400),
+    ],
+)
+def test_stream_options_take_include_usage_and_refuse_the_rest(client, options, status):
+    response = client.post("/v1/completions", json=completion(stream=True, stream_options=options))
+    if status == 200:
+        assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert assert_openai_error(response, 400)["param"] == "stream_options"
+
+
+def test_the_labels_a_sender_puts_on_a_request_are_taken(client):
+    labels = {"user": "u-1", "metadata": {"team": "a"}, "safety_identifier": "s", "prompt_cache_key": "k"}
+    assert client.post("/v1/chat/completions", json=chat_body(**labels)).status_code == 200
+    assert client.post("/v1/completions", json=completion(**labels)).status_code == 200

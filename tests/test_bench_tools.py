@@ -121,3 +121,15 @@ def test_replay_with_the_prompts_predictions_learns_them_from_prefill():
     with_prompt = replay(with_successors(references, [predictions], NGramConfig(), prompt_predictions=True), references, k=8)
     assert decoded_only["tokens_per_pass"] == 1.0
     assert with_prompt["tokens_per_pass"] == 1.5 and with_prompt["pass_kinds"] == {"all accepted": 0.5, "no draft": 0.5}
+
+
+def test_the_service_bench_counts_a_drafters_records_from_its_files(tmp_path):
+    from bench.bench_spec_service import table_records
+    from drafter_service.store import LMDBNGramStore, StoreConfig
+
+    with LMDBNGramStore(StoreConfig(path=str(tmp_path / "db" / "table"), namespace=b"testvoc0")) as store:
+        store.observe([1, 2, 3, 4, 5, 1, 2, 3])
+        store.record_successors([((5,), (1, 2)), ((4, 5), (1,)), ((7,), (8,))])
+        entries = store.stats()["entries"]
+    assert entries > 0
+    assert table_records(tmp_path / "db") == {"ngrams": entries, "successors": 3}

@@ -2,7 +2,8 @@
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming as
 server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``),
-``GET /v1/models`` and ``GET /health``, served by uvicorn on a thread of
+``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /health``, and vLLM's
+``POST /tokenize`` and ``POST /detokenize``, served by uvicorn on a thread of
 its own beside the gRPC server. Requests go into the same ``Scheduler`` as
 gRPC's, so HTTP and gRPC requests share batches, and through the same
 validation (``SpeculativeEngine.validate``), spans and metrics.
@@ -290,10 +291,13 @@ class OpenAIApi:
                 Route("/", self.view, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             ],
-            middleware=[Middleware(_Unexpected), Middleware(_Callers, keys=servicer.keys)],
+            middleware=[Middleware(_RequestIds), Middleware(_Unexpected), Middleware(_Callers, keys=servicer.keys)],
             exception_handlers={
                 ApiError: lambda request, error: error.response(),
                 HTTPException: lambda request, error: ApiError(error.status_code, str(error.detail)).response(),
@@ -311,9 +315,80 @@ class OpenAIApi:
             raise ApiError(503, "the model is still loading", kind="server_error", code="loading")
         return JSONResponse({"status": "ok"})
 
+    def _model(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "specdec"}
+
     async def models(self, request: Request) -> Response:
-        model = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "specdec"}
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}``: the served model, or OpenAI's 404 for any other id."""
+        if request.path_params["model"] != self.model_id:
+            shown = _shown(request.path_params["model"])
+            raise ApiError(
+                404, f"model {shown} is not served here; GET /v1/models lists {self.model_id!r}", "model", code="model_not_found"
+            )
+        return JSONResponse(self._model())
+
+    async def tokenize(self, request: Request) -> Response:
+        """``POST /tokenize`` in vLLM's shapes: ``{"prompt": str, "add_special_tokens": true}`` or
+        ``{"messages": [...], "add_generation_prompt": true}`` (the chat template, as chat
+        completions apply it) -> ``{"count", "max_model_len", "tokens"}``."""
+        body = await self._small_body(request, {"model", "prompt", "add_special_tokens", "messages", "add_generation_prompt"})
+        if ("prompt" in body) == ("messages" in body):
+            raise ApiError(400, "give exactly one of prompt (text) and messages (a chat)", param="prompt")
+        if "messages" in body:
+            if not _take(body, "add_generation_prompt", (bool,), "true or false", True):
+                raise ApiError(
+                    400, "add_generation_prompt must be true: chats are tokenized as chat completions see them", "add_generation_prompt"
+                )
+            tokens = await anyio.to_thread.run_sync(self._chat_prompt, body, limiter=self.limiter)
+        else:
+            prompt = _take(body, "prompt", (str,), "a string")
+            self._check_prompt_chars(len(_text(prompt, "prompt", "prompt")), "prompt")
+            special = _take(body, "add_special_tokens", (bool,), "true or false", True)
+            tokenizer = self.servicer.engine.tokenizer
+            tokens = await anyio.to_thread.run_sync(
+                lambda: list(tokenizer(prompt, add_special_tokens=special).input_ids), limiter=self.limiter
+            )
+        return JSONResponse({"count": len(tokens), "max_model_len": self.servicer.engine.cache.capacity, "tokens": tokens})
+
+    async def detokenize(self, request: Request) -> Response:
+        """``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}`` (vLLM's shapes)."""
+        body = await self._small_body(request, {"model", "tokens"})
+        tokens = body.get("tokens")
+        vocabulary = self.servicer.engine.vocab_size
+        if not isinstance(tokens, list) or not all(isinstance(token, int) and not isinstance(token, bool) for token in tokens):
+            raise ApiError(400, "tokens must be a list of token ids", param="tokens")
+        if len(tokens) > self.servicer.engine.cache.capacity:
+            raise ApiError(400, f"tokens holds {len(tokens)} ids, more than a sequence's {self.servicer.engine.cache.capacity}", "tokens")
+        if (bad := next((token for token in tokens if not 0 <= token < vocabulary), None)) is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocabulary})", param="tokens")
+        tokenizer = self.servicer.engine.tokenizer
+        return JSONResponse({"prompt": await anyio.to_thread.run_sync(tokenizer.decode, tokens, limiter=self.limiter)})
+
+    async def _small_body(self, request: Request, fields: set[str]) -> dict:
+        """A tokenize/detokenize body: a JSON object of ``fields`` only, for the served model."""
+        if not self.servicer.ready.is_set():
+            raise ApiError(503, "the model is still loading; retry when GET /health answers 200", kind="server_error", code="loading")
+        received = await self._body(request, f"http-{secrets.token_hex(6)}")
+        try:
+            body = json.loads(received)
+        except (RecursionError, ValueError):
+            raise ApiError(400, "the body must be a JSON object in UTF-8") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        for name in body:
+            if name not in fields:
+                raise ApiError(
+                    400, f"unknown field {_shown(name)} for {request.url.path}; it takes {sorted(fields)}", param=name, code="unknown_field"
+                )
+        model = _take(body, "model", (str,), "a string")
+        if model is not None and model != self.model_id:
+            raise ApiError(
+                404, f"model {model!r} is not served here; GET /v1/models lists {self.model_id!r}", "model", code="model_not_found"
+            )
+        return body
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)
@@ -350,6 +425,7 @@ class OpenAIApi:
         generation, stream, include_usage = await anyio.to_thread.run_sync(self._parse, received, chat, request_id, limiter=self.limiter)
         span_context = self.servicer.request_span(propagate.extract(dict(request.headers)))
         span = span_context.__enter__()
+        span.set_attribute("http.request.id", request.scope["state"]["request_id"])  # _RequestIds'
         try:
             handle = self._submit(generation, span)
         except BaseException as error:
@@ -579,6 +655,45 @@ class _Unexpected:
                 await failed.response()(scope, receive, send)
 
 
+# Routes outside /v1 that need a caller (and a key, when keys are configured), as /v1's do.
+GUARDED = ("/tokenize", "/detokenize")
+# X-Request-Id: a client's own id is echoed when it is this long at most and printable
+# ASCII without spaces; otherwise (or without one) the server makes one.
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID_CHARS = 128
+
+
+def request_id_of(headers: Headers) -> str:
+    """The request's id: the client's ``X-Request-Id`` if it is a plain token, else a new one."""
+    sent = headers.get(REQUEST_ID_HEADER, "")
+    if 0 < len(sent) <= MAX_REQUEST_ID_CHARS and sent.isascii() and sent.isprintable() and " " not in sent:
+        return sent
+    return f"req-{secrets.token_hex(8)}"
+
+
+class _RequestIds:
+    """Every HTTP answer carries ``X-Request-Id`` (the client's, or one made here), and the
+    request's span records it (``http.request.id``), so a client's id finds its trace."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = request_id_of(Headers(scope=scope))
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def stamped(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(name, value) for name, value in message.get("headers", []) if name.lower() != REQUEST_ID_HEADER.encode()]
+                message = message | {"headers": [*headers, (REQUEST_ID_HEADER.encode(), request_id.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, stamped)
+
+
 class _Callers:
     """Who calls each ``/v1`` route, in ``scope["state"]["caller"]``: the API key's name when
     keys are configured (a 401 in OpenAI's shape, with ``WWW-Authenticate: Bearer``, without
@@ -588,7 +703,7 @@ class _Callers:
         self.app, self.keys = app, keys
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+        if scope["type"] != "http" or not (scope["path"] == "/v1" or scope["path"].startswith("/v1/") or scope["path"] in GUARDED):
             await self.app(scope, receive, send)
             return
         if self.keys.required:

@@ -23,6 +23,7 @@ from specdec.v1 import verifier_pb2 as pb
 from verifier_service import openai_api
 from verifier_service.engine import EngineConfig, SpeculativeEngine
 from verifier_service.metrics import VerifierMetrics
+from verifier_service.model_loading import chat_ids
 from verifier_service.openai_api import OpenAIApi
 from verifier_service.scheduler import Scheduler, SchedulerConfig
 from verifier_service.server import ApiKeys, CallerLimit, VerifierConfig, VerifierServicer
@@ -561,3 +562,55 @@ def test_the_labels_a_sender_puts_on_a_request_are_taken(client):
     labels = {"user": "u-1", "metadata": {"team": "a"}, "safety_identifier": "s", "prompt_cache_key": "k"}
     assert client.post("/v1/chat/completions", json=chat_body(**labels)).status_code == 200
     assert client.post("/v1/completions", json=completion(**labels)).status_code == 200
+
+
+# -- endpoints and headers ------------------------------------------------------------------
+
+
+def test_a_model_is_retrieved_by_its_id_and_another_is_openais_404(client):
+    assert client.get(f"/v1/models/{MODEL}").json() == client.get("/v1/models").json()["data"][0]
+    error = assert_openai_error(client.get("/v1/models/org/other-model"), 404)
+    assert (error["param"], error["code"]) == ("model", "model_not_found") and '"org/other-model"' in error["message"]
+
+
+def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(client, chat_tokenizer):
+    tokenized = client.post("/tokenize", json={"prompt": "t5 t9 t14"}).json()
+    expected = chat_tokenizer("t5 t9 t14").input_ids
+    assert tokenized == {"count": len(expected), "max_model_len": CAPACITY, "tokens": expected} and len(expected) >= 3
+    assert client.post("/detokenize", json={"tokens": tokenized["tokens"]}).json() == {"prompt": chat_tokenizer.decode(tokenized["tokens"])}
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "t5 t9"}]}).json()
+    assert chat["tokens"] == chat_ids(chat_tokenizer, [{"role": "user", "content": "t5 t9"}])  # what chat completions feed the model
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/tokenize", {"prompt": "t5", "messages": []}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "t5", "truncate": True}, "truncate"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "t5"}], "add_generation_prompt": False}, "add_generation_prompt"),
+        ("/detokenize", {"tokens": "t5"}, "tokens"),
+        ("/detokenize", {"tokens": [5, -1]}, "tokens"),
+        ("/detokenize", {"tokens": [5, 10**9]}, "tokens"),
+        ("/detokenize", {"tokens": [5] * (CAPACITY + 1)}, "tokens"),
+    ],
+)
+def test_tokenize_and_detokenize_refuse_bad_bodies_naming_the_field(client, path, body, param):
+    assert assert_openai_error(client.post(path, json=body), 400)["param"] == param
+
+
+def test_tokenize_and_detokenize_need_a_key_when_keys_are_configured(keyed):
+    assert keyed.post("/tokenize", json={"prompt": "t5"}).status_code == 401
+    assert keyed.post("/detokenize", json={"tokens": [5]}, headers=bearer(KEYS[0])).status_code == 200
+
+
+def test_every_answer_carries_the_clients_request_id_or_one_made_for_it(client):
+    assert client.get("/health", headers={"X-Request-Id": "abc-123"}).headers["x-request-id"] == "abc-123"
+    made = client.post("/v1/completions", json=completion()).headers["x-request-id"]
+    assert made.startswith("req-") and len(made) == 20
+    for unusable in (b"a b", b"x" * 129, "é".encode()):  # spaces, too long, not ASCII: replaced
+        sent = {"X-Request-Id": unusable}
+        assert client.post("/v1/completions", json=completion(), headers=sent).headers["x-request-id"].startswith("req-")
+    assert_openai_error(client.post("/v1/completions", json=completion(n=2), headers={"X-Request-Id": "e-1"}), 400)
+    assert client.post("/v1/completions", json=completion(n=2), headers={"X-Request-Id": "e-1"}).headers["x-request-id"] == "e-1"

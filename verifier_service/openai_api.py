@@ -563,10 +563,13 @@ class OpenAIApi:
         seed = _take(body, "seed", (int,), "an integer")
         if seed is not None and not 0 <= seed < 1 << 64:
             raise ApiError(400, f"seed must be in [0, 2**64), got {seed}", param="seed")
+        top_p = _float(body, "top_p", 1.0)
+        if not 0.0 < top_p <= 1.0:  # OpenAI's range; 0 is "off" only on gRPC, where it means unset
+            raise ApiError(400, f"top_p must be in (0, 1] (1: no nucleus filter), got {top_p}", param="top_p")
         sampling = SamplingParams(
             temperature=_float(body, "temperature", 1.0),
             top_k=_take(body, "top_k", (int,), "an integer", 0),
-            top_p=_float(body, "top_p", 1.0),
+            top_p=top_p,
             seed=seed,
         )
         k = _take(body, "num_speculative_tokens", (int,), "an integer (unset: adaptive)")

@@ -614,3 +614,10 @@ def test_every_answer_carries_the_clients_request_id_or_one_made_for_it(client):
         assert client.post("/v1/completions", json=completion(), headers=sent).headers["x-request-id"].startswith("req-")
     assert_openai_error(client.post("/v1/completions", json=completion(n=2), headers={"X-Request-Id": "e-1"}), 400)
     assert client.post("/v1/completions", json=completion(n=2), headers={"X-Request-Id": "e-1"}).headers["x-request-id"] == "e-1"
+
+
+@pytest.mark.parametrize("top_p", [0, -0.1, 1.5])
+def test_top_p_outside_openais_range_is_a_400(client, top_p):
+    error = assert_openai_error(client.post("/v1/completions", json=completion(top_p=top_p)), 400)
+    assert error["param"] == "top_p" and "top_p must be in (0, 1]" in error["message"]
+

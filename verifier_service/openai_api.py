@@ -62,11 +62,13 @@ import h11
 import uvicorn
 from google.protobuf import json_format
 from opentelemetry import propagate
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -290,6 +292,7 @@ class OpenAIApi:
             routes=[
                 Route("/", self.view, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
@@ -297,14 +300,40 @@ class OpenAIApi:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             ],
-            middleware=[Middleware(_RequestIds), Middleware(_Unexpected), Middleware(_Callers, keys=servicer.keys)],
+            middleware=[
+                *self._cors(config.origins()),
+                Middleware(_RequestIds),
+                Middleware(_Unexpected),
+                Middleware(_Callers, keys=servicer.keys),
+            ],
             exception_handlers={
                 ApiError: lambda request, error: error.response(),
                 HTTPException: lambda request, error: ApiError(error.status_code, str(error.detail)).response(),
             },
         )
 
+    @staticmethod
+    def _cors(origins: list[str]) -> list[Middleware]:
+        """Starlette's CORS middleware for --allowed-origins (none without): preflights answered,
+        the headers a client sends (keys, X-Request-Id, tracing) allowed, X-Request-Id readable."""
+        if not origins:
+            return []
+        return [
+            Middleware(
+                CORSMiddleware,
+                allow_origins=origins,
+                allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type", REQUEST_ID_HEADER, "traceparent", "tracestate"],
+                expose_headers=[REQUEST_ID_HEADER],
+                max_age=600,
+            )
+        ]
+
     # -- routes -------------------------------------------------------------------
+
+    async def metrics(self, request: Request) -> Response:
+        """The service's Prometheus metrics (as on --metrics-port), so one port can be scraped."""
+        return Response(generate_latest(self.servicer.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def view(self, request: Request) -> Response:
         """The live view: one static page that streams a chat completion and colours each token by its source."""

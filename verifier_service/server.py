@@ -157,6 +157,13 @@ class VerifierConfig:
     # 3x the 80 requests the scheduler holds (16 + 64), room for clients' idle
     # keep-alive connections, and well inside a 1,024 open-file limit.
     http_max_connections: int = setting(256, minimum=1, help="open HTTP connections; beyond, new ones get 503 and are closed")
+    # Browsers refuse a page's cross-origin calls unless the server allows its origin.
+    # None: no CORS headers, so only pages served from this port (the live view) call it.
+    allowed_origins: str | None = setting(
+        None,
+        help="origins (comma-separated, e.g. https://app.example.com; * for any) whose browser pages "
+        "may call the HTTP API (none: same origin only)",
+    )
     calibrate: bool = setting(
         True, help="measure the step cost at start-up (without: a flat cost refined by real steps; for tests and tiny models)"
     )
@@ -177,6 +184,15 @@ class VerifierConfig:
 
     def __post_init__(self) -> None:
         self.api_keys()  # fail fast: an unreadable key file or a malformed key is a usage error
+        self.origins()
+
+    def origins(self) -> list[str]:
+        """The --allowed-origins, each a scheme://host[:port] or *."""
+        origins = [origin.strip() for origin in (self.allowed_origins or "").split(",") if origin.strip()]
+        for origin in origins:
+            if origin != "*" and not ORIGIN_PATTERN.fullmatch(origin):
+                raise ValueError(f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], no path) or *")
+        return origins
 
     def api_keys(self) -> tuple[str, ...]:
         """The configured keys, from --api-key and --api-key-file (ValueError naming where,
@@ -202,6 +218,8 @@ class VerifierConfig:
 SERVING_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "metrics_port", "health_port")
 # What an HTTP header and gRPC metadata carry unchanged, less the --api-key separator.
 KEY_PATTERN = re.compile(r"[!-+\--~]+")
+# An origin as browsers send it: scheme://host[:port], no path.
+ORIGIN_PATTERN = re.compile(r"[a-z][a-z0-9+.-]*://[A-Za-z0-9.\-\[\]:]+")
 
 
 class ApiKeys:

@@ -621,3 +621,39 @@ def test_top_p_outside_openais_range_is_a_400(client, top_p):
     error = assert_openai_error(client.post("/v1/completions", json=completion(top_p=top_p)), 400)
     assert error["param"] == "top_p" and "top_p must be in (0, 1]" in error["message"]
 
+
+def test_metrics_are_served_on_the_api_port_too(open_servicer, client):
+    client.post("/v1/completions", json=completion())
+    response = client.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    assert "specdec_verifier_generated_tokens_total" in response.text
+    assert 'specdec_verifier_requests_total{finish_reason="length"}' in response.text
+
+
+def test_cors_answers_only_the_allowed_origins(tiny_model, chat_tokenizer, client):
+    servicer = started(tiny_model, chat_tokenizer, allowed_origins="https://app.example.com, http://localhost:3000")
+    try:
+        cors = TestClient(OpenAIApi(servicer, MODEL).app)
+        preflight = {
+            "Origin": "https://app.example.com",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization",
+        }
+        answer = cors.options("/v1/completions", headers=preflight)
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "https://app.example.com"
+        called = cors.post("/v1/completions", json=completion(), headers={"Origin": "http://localhost:3000"})
+        assert called.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "x-request-id" in called.headers["access-control-expose-headers"].lower()
+        other = cors.post("/v1/completions", json=completion(), headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+        assert cors.options("/v1/completions", headers=preflight | {"Origin": "https://evil.example"}).status_code == 400
+    finally:
+        servicer.scheduler.stop(1.0)
+    # Without the flag, no CORS headers at all.
+    assert "access-control-allow-origin" not in client.get("/health", headers={"Origin": "https://app.example.com"}).headers
+
+
+@pytest.mark.parametrize("origins", ["https://app.example.com/path", "app.example.com", "https://a.example, ftp//b"])
+def test_an_origin_that_is_not_one_is_a_config_error(origins):
+    with pytest.raises(ValueError, match="--allowed-origins: .* is not an origin"):
+        VerifierConfig(allowed_origins=origins)

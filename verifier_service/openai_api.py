@@ -121,7 +121,7 @@ HONOURED = {
     "prompt_cache_key",
 }
 HONOURED_CHAT = HONOURED | {"messages", "max_completion_tokens"}
-HONOURED_COMPLETIONS = HONOURED | {"prompt"}
+HONOURED_COMPLETIONS = HONOURED | {"prompt", "echo"}
 
 
 def _absent(value: Any) -> bool:
@@ -172,7 +172,6 @@ _NOT_HONOURED_CHAT = (
 _NOT_HONOURED_COMPLETIONS = (
     *_NOT_HONOURED,
     ("logprobs", _absent, "null", "log-probabilities are not returned yet"),
-    ("echo", lambda value: value is None or value is False, "false", "echo is not supported yet"),
     ("best_of", _one_of(1), "1", "best_of is not supported"),
     ("suffix", lambda value: value is None or value == "", "null", "suffix (insertion) is not supported"),
 )
@@ -451,7 +450,9 @@ class OpenAIApi:
         received = await self._body(request, request_id)
         # Parsing, chat templates and tokenizing up to --http-max-body-bytes take a worker
         # thread, so the event loop keeps serving the other requests' streams meanwhile.
-        generation, stream, include_usage = await anyio.to_thread.run_sync(self._parse, received, chat, request_id, limiter=self.limiter)
+        generation, stream, include_usage, echo = await anyio.to_thread.run_sync(
+            self._parse, received, chat, request_id, limiter=self.limiter
+        )
         span_context = self.servicer.request_span(propagate.extract(dict(request.headers)))
         span = span_context.__enter__()
         span.set_attribute("http.request.id", request.scope["state"]["request_id"])  # _RequestIds'
@@ -460,7 +461,7 @@ class OpenAIApi:
         except BaseException as error:
             span_context.__exit__(type(error), error, error.__traceback__)
             raise
-        reply = _Reply(self, handle, chat, span, span_context)
+        reply = _Reply(self, handle, chat, span, span_context, echo)
         if stream:
             return _EventStream(self._events(reply, include_usage), reply.close, release)
         try:
@@ -489,8 +490,9 @@ class OpenAIApi:
             raise ApiError(400, "the connection closed before the whole body came", code="client_disconnected") from None
         return received
 
-    def _parse(self, received: bytearray, chat: bool, request_id: str) -> tuple[GenerationRequest, bool, bool]:
-        """(the request, stream, stream_options.include_usage) from a JSON body."""
+    def _parse(self, received: bytearray, chat: bool, request_id: str) -> tuple[GenerationRequest, bool, bool, str]:
+        """(the request, stream, stream_options.include_usage, the text ``echo`` puts before the
+        completion: the prompt's, decoded from its tokens, or "") from a JSON body."""
         try:
             body = json.loads(received)
         except RecursionError:  # the parser's own depth limit (about 1,000 levels): no body of ours nests past 4
@@ -508,7 +510,10 @@ class OpenAIApi:
                 raise ApiError(400, f"unknown field {_shown(name)} in stream_options: only include_usage is taken", param="stream_options")
         if options.get("include_obfuscation") or options.get("continuous_usage_stats"):
             raise ApiError(400, "stream_options: only include_usage is supported; leave the others out or false", param="stream_options")
-        return generation, stream, _take(options, "include_usage", (bool,), "true or false", False)
+        echo = ""
+        if not chat and _take(body, "echo", (bool,), "true or false", False):
+            echo = self.servicer.engine.tokenizer.decode(generation.prompt_ids)
+        return generation, stream, _take(options, "include_usage", (bool,), "true or false", False), echo
 
     def _submit(self, generation: GenerationRequest, span) -> RequestHandle:
         try:
@@ -538,7 +543,7 @@ class OpenAIApi:
         """The SSE data lines; a disconnect cancels this generator, and the request with it
         (``_EventStream`` closes the reply however the stream ends, even before it began)."""
         try:
-            if reply.chat:
+            if reply.chat or reply.echo:
                 yield json.dumps(reply.first_chunk())
             tokens = iter(reply.handle.stream())
             while (piece := await anyio.to_thread.run_sync(next, tokens, None, abandon_on_cancel=True, limiter=self.limiter)) is not None:
@@ -780,8 +785,9 @@ class _EventStream(EventSourceResponse):
 class _Reply:
     """One request's answer as OpenAI objects: chunks while it streams, or the whole."""
 
-    def __init__(self, api: OpenAIApi, handle: RequestHandle, chat: bool, span, span_context) -> None:
+    def __init__(self, api: OpenAIApi, handle: RequestHandle, chat: bool, span, span_context, echo: str = "") -> None:
         self.api, self.handle, self.chat, self.span = api, handle, chat, span
+        self.echo = echo  # completions' echo: the prompt's text, sent before the completion's
         self._span_context = span_context  # servicer.request_span's, entered
         self._closed = False
         self._answered = False  # the last chunk, or the whole answer, was made
@@ -835,8 +841,8 @@ class _Reply:
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
 
     def first_chunk(self) -> dict:
-        """Chat streams open with the assistant's role, as OpenAI's do."""
-        return self._envelope(self.object, [self._choice("", None, role=True)])
+        """Chat streams open with the assistant's role, as OpenAI's do; completions with echo, with the prompt."""
+        return self._envelope(self.object, [self._choice(self.echo, None, role=True)])
 
     def token_chunk(self, chunk: TokenChunk) -> dict:
         self.tokens_sent += len(chunk.tokens)
@@ -861,7 +867,7 @@ class _Reply:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None}
         else:
-            choice = {"index": 0, "text": result.text, "logprobs": None}
+            choice = {"index": 0, "text": self.echo + result.text, "logprobs": None}
         choice["finish_reason"] = _finish(result)
         return self._envelope(obj, [choice]) | {"usage": _usage(self.handle, result), "specdec": _speculation(stats)}
 

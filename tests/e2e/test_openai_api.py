@@ -152,11 +152,11 @@ def test_a_seed_makes_sampling_repeatable_and_equal_to_grpcs(server):
         ({"temperature": -1}, openai.BadRequestError, "temperature", "temperature must be a finite number >= 0"),
         ({"stop": ["t3"] * 17}, openai.BadRequestError, "stop", "stop takes at most 16 strings"),
         ({"model": "gpt-4o"}, openai.NotFoundError, "model", "GET /v1/models lists"),
-        ({"echo": True}, openai.BadRequestError, "echo", "echo is not supported here"),
+        ({"best_of": 3}, openai.BadRequestError, "best_of", "best_of is not supported here"),
         ({"frequency_penalty": 0.5}, openai.BadRequestError, "frequency_penalty", "leave it out or set it to 0"),
         ({"extra_body": {"guided_json": {}}}, openai.BadRequestError, "guided_json", 'unknown field "guided_json"'),
     ],
-    ids=["n", "max_tokens", "temperature-type", "temperature-range", "stop", "model", "echo", "penalty", "unknown-field"],
+    ids=["n", "max_tokens", "temperature-type", "temperature-range", "stop", "model", "best_of", "penalty", "unknown-field"],
 )
 def test_bad_requests_raise_the_sdks_typed_errors(server, fields, error, param, says):
     request = {"model": server.model, "prompt": PROMPT, "max_tokens": 4} | fields

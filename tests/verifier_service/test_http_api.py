@@ -484,7 +484,6 @@ NOT_HONOURED_CHAT = NOT_HONOURED | {
 }
 NOT_HONOURED_COMPLETIONS = NOT_HONOURED | {
     "logprobs": ([None], [0, 2]),
-    "echo": ([False], [True]),
     "best_of": ([1], [3]),
     "suffix": ([None, ""], ["t9"]),
 }
@@ -657,3 +656,15 @@ def test_cors_answers_only_the_allowed_origins(tiny_model, chat_tokenizer, clien
 def test_an_origin_that_is_not_one_is_a_config_error(origins):
     with pytest.raises(ValueError, match="--allowed-origins: .* is not an origin"):
         VerifierConfig(allowed_origins=origins)
+
+
+def test_echo_puts_the_prompt_before_the_completion(client, chat_tokenizer):
+    plain = client.post("/v1/completions", json=completion(prompt="t5 t9")).json()["choices"][0]["text"]
+    echoed = client.post("/v1/completions", json=completion(prompt="t5 t9", echo=True)).json()["choices"][0]["text"]
+    assert echoed == chat_tokenizer.decode(chat_tokenizer("t5 t9").input_ids) + plain and plain
+    by_ids = client.post("/v1/completions", json=completion(echo=True)).json()["choices"][0]["text"]
+    assert by_ids.startswith(chat_tokenizer.decode([5, 9, 14]))
+    streamed = client.post("/v1/completions", json=completion(prompt="t5 t9", echo=True, stream=True)).text
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in streamed.splitlines() if line.startswith("data: {")]
+    assert "".join(texts) == echoed and texts[0] == chat_tokenizer.decode(chat_tokenizer("t5 t9").input_ids)
+    assert assert_openai_error(client.post("/v1/completions", json=completion(echo="yes")), 400)["param"] == "echo"

@@ -154,7 +154,8 @@ def measure(db: Path, port: int, flags: tuple[str, ...], groups: dict[str, list[
                 "tokens_per_pass": round(spec["tokens"] / spec["passes"], 3),
                 "mismatches": mismatches,
             }
-            print(f"  {group}: x{report[group]['speedup_vs_plain']:.2f} plain", file=sys.stderr, flush=True)
+            row = report[group]
+            print(f"  {group}: x{row['speedup_vs_plain']:.2f} plain, {row['tokens_per_pass']:.2f} tokens/pass", file=sys.stderr, flush=True)
     finally:
         pair.stop()
     return report
@@ -182,6 +183,7 @@ def main(argv=None) -> None:
     parser.add_argument("--per-group", type=int, default=4, help="measured prompts per group")
     parser.add_argument("--teach-per-group", type=int, default=6, help="other prompts per group the warm drafter learns from")
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--phases", nargs="+", choices=[name for name, _, _ in PHASES], default=[name for name, _, _ in PHASES])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     if min(args.per_group, args.max_new_tokens) < 1 or args.teach_per_group < 0:
@@ -202,18 +204,20 @@ def main(argv=None) -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        warm = root / "warm"
+        warm = root / "taught"  # never a phase's name: each phase's copy is a folder of its own
         result["teach"] = teach(warm, port, lessons, args.max_new_tokens)
         print(f"warm table after SIGKILL: {result['teach']}", file=sys.stderr, flush=True)
         result["phases"] = {}
+        args.out.mkdir(parents=True, exist_ok=True)
         for name, table, flags in PHASES:
-            db = root / name
+            if name not in args.phases:
+                continue
+            db = root / f"phase-{name}"
             if table == "warm":
                 shutil.copytree(warm, db)
             print(f"{name}:", file=sys.stderr, flush=True)
             result["phases"][name] = measure(db, port, flags, groups, args.max_new_tokens)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "spec_bench_service.json").write_text(json.dumps(result, indent=2) + "\n")
+            (args.out / "spec_bench_service.json").write_text(json.dumps(result, indent=2) + "\n")  # each phase kept as it ends
     print(markdown(result["phases"]))
 
 

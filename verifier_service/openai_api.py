@@ -268,6 +268,19 @@ def _text(value: str, where: str, param: str) -> str:
     return value
 
 
+def _json_object(received: bytes | bytearray) -> dict:
+    """A body as the JSON object it must be (a 400 in OpenAI's shape otherwise)."""
+    try:
+        body = json.loads(received)
+    except RecursionError:  # the parser's own depth limit (about 1,000 levels): no body of ours nests past 4
+        raise ApiError(400, "the body nests too deeply to be a request") from None
+    except ValueError as error:  # UnicodeDecodeError (not UTF-8) is one too
+        raise ApiError(400, f"the body must be a JSON object in UTF-8: {error}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
 def _float(body: dict, name: str, default: float) -> float:
     """``body[name]`` as a float; a JSON integer too large for one is the client's error, not ours."""
     try:
@@ -351,12 +364,15 @@ class OpenAIApi:
 
     async def model(self, request: Request) -> Response:
         """``GET /v1/models/{id}``: the served model, or OpenAI's 404 for any other id."""
-        if request.path_params["model"] != self.model_id:
-            shown = _shown(request.path_params["model"])
+        self._refuse_other_model(request.path_params["model"], _shown(request.path_params["model"]))
+        return JSONResponse(self._model())
+
+    def _refuse_other_model(self, model: str | None, shown: str) -> None:
+        """OpenAI's 404 for a model id (``shown`` as the message renders it) not served here; None passes."""
+        if model is not None and model != self.model_id:
             raise ApiError(
                 404, f"model {shown} is not served here; GET /v1/models lists {self.model_id!r}", "model", code="model_not_found"
             )
-        return JSONResponse(self._model())
 
     async def tokenize(self, request: Request) -> Response:
         """``POST /tokenize`` in vLLM's shapes: ``{"prompt": str, "add_special_tokens": true}`` or
@@ -399,23 +415,14 @@ class OpenAIApi:
         """A tokenize/detokenize body: a JSON object of ``fields`` only, for the served model."""
         if not self.servicer.ready.is_set():
             raise ApiError(503, "the model is still loading; retry when GET /health answers 200", kind="server_error", code="loading")
-        received = await self._body(request, f"http-{secrets.token_hex(6)}")
-        try:
-            body = json.loads(received)
-        except (RecursionError, ValueError):
-            raise ApiError(400, "the body must be a JSON object in UTF-8") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
+        body = _json_object(await self._body(request, f"http-{secrets.token_hex(6)}"))
         for name in body:
             if name not in fields:
                 raise ApiError(
                     400, f"unknown field {_shown(name)} for {request.url.path}; it takes {sorted(fields)}", param=name, code="unknown_field"
                 )
         model = _take(body, "model", (str,), "a string")
-        if model is not None and model != self.model_id:
-            raise ApiError(
-                404, f"model {model!r} is not served here; GET /v1/models lists {self.model_id!r}", "model", code="model_not_found"
-            )
+        self._refuse_other_model(model, repr(model))
         return body
 
     async def completions(self, request: Request) -> Response:
@@ -493,14 +500,7 @@ class OpenAIApi:
     def _parse(self, received: bytearray, chat: bool, request_id: str) -> tuple[GenerationRequest, bool, bool, str]:
         """(the request, stream, stream_options.include_usage, the text ``echo`` puts before the
         completion: the prompt's, decoded from its tokens, or "") from a JSON body."""
-        try:
-            body = json.loads(received)
-        except RecursionError:  # the parser's own depth limit (about 1,000 levels): no body of ours nests past 4
-            raise ApiError(400, "the body nests too deeply to be a request") from None
-        except ValueError as error:  # UnicodeDecodeError (not UTF-8) is one too
-            raise ApiError(400, f"the body must be a JSON object in UTF-8: {error}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
+        body = _json_object(received)
         check_fields(body, chat)
         generation = self._generation_request(body, chat, request_id)
         stream = _take(body, "stream", (bool,), "true or false", False)
@@ -568,10 +568,7 @@ class OpenAIApi:
 
     def _generation_request(self, body: dict, chat: bool, request_id: str) -> GenerationRequest:
         model = _take(body, "model", (str,), "a string")
-        if model is not None and model != self.model_id:
-            raise ApiError(
-                404, f"model {model!r} is not served here; GET /v1/models lists {self.model_id!r}", "model", code="model_not_found"
-            )
+        self._refuse_other_model(model, repr(model))
         if _take(body, "n", (int,), "an integer", 1) != 1:
             raise ApiError(400, "n must be 1: this server returns one choice per request", param="n")
         # Stop strings are checked first: cheap, and the prompt's tokenizing is not.

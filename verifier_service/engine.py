@@ -69,6 +69,7 @@ from verifier_service.generation import (
 )
 from verifier_service.kv_cache import STEP_KWARG, SlotKVCache, is_chain, plan_step, tree_depths, use_slot_attention
 from verifier_service.linear_kernels import engaged, use_linear_kernels
+from verifier_service.processing import Prefixes, TokenLogprob, chain_paths, shape_logits, token_logprobs, tree_paths
 from verifier_service.rejection import (
     accept_greedy,
     accept_sampled,
@@ -135,6 +136,11 @@ class EngineConfig:
         8, minimum=0, help="the target's top predictions per scored position sent to the drafter (0: none; at most 16)"
     )
 
+    # Each entry costs a column write at every verified position of the request.
+    logit_bias_limit: int = setting(300, minimum=0, help="logit_bias entries one request may give")
+    # Each asked-for alternative costs a top-k per emitted token; OpenAI allows 20.
+    max_logprobs: int = setting(20, minimum=0, help="the most alternatives per token a request may ask log-probabilities of")
+
     def __post_init__(self) -> None:
         if self.successor_top_k > MAX_PREDICTIONS:
             raise ValueError(f"successor_top_k must be at most {MAX_PREDICTIONS} (what the drafter keeps), got {self.successor_top_k}")
@@ -155,6 +161,7 @@ class _Sequence:
     verified: int = 0
     accepted: int = 0
     predictions: Predictions | None = None  # the target's at the positions the previous step scored, for the drafter
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when the request asks
     proposed: bool = False  # the proposer has a session for it
     stops: StopStringMatcher | None = None
     finish_reason: str | None = None
@@ -188,6 +195,7 @@ class _Row:
     chain: int = 0  # its first tokens that are the drafter's chain (parents -1, 0, 1, ...): what feedback is about
     verify: int = 0  # draft tokens this step verifies: the first ``verify``, closed under ancestors
     probe: bool = False  # verified as a probe (adaptive.PROBE_AFTER), not because the plan said it pays
+    logprobs: list[TokenLogprob] | None = None  # of the tokens this step's decision emits, when the request asks
 
     @property
     def adaptive(self) -> bool:
@@ -338,7 +346,19 @@ class SpeculativeEngine:
                 raise ValueError(
                     f"stop[{index}] is {len(stop)} characters; at most {config.stop_string_length_limit} (--stop-string-length-limit)"
                 )
-        request.sampling.validate()
+        sampling = request.sampling
+        sampling.validate()
+        if len(sampling.logit_bias) > config.logit_bias_limit:
+            raise ValueError(
+                f"logit_bias takes at most {config.logit_bias_limit} tokens (--logit-bias-limit), got {len(sampling.logit_bias)}"
+            )
+        outside = [token for token, _ in sampling.logit_bias if not 0 <= token < self.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
+        if sampling.min_tokens > request.max_new_tokens:
+            raise ValueError(f"min_tokens ({sampling.min_tokens}) must not exceed max_new_tokens ({request.max_new_tokens})")
+        if request.logprobs is not None and not 0 <= request.logprobs <= config.max_logprobs:
+            raise ValueError(f"logprobs must be in [0, {config.max_logprobs}] alternatives (--max-logprobs), got {request.logprobs}")
 
     def add(self, request: GenerationRequest) -> SequenceHandle:
         """Take a free slot and queue the request for prefill; its first token comes from a later ``step``."""
@@ -506,23 +526,42 @@ class SpeculativeEngine:
         return scored_rows, scored_chunks, logits, False
 
     def accept(self, rows: list[_Row], logits: torch.Tensor) -> list[tuple[list[int], int] | None]:
-        """(accepted draft nodes, next_token) per row, or None for a row whose sampling
-        failed (that sequence alone fails); greedy rows from one argmax over the whole pass."""
-        choices: list[int] = logits.argmax(dim=-1).tolist() if any(row.sequence.request.sampling.greedy for row in rows) else []
+        """(accepted draft nodes, next_token) per row, or None for a row whose shaping or
+        sampling failed (that sequence alone fails); greedy rows whose logits need no
+        shaping (``processing``) from one argmax over the whole pass."""
+        plain_greedy = any(row.sequence.request.sampling.greedy and not row.sequence.request.sampling.shapes_logits for row in rows)
+        choices: list[int] = logits.argmax(dim=-1).tolist() if plain_greedy else []
         decisions: list[tuple[list[int], int] | None] = []
         start = 0
         for row in rows:
             width = row.verify + 1
             draft = row.draft[: row.verify]
-            if not row.sequence.request.sampling.greedy:
-                decisions.append(self._alone(row.sequence, self._sample, row, logits[start : start + width]))
-            elif row.tree:
-                decisions.append(accept_tree_greedy(choices[start : start + width], draft, row.parents[: row.verify]))
-            else:
-                accepted, token = accept_greedy(choices[start : start + width], draft)
-                decisions.append((list(range(accepted)), token))
+            sampling = row.sequence.request.sampling
+            row_logits: torch.Tensor | None = logits[start : start + width]
+            row_choices = choices[start : start + width]
             start += width
+            if sampling.shapes_logits:
+                row_logits = self._alone(row.sequence, self._shape, row, row_logits)
+                if row_logits is None:
+                    decisions.append(None)
+                    continue
+                row_choices = row_logits.argmax(dim=-1).tolist() if sampling.greedy else []
+            if not sampling.greedy:
+                decisions.append(self._alone(row.sequence, self._sample, row, row_logits))
+            elif row.tree:
+                decisions.append(accept_tree_greedy(row_choices, draft, row.parents[: row.verify]))
+            else:
+                accepted, token = accept_greedy(row_choices, draft)
+                decisions.append((list(range(accepted)), token))
         return decisions
+
+    def _shape(self, row: _Row, logits: torch.Tensor) -> torch.Tensor:
+        """One row's logits [verify + 1, vocab] shaped by its request (``processing``), each
+        position from its own prefix."""
+        sequence, draft = row.sequence, row.draft[: row.verify]
+        paths = tree_paths(draft, row.parents[: row.verify]) if row.tree else chain_paths(draft)
+        where = Prefixes(sequence.request.prompt_ids, sequence.generated, paths)
+        return shape_logits(logits, sequence.request.sampling, where, self.eos_token_ids)
 
     @torch.inference_mode()
     def step(self) -> list[StepOutcome]:
@@ -546,6 +585,7 @@ class SpeculativeEngine:
         tokens = len(rows) + verified + sum(length for _, _, length in chunks)
         if packed:  # a step scored piecemeal says nothing about a packed step's cost
             self.step_cost.observe(tokens + self.step_cost.padding(tokens), _cache_reads(rows, chunks), time.perf_counter() - started)
+        self._keep_logprobs(rows, logits[:decoded], decisions)
         accepted = sum(len(decision[0]) for decision in decisions if decision is not None)
         width = 1 + max((row.verify for row in rows), default=0)
         self.last_step = StepReport(decoding, verified, accepted, width, tokens, scoring, accepting, done)
@@ -558,6 +598,21 @@ class SpeculativeEngine:
         outcomes += self._finish_prefills(chunks, logits[decoded:])
         self.planner.age()
         return outcomes + self._retire()
+
+    def _keep_logprobs(self, rows: list[_Row], logits: torch.Tensor, decisions: list[tuple[list[int], int] | None]) -> None:
+        """For the rows whose requests ask, the target's log-probabilities of the tokens each
+        decision emits (node i's row of ``logits`` gave the token after it), kept until
+        ``_commit`` cuts them to what it emits."""
+        start = 0
+        for row, decision in zip(rows, decisions):
+            width = row.verify + 1
+            top = row.sequence.request.logprobs
+            if decision is not None and top is not None:
+                path, token = decision
+                positions = [start, *(start + 1 + node for node in path)]
+                tokens = [row.draft[node] for node in path] + [token]
+                row.logprobs = self._alone(row.sequence, token_logprobs, logits[positions], tokens, top)
+            start += width
 
     def _keep_predictions(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """The target's top ``successor_top_k`` at each position the pass scored, for the
@@ -647,7 +702,9 @@ class SpeculativeEngine:
             self.cache.compact(sequence.slot, sequence.cached + 1, path)
         emitted = self._emit(sequence, [row.draft[node] for node in path] + [token])
         sources = [row.buckets[node][0] or SOURCE_DRAFT for node in path] + [SOURCE_TARGET]
-        return StepOutcome(sequence.handle, emitted, row.verify, count, sources=tuple(sources[: len(emitted)]))
+        logprobs = tuple((row.logprobs or [])[: len(emitted)])
+        sequence.logprobs += logprobs
+        return StepOutcome(sequence.handle, emitted, row.verify, count, sources=tuple(sources[: len(emitted)]), logprobs=logprobs)
 
     def _finish_prefills(self, chunks, logits: torch.Tensor) -> list[StepOutcome]:
         """Advance prefill progress; a completed prompt samples its first token and starts decoding."""
@@ -663,8 +720,14 @@ class SpeculativeEngine:
             sequence.stats.target_forward_passes += 1
             self._start_decoding(sequence)
             emitted = self._alone(sequence, self._emit, sequence, [sampled[1]])
+            logprobs: tuple[TokenLogprob, ...] = ()
+            if emitted is not None and sequence.request.logprobs is not None:
+                logprobs = tuple(self._alone(sequence, token_logprobs, row_logits[None], emitted, sequence.request.logprobs) or ())
+                sequence.logprobs += logprobs
             if emitted is not None:
-                outcomes.append(StepOutcome(sequence.handle, emitted, first=True, sources=(SOURCE_TARGET,) * len(emitted)))
+                outcomes.append(
+                    StepOutcome(sequence.handle, emitted, first=True, sources=(SOURCE_TARGET,) * len(emitted), logprobs=logprobs)
+                )
         return outcomes
 
     def _start_decoding(self, sequence: _Sequence) -> None:
@@ -765,6 +828,7 @@ class SpeculativeEngine:
     def _sample_first(self, sequence: _Sequence, logits: torch.Tensor) -> tuple[int, int]:
         """A prompt's first token from its last position's logits [1, vocab]."""
         sampling = sequence.request.sampling
+        logits = shape_logits(logits, sampling, Prefixes(sequence.request.prompt_ids, [], [[]]), self.eos_token_ids)
         if sampling.greedy:
             return 0, int(logits[0].argmax())
         return accept_sampled(warp_probs(logits, sampling), [], sequence.seed, first_position=len(sequence.generated))
@@ -778,7 +842,11 @@ class SpeculativeEngine:
             emitted.append(token)
             if token in self.eos_token_ids:
                 sequence.finish_reason = FINISH_STOP
-            elif sequence.stops is not None and (text := sequence.stops.push(token)) is not None:
+            elif (
+                sequence.stops is not None
+                and (text := sequence.stops.push(token)) is not None
+                and len(sequence.generated) >= request.sampling.min_tokens
+            ):  # stop strings count from min_tokens on (vLLM's rule); the text before is kept
                 sequence.finish_reason, sequence.stop_text = FINISH_STOP, text
             elif len(sequence.generated) >= request.max_new_tokens:
                 sequence.finish_reason = FINISH_LENGTH
@@ -792,7 +860,10 @@ class SpeculativeEngine:
         text = sequence.stop_text
         if text is None:
             text = str(self.tokenizer.decode(sequence.generated, skip_special_tokens=True))
-        return GenerationResult(sequence.request.request_id, list(sequence.generated), text, sequence.finish_reason, sequence.stats)
+        logprobs = list(sequence.logprobs) if sequence.request.logprobs is not None else None
+        return GenerationResult(
+            sequence.request.request_id, list(sequence.generated), text, sequence.finish_reason, sequence.stats, logprobs
+        )
 
 
 def _cache_reads(rows: list[_Row], chunks: list[tuple[_Sequence, int, int]]) -> int:

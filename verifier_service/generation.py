@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
 
 FINISH_STOP = "stop"  # EOS token or a stop string
@@ -35,6 +36,8 @@ class GenerationRequest:
     # lets the engine choose each step (adaptive K).
     num_speculative_tokens: int | None = 5
     request_id: str = ""
+    # None: no log-probabilities; n: each generated token's, with the target's top n.
+    logprobs: int | None = None
 
 
 @dataclass
@@ -66,6 +69,7 @@ class GenerationResult:
     text: str
     finish_reason: str
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when the request asked
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,6 +92,7 @@ class StepOutcome:
     sources: tuple[str, ...] = ()  # per token of ``tokens``: SOURCE_TARGET or the accepted draft's source
     result: GenerationResult | None = None  # set when the sequence finished
     error: Exception | None = None  # set instead when it failed (tokens streamed before stay valid)
+    logprobs: tuple[TokenLogprob, ...] = ()  # per token of ``tokens``, when the request asked
 
 
 @dataclass(frozen=True)

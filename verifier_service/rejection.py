@@ -65,10 +65,26 @@ class SamplingParams:
     top_k: int = 0  # 0 means no top-k filter
     top_p: float = 1.0  # 0 or 1 means no nucleus filter (0: proto3's unset value)
     seed: int | None = None  # None: the engine draws a fresh one per request
+    # Shaping the logits before a token is chosen, per verified position from its
+    # own prefix (``processing``, which defines each); the defaults shape nothing.
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]
+    repetition_penalty: float = 1.0  # transformers' (CTRL), > 0; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    min_tokens: int = 0  # no end-of-sequence token (nor stop string) before this many tokens
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_SAMPLING_TEMPERATURE
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether any rule of ``processing`` applies."""
+        return self.penalised or bool(self.logit_bias) or self.min_tokens > 0
 
     def validate(self) -> None:
         """The one place these rules live; the service sends their messages to clients as they are."""
@@ -80,6 +96,18 @@ class SamplingParams:
             raise ValueError(f"top_p must be in [0, 1] (0 or 1 = off), got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token twice")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
 
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

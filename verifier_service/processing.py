@@ -1,0 +1,135 @@
+"""What a request asks of the target's logits before a token is chosen, applied per verified position.
+
+``SamplingParams`` may ask for a ``logit_bias``, ``min_tokens`` and the
+repetition, frequency and presence penalties. Each of those depends on the
+output *before* the position it shapes (a frequency penalty counts the
+tokens emitted so far), so a pass that verifies drafts must shape each of
+its positions from that position's own prefix: the output so far plus the
+draft tokens on the way to it (a chain's first i drafts; a tree node's
+ancestors). Then the token chosen at every position, greedy or sampled, is
+the one plain decoding with the same rules would choose there, and the
+acceptance rules in ``rejection`` keep their guarantees unchanged: they see
+the distribution plain decoding samples from.
+
+The rules and their order are vLLM's (``vllm/v1/sample``), which are
+OpenAI's and transformers' definitions:
+
+1. ``logit_bias``: ``logits[token] += bias``.
+2. ``min_tokens``: while fewer than ``min_tokens`` tokens precede the
+   position, every end-of-sequence token is impossible (``-inf``).
+3. ``repetition_penalty`` r (CTRL, Keskar et al. 2019; transformers'
+   ``RepetitionPenaltyLogitsProcessor``): for each token in the prompt or
+   the output so far, a positive logit is divided by r and a negative one
+   multiplied by r.
+4. ``frequency_penalty`` f and ``presence_penalty`` p (OpenAI):
+   ``logits[token] -= f * count + p * (count > 0)``, counting the output only.
+
+Temperature, top-k and top-p come after (``rejection.warp_probs``).
+Log-probabilities returned to clients are the target's own, before any of
+this (vLLM's default, ``raw_logprobs``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verifier_service.rejection import SamplingParams
+
+
+@dataclass(frozen=True)
+class Prefixes:
+    """Where each row of a pass stands: the prompt, the output so far, and per scored
+    position the draft tokens between that output and the position."""
+
+    prompt: list[int]
+    generated: list[int]
+    paths: list[list[int]]  # per position: the drafts on the way to it (the root: [])
+
+
+def chain_paths(draft: list[int]) -> list[list[int]]:
+    """A chain's positions: the root, then after each draft token. [7, 8] -> [[], [7], [7, 8]]."""
+    return [draft[:index] for index in range(len(draft) + 1)]
+
+
+def tree_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
+    """A tree's positions: the root, then each node's path of tokens from the root, itself included.
+
+    tokens [7, 4, 8], parents [-1, -1, 0] -> [[], [7], [4], [7, 8]].
+    """
+    paths: list[list[int]] = [[]]
+    for token, parent in zip(tokens, parents):
+        paths.append([*paths[parent + 1], token])
+    return paths
+
+
+def shape_logits(logits: torch.Tensor, params: SamplingParams, where: Prefixes, eos_token_ids: frozenset[int]) -> torch.Tensor:
+    """The logits [positions, vocab] after ``params``' bias, ``min_tokens`` and penalties,
+    each position shaped from its own prefix (module docstring). Unchanged when
+    ``params`` asks for none of them."""
+    if not params.shapes_logits:
+        return logits
+    assert logits.dim() == 2 and logits.shape[0] == len(where.paths), "one path per scored position"
+    rows, vocab = logits.shape
+    shaped = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor([token for token, _ in params.logit_bias], dtype=torch.long, device=logits.device)
+        bias = torch.tensor([value for _, value in params.logit_bias], dtype=shaped.dtype, device=logits.device)
+        shaped[:, ids] += bias
+    if params.min_tokens and eos_token_ids:
+        early = [row for row, path in enumerate(where.paths) if len(where.generated) + len(path) < params.min_tokens]
+        if early:
+            eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=logits.device)
+            shaped[torch.tensor(early, device=logits.device)[:, None], eos] = float("-inf")
+    if params.penalised:
+        counts = _output_counts(where, vocab, logits.device)
+        if params.repetition_penalty != 1.0:
+            seen = counts > 0
+            if where.prompt:
+                seen[:, torch.tensor(where.prompt, dtype=torch.long, device=logits.device)] = True
+            penalty = params.repetition_penalty
+            shaped = torch.where(seen, torch.where(shaped > 0, shaped / penalty, shaped * penalty), shaped)
+        if params.frequency_penalty:
+            shaped -= params.frequency_penalty * counts
+        if params.presence_penalty:
+            shaped -= params.presence_penalty * (counts > 0).to(shaped.dtype)
+    return shaped
+
+
+def _output_counts(where: Prefixes, vocab: int, device: torch.device) -> torch.Tensor:
+    """[positions, vocab]: how often each token occurs in each position's output prefix."""
+    rows = len(where.paths)
+    base = torch.bincount(torch.tensor(where.generated, dtype=torch.long), minlength=vocab).to(torch.float32)
+    counts = base.to(device).expand(rows, vocab).clone()
+    row_index = [row for row, path in enumerate(where.paths) for _ in path]
+    if row_index:
+        tokens = [token for path in where.paths for token in path]
+        counts.index_put_(
+            (torch.tensor(row_index, device=device), torch.tensor(tokens, dtype=torch.long, device=device)),
+            torch.ones(len(tokens), device=device),
+            accumulate=True,
+        )
+    return counts
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the target, and the target's ``top`` at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """The target's log-probabilities of ``tokens``, row i of ``logits`` [n, vocab] the
+    distribution ``tokens[i]`` was chosen at, with its ``top`` most likely tokens."""
+    assert logits.shape[0] == len(tokens)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs[torch.arange(len(tokens), device=logits.device), torch.tensor(tokens, dtype=torch.long, device=logits.device)]
+    best: list[list[tuple[int, float]]] = [[] for _ in tokens]
+    if top:
+        values, indices = logprobs.topk(top, dim=-1)
+        best = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(indices.tolist(), values.tolist())]
+    return [TokenLogprob(token, value, tuple(alternatives)) for token, value, alternatives in zip(tokens, chosen.tolist(), best)]

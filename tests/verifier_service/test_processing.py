@@ -198,7 +198,8 @@ def test_seeded_sampling_with_rules_is_plain_samplings_token_for_token(tiny_mode
     results = trees.generate([GenerationRequest(p, 30, params, num_speculative_tokens=None) for p in PROMPTS])
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.accepted_tokens for r in results) > 0
-    chains = ngram_engine(tiny_model, tiny_tokenizer).generate([GenerationRequest(p, 30, params, num_speculative_tokens=5) for p in PROMPTS])
+    chains = ngram_engine(tiny_model, tiny_tokenizer)
+    chains = chains.generate([GenerationRequest(p, 30, params, num_speculative_tokens=5) for p in PROMPTS])
     assert [r.token_ids for r in chains] == expected
 
 
@@ -207,7 +208,8 @@ def test_plain_sampling_with_a_bias_draws_from_the_shaped_distribution(tiny_mode
     params = SamplingParams(temperature=1.0, logit_bias=((11, 9.0), (13, 8.0)))
     engine = engine_for(tiny_model, tiny_tokenizer, None)
     seeds = range(400)
-    results = engine.generate([GenerationRequest(PROMPTS[0], 1, dataclasses.replace(params, seed=s), num_speculative_tokens=0) for s in seeds])
+    requests = [GenerationRequest(PROMPTS[0], 1, dataclasses.replace(params, seed=s), num_speculative_tokens=0) for s in seeds]
+    results = engine.generate(requests)
     with torch.inference_mode():
         logits = tiny_model(torch.tensor([PROMPTS[0]])).logits[0, -1:]
     probs = warp_probs(reference_shaped(logits[0], params, PROMPTS[0], [], frozenset())[None], params)[0]

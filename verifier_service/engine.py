@@ -53,6 +53,7 @@ from specdec.flags import setting
 from verifier_service.adaptive import Planner, SequenceCalibration, evidence_bucket
 from verifier_service.calibration import StepCostModel, calibrated_step_cost
 from verifier_service.drafting import DraftEvidence, DraftProposer, DraftRequest, Predictions, ProposedDraft
+from verifier_service.errors import InvalidRequest
 from verifier_service.generation import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -316,49 +317,58 @@ class SpeculativeEngine:
         return self._slots.count(None)
 
     def validate(self, request: GenerationRequest) -> None:
-        """Every rule a request must meet, in one place: a ValueError whose message names
-        the field (and the flag that sets its limit) and is fit to show the client."""
+        """Every rule a request must meet, in one place: an ``InvalidRequest`` naming the
+        field (and the flag that sets its limit), fit to show the client."""
         config = self.config
         if not request.prompt_ids:
-            raise ValueError("prompt is empty: set prompt (text) or prompt_token_ids")
+            raise InvalidRequest("prompt_ids", "prompt is empty: set prompt (text) or prompt_token_ids")
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+            raise InvalidRequest("prompt_ids", f"{{field}}: token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if not 1 <= request.max_new_tokens <= config.max_new_tokens_limit:
-            raise ValueError(f"max_new_tokens must be in [1, {config.max_new_tokens_limit}], got {request.max_new_tokens}")
+            raise InvalidRequest("max_new_tokens", f"{{field}} must be in [1, {config.max_new_tokens_limit}], got {request.max_new_tokens}")
         needed = len(request.prompt_ids) + request.max_new_tokens
         if needed > self.cache.capacity:
-            raise ValueError(
-                f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) needs {needed} "
-                f"cache positions; this server holds at most {self.cache.capacity} per request"
+            raise InvalidRequest(
+                "max_new_tokens",
+                f"prompt ({len(request.prompt_ids)} tokens) + {{field}} ({request.max_new_tokens}) needs {needed} "
+                f"cache positions; this server holds at most {self.cache.capacity} per request",
             )
         if request.num_speculative_tokens is not None and not 0 <= request.num_speculative_tokens <= config.max_speculative_tokens:
-            raise ValueError(
-                f"num_speculative_tokens must be in [0, {config.max_speculative_tokens}] (unset = adaptive), "
-                f"got {request.num_speculative_tokens}"
+            raise InvalidRequest(
+                "num_speculative_tokens",
+                f"{{field}} must be in [0, {config.max_speculative_tokens}] (unset = adaptive), got {request.num_speculative_tokens}",
             )
         if len(request.stop) > config.stop_strings_limit:
-            raise ValueError(f"stop takes at most {config.stop_strings_limit} strings (--stop-strings-limit), got {len(request.stop)}")
+            raise InvalidRequest(
+                "stop", f"{{field}} takes at most {config.stop_strings_limit} strings (--stop-strings-limit), got {len(request.stop)}"
+            )
         for index, stop in enumerate(request.stop):
             if not stop:
-                raise ValueError(f"stop[{index}] is empty; stop strings must be non-empty")
+                raise InvalidRequest("stop", f"{{field}}[{index}] is empty; stop strings must be non-empty")
             if len(stop) > config.stop_string_length_limit:
-                raise ValueError(
-                    f"stop[{index}] is {len(stop)} characters; at most {config.stop_string_length_limit} (--stop-string-length-limit)"
+                raise InvalidRequest(
+                    "stop",
+                    f"{{field}}[{index}] is {len(stop)} characters; at most {config.stop_string_length_limit} (--stop-string-length-limit)",
                 )
         sampling = request.sampling
         sampling.validate()
         if len(sampling.logit_bias) > config.logit_bias_limit:
-            raise ValueError(
-                f"logit_bias takes at most {config.logit_bias_limit} tokens (--logit-bias-limit), got {len(sampling.logit_bias)}"
+            raise InvalidRequest(
+                "logit_bias",
+                f"{{field}} takes at most {config.logit_bias_limit} tokens (--logit-bias-limit), got {len(sampling.logit_bias)}",
             )
         outside = [token for token, _ in sampling.logit_bias if not 0 <= token < self.vocab_size]
         if outside:
-            raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
+            raise InvalidRequest("logit_bias", f"{{field}} names token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
         if sampling.min_tokens > request.max_new_tokens:
-            raise ValueError(f"min_tokens ({sampling.min_tokens}) must not exceed max_new_tokens ({request.max_new_tokens})")
+            raise InvalidRequest(
+                "min_tokens", f"{{field}} ({sampling.min_tokens}) must not exceed the tokens asked for ({request.max_new_tokens})"
+            )
         if request.logprobs is not None and not 0 <= request.logprobs <= config.max_logprobs:
-            raise ValueError(f"logprobs must be in [0, {config.max_logprobs}] alternatives (--max-logprobs), got {request.logprobs}")
+            raise InvalidRequest(
+                "logprobs", f"{{field}} must be in [0, {config.max_logprobs}] alternatives (--max-logprobs), got {request.logprobs}"
+            )
 
     def add(self, request: GenerationRequest) -> SequenceHandle:
         """Take a free slot and queue the request for prefill; its first token comes from a later ``step``."""

@@ -11,11 +11,14 @@ validation (``SpeculativeEngine.validate``), spans and metrics.
 What OpenAI's API says is followed where it has a rule: ``temperature``
 defaults to 1 (sampling; 0 is greedy), ``/v1/completions``' ``max_tokens``
 to 16, chat's to what the request's cache room and ``--max-new-tokens-limit``
-allow; ``n`` must be 1. No field is dropped without a word (``check_fields``):
-a key the endpoint does not know is a 400 naming it, and a known field this
-server does not honour (penalties, ``logit_bias``, ``logprobs``, ``echo``,
-``tools``, ``response_format``, ...) is a 400 naming it unless it holds its
-no-op value (a penalty of 0, ``logprobs: false``). Errors have OpenAI's shape, ``{"error": {"message",
+allow; ``n`` must be 1. Penalties (presence, frequency, repetition),
+``logit_bias``, ``min_tokens`` and ``logprobs`` are honoured by the engine,
+speculation included; log-probabilities are the target's raw ones, before
+any penalty or temperature (vLLM's default). No field is dropped without a
+word (``check_fields``): a key the endpoint does not know is a 400 naming
+it, and a known field this server does not honour (``echo`` with
+``logprobs``, ``tools``, ``response_format``, ...) is a 400 naming it
+unless it holds its no-op value. Errors have OpenAI's shape, ``{"error": {"message",
 "type", "param", "code"}}``: 400 naming the field in ``param``, 404 for
 another model, 429 for a full queue, 503 while the model loads or the
 server drains. Beyond OpenAI's fields, a request may set
@@ -51,7 +54,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
@@ -74,8 +77,10 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from verifier_service.errors import InvalidRequest
 from verifier_service.generation import FINISH_LENGTH, GenerationRequest
 from verifier_service.model_loading import chat_ids
+from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import QueueFull, RequestHandle, ShuttingDown, TokenChunk
 from verifier_service.text import IncrementalDecoder, IncrementalText
@@ -85,17 +90,9 @@ log = logging.getLogger(__name__)
 VIEW = Path(__file__).parent / "static" / "index.html"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# Our fields that a ValueError from the engine's validate may name -> OpenAI's parameter.
-PARAMS = {
-    "max_new_tokens": "max_tokens",
-    "num_speculative_tokens": "num_speculative_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "stop": "stop",
-    "prompt": "prompt",
-    "token ids": "prompt",
-}
+# The engine's field names (``InvalidRequest.field``) that OpenAI spells otherwise; the rest are the same.
+OPENAI_FIELDS = {"max_new_tokens": "max_tokens", "prompt_ids": "prompt"}
+OPENAI_CHAT_FIELDS = OPENAI_FIELDS | {"prompt_ids": "messages", "logprobs": "top_logprobs"}
 
 
 # Every field a body may carry. A request with any other key is refused (400, the key in
@@ -114,22 +111,24 @@ HONOURED = {
     "temperature",
     "top_p",
     "top_k",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "logprobs",
     "num_speculative_tokens",
     "user",
     "metadata",
     "safety_identifier",
     "prompt_cache_key",
 }
-HONOURED_CHAT = HONOURED | {"messages", "max_completion_tokens"}
+HONOURED_CHAT = HONOURED | {"messages", "max_completion_tokens", "top_logprobs"}
 HONOURED_COMPLETIONS = HONOURED | {"prompt", "echo"}
 
 
 def _absent(value: Any) -> bool:
     return value is None
-
-
-def _no_penalty(value: Any) -> bool:
-    return value is None or (not isinstance(value, bool) and value == 0)
 
 
 def _empty(value: Any) -> bool:
@@ -144,18 +143,11 @@ def _one_of(*values: Any) -> Callable[[Any], bool]:
 # unless it holds a value that changes nothing, its no-op (what the predicate accepts,
 # shown in the message). (field, no-op predicate, the no-op in words, why it is refused)
 _NOT_HONOURED: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
-    ("frequency_penalty", _no_penalty, "0", "penalties are not applied yet"),
-    ("presence_penalty", _no_penalty, "0", "penalties are not applied yet"),
-    ("repetition_penalty", _one_of(1), "1", "penalties are not applied yet"),
-    ("logit_bias", _empty, "{}", "logit_bias is not applied yet"),
-    ("min_tokens", _no_penalty, "0", "min_tokens is not applied yet"),
     ("service_tier", _one_of("auto", "default"), '"auto"', "this server has one tier"),
     ("store", lambda value: value is None or value is False, "false", "this server stores no completions"),
 )
 _NOT_HONOURED_CHAT = (
     *_NOT_HONOURED,
-    ("logprobs", lambda value: value is None or value is False, "false", "log-probabilities are not returned yet"),
-    ("top_logprobs", _no_penalty, "0", "log-probabilities are not returned yet"),
     ("response_format", lambda value: value is None or value == {"type": "text"}, '{"type": "text"}', "structured output is not supported"),
     ("tools", _empty, "[]", "tool calling is not supported"),
     ("tool_choice", _one_of("none", "auto"), '"none"', "tool calling is not supported"),
@@ -171,7 +163,6 @@ _NOT_HONOURED_CHAT = (
 )
 _NOT_HONOURED_COMPLETIONS = (
     *_NOT_HONOURED,
-    ("logprobs", _absent, "null", "log-probabilities are not returned yet"),
     ("best_of", _one_of(1), "1", "best_of is not supported"),
     ("suffix", lambda value: value is None or value == "", "null", "suffix (insertion) is not supported"),
 )
@@ -464,7 +455,7 @@ class OpenAIApi:
         span = span_context.__enter__()
         span.set_attribute("http.request.id", request.scope["state"]["request_id"])  # _RequestIds'
         try:
-            handle = self._submit(generation, span)
+            handle = self._submit(generation, span, chat)
         except BaseException as error:
             span_context.__exit__(type(error), error, error.__traceback__)
             raise
@@ -515,11 +506,12 @@ class OpenAIApi:
             echo = self.servicer.engine.tokenizer.decode(generation.prompt_ids)
         return generation, stream, _take(options, "include_usage", (bool,), "true or false", False), echo
 
-    def _submit(self, generation: GenerationRequest, span) -> RequestHandle:
+    def _submit(self, generation: GenerationRequest, span, chat: bool) -> RequestHandle:
         try:
             return self.servicer.submit(generation, span)
-        except ValueError as error:
-            raise _invalid(error) from None
+        except InvalidRequest as error:
+            param = (OPENAI_CHAT_FIELDS if chat else OPENAI_FIELDS).get(error.field, error.field)
+            raise ApiError(400, error.named(param), param=param) from None
         except QueueFull as error:
             raise ApiError(429, str(error), kind="rate_limit_error", code="queue_full") from None
         except ShuttingDown as error:
@@ -602,14 +594,27 @@ class OpenAIApi:
             top_k=_take(body, "top_k", (int,), "an integer", 0),
             top_p=top_p,
             seed=seed,
+            presence_penalty=_float(body, "presence_penalty", 0.0),
+            frequency_penalty=_float(body, "frequency_penalty", 0.0),
+            repetition_penalty=_float(body, "repetition_penalty", 1.0),
+            logit_bias=_logit_bias(body),
+            min_tokens=_take(body, "min_tokens", (int,), "an integer", 0),
         )
         k = _take(body, "num_speculative_tokens", (int,), "an integer (unset: adaptive)")
-        return GenerationRequest(prompt_ids, max_tokens, sampling, tuple(stop), k, request_id=request_id)
+        logprobs = _chat_logprobs(body) if chat else _take(body, "logprobs", (int,), "an integer (alternatives per token)")
+        if logprobs is not None and not chat and _take(body, "echo", (bool,), "true or false", False):
+            raise ApiError(
+                400,
+                "logprobs with echo would need the prompt's log-probabilities, which are not computed; ask for one or the other",
+                param="logprobs",
+                code="unsupported_field",
+            )
+        return GenerationRequest(prompt_ids, max_tokens, sampling, tuple(stop), k, request_id=request_id, logprobs=logprobs)
 
     def _check_prompt_chars(self, chars: int, param: str) -> None:
         try:
             self.servicer.check_prompt_chars(chars)
-        except ValueError as error:
+        except InvalidRequest as error:
             raise ApiError(400, str(error), param=param) from None
 
     def _chat_prompt(self, body: dict) -> list[int]:
@@ -649,11 +654,30 @@ class OpenAIApi:
         raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
 
 
-def _invalid(error: ValueError) -> ApiError:
-    """The engine's ValueError as a 400 naming OpenAI's parameter."""
-    message = str(error).replace("max_new_tokens", "max_tokens")
-    param = next((PARAMS[name] for name in PARAMS if str(error).startswith(name)), None)
-    return ApiError(400, message, param=param)
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: an object from token ids (as JSON keys, strings) to biases."""
+    value = _take(body, "logit_bias", (dict,), "an object of token id -> bias", {})
+    bias = []
+    for key, item in value.items():
+        if not key.isascii() or not key.isdigit():
+            raise ApiError(400, f"logit_bias keys are token ids (digits), got {_shown(key)}", param="logit_bias")
+        if isinstance(item, bool) or not isinstance(item, int | float):
+            raise ApiError(400, f"logit_bias[{key}] must be a number, got {_shown(item)}", param="logit_bias")
+        try:
+            bias.append((int(key), float(item)))
+        except OverflowError:
+            raise ApiError(400, f"logit_bias[{key}] must be a finite number", param="logit_bias") from None
+    return tuple(sorted(bias))
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (true: return them) and ``top_logprobs`` (alternatives per token,
+    which OpenAI takes only beside ``logprobs: true``) as the engine's: None, or the alternatives."""
+    wanted = _take(body, "logprobs", (bool,), "true or false", False)
+    top = _take(body, "top_logprobs", (int,), "an integer", None)
+    if top is not None and not wanted:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _log_unexpected(what: str, error: BaseException) -> None:
@@ -793,6 +817,7 @@ class _Reply:
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.text = _StreamText(api.servicer.engine.tokenizer, handle.request.stop)
+        self.logprobs = _Logprobs(api.servicer.engine.tokenizer, chat) if handle.request.logprobs is not None else None
 
     def client_left(self) -> None:
         """The client disconnected before its answer: cancel the request (freeing its slot at the next step)."""
@@ -829,13 +854,13 @@ class _Reply:
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": int(time.time()), "model": self.api.model_id, "choices": choices}
 
-    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False, logprobs: dict | None = None) -> dict:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
 
     def first_chunk(self) -> dict:
         """Chat streams open with the assistant's role, as OpenAI's do; completions with echo, with the prompt."""
@@ -845,7 +870,8 @@ class _Reply:
         self.tokens_sent += len(chunk.tokens)
         delta, pieces = self.text.push(chunk.tokens)
         extra = {"token_ids": chunk.tokens, "token_texts": pieces, "sources": chunk.sources, "verified": chunk.verified}
-        return self._envelope(self.object, [self._choice(delta, None)]) | {"specdec": extra}
+        logprobs = self.logprobs.shown(chunk.logprobs) if self.logprobs is not None else None
+        return self._envelope(self.object, [self._choice(delta, None, logprobs=logprobs)]) | {"specdec": extra}
 
     def final_chunk(self, result, stats, usage: bool) -> dict:
         self._answered = True
@@ -861,12 +887,68 @@ class _Reply:
     def whole(self, result, stats) -> dict:
         self._answered = True
         obj = "chat.completion" if self.chat else "text_completion"
+        logprobs = self.logprobs.shown(result.logprobs or ()) if self.logprobs is not None else None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None}
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": self.echo + result.text, "logprobs": None}
+            choice = {"index": 0, "text": self.echo + result.text, "logprobs": logprobs}
         choice["finish_reason"] = _finish(result)
         return self._envelope(obj, [choice]) | {"usage": _usage(self.handle, result), "specdec": _speculation(stats)}
+
+
+class _Logprobs:
+    """The target's log-probabilities in OpenAI's shapes: chat's ``{"content": [{token,
+    logprob, bytes, top_logprobs}]}``, or completions' ``{tokens, token_logprobs,
+    top_logprobs, text_offset}``.
+
+    A token's text is what it adds after the tokens emitted before it (a
+    SentencePiece "▁the" after "of" is " the"), so the emitted tokens' texts
+    join into the completion; an alternative in ``top_logprobs`` is shown as
+    it would have read in the same place. A piece of a character decodes as
+    U+FFFD, as in vLLM."""
+
+    _WINDOW = 4  # emitted tokens decoded before a token, enough for any tokenizer's joining rules
+
+    def __init__(self, tokenizer, chat: bool) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
+        self.offset = 0  # completions: characters of the completion before the next token
+        self.recent: list[int] = []
+
+    def _text(self, token: int) -> str:
+        decode = self.tokenizer.decode
+        before = str(decode(self.recent)) if self.recent else ""
+        after = str(decode([*self.recent, token]))
+        return after[len(before) :] if after.startswith(before) else str(decode([token]))
+
+    def _emitted(self, item: TokenLogprob) -> tuple[str, list[tuple[str, float]]]:
+        text, top = self._text(item.token), [(self._text(token), value) for token, value in item.top]
+        self.recent = [*self.recent, item.token][-self._WINDOW :]
+        return text, top
+
+    def shown(self, items: Sequence[TokenLogprob]) -> dict:
+        rendered = [(item, *self._emitted(item)) for item in items]
+        if self.chat:
+            return {
+                "content": [
+                    _token_entry(text, item.logprob) | {"top_logprobs": [_token_entry(name, value) for name, value in top]}
+                    for item, text, top in rendered
+                ],
+                "refusal": None,
+            }
+        offsets = []
+        for _, text, _ in rendered:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {
+            "tokens": [text for _, text, _ in rendered],
+            "token_logprobs": [item.logprob for item in items],
+            "top_logprobs": [dict(top) for _, _, top in rendered],
+            "text_offset": offsets,
+        }
+
+
+def _token_entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 class _StreamText:

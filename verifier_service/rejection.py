@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verifier_service.errors import InvalidRequest
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -87,27 +89,28 @@ class SamplingParams:
         return self.penalised or bool(self.logit_bias) or self.min_tokens > 0
 
     def validate(self) -> None:
-        """The one place these rules live; the service sends their messages to clients as they are."""
+        """The one place these rules live: an ``InvalidRequest`` naming the field, fit to show the client."""
         if not 0.0 <= self.temperature < float("inf"):  # NaN fails too
-            raise ValueError(
-                f"temperature must be a finite number >= 0 (below {MIN_SAMPLING_TEMPERATURE:g} = greedy), got {self.temperature}"
+            raise InvalidRequest(
+                "temperature",
+                f"{{field}} must be a finite number >= 0 (below {MIN_SAMPLING_TEMPERATURE:g} = greedy), got {self.temperature}",
             )
         if not 0.0 <= self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in [0, 1] (0 or 1 = off), got {self.top_p}")
+            raise InvalidRequest("top_p", f"{{field}} must be in [0, 1] (0 or 1 = off), got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise InvalidRequest("top_k", f"{{field}} must be >= 0, got {self.top_k}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+                raise InvalidRequest(name, f"{{field}} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty < float("inf"):
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+            raise InvalidRequest("repetition_penalty", f"{{field}} must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
         for token, bias in self.logit_bias:
             if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
+                raise InvalidRequest("logit_bias", f"{{field}}[{token}] must be in [-100, 100], got {bias}")
         if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
-            raise ValueError("logit_bias names a token twice")
+            raise InvalidRequest("logit_bias", "{field} names a token twice")
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise InvalidRequest("min_tokens", f"{{field}} must be >= 0, got {self.min_tokens}")
 
 
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from specdec.flags import setting
 from verifier_service.engine import SpeculativeEngine
 from verifier_service.generation import GenerationRequest, GenerationResult, SequenceHandle, StepOutcome, StepReport
+from verifier_service.processing import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class TokenChunk:
     tokens: list[int]
     sources: list[str]  # per token: engine.SOURCE_TARGET, or the accepted draft's source ("context", "global")
     verified: int  # draft tokens the step scored for this request (accepted ones are among ``tokens``)
+    logprobs: tuple[TokenLogprob, ...] = ()  # per token, when the request asked
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,7 @@ class RequestHandle:
         if outcome.tokens:
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
-            self._events.put(TokenChunk(list(outcome.tokens), list(outcome.sources), outcome.verified))
+            self._events.put(TokenChunk(list(outcome.tokens), list(outcome.sources), outcome.verified, outcome.logprobs))
 
     def _end(self, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
         self._events.put(_End(result, error))

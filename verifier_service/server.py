@@ -33,7 +33,7 @@ import ssl
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCC
 from verifier_service.calibration import StepCostModel
 from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
 from verifier_service.engine import EngineConfig, SpeculativeEngine
+from verifier_service.errors import InvalidRequest
 from verifier_service.generation import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
@@ -67,6 +68,7 @@ from verifier_service.metrics import VerifierMetrics
 from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
 from verifier_service.observability import ServiceObserver
 from verifier_service.openai_api import HttpLimits, HttpServer, OpenAIApi, bearer
+from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import Cancelled, QueueFull, RequestHandle, Scheduler, SchedulerConfig, ShuttingDown
 from verifier_service.text import IncrementalText
@@ -305,6 +307,10 @@ def longest_token_chars(tokenizer) -> int:
     return max(map(len, tokenizer.get_vocab()), default=1)
 
 
+# The engine's field names that the proto spells otherwise (InvalidRequest.field -> GenerateRequest's).
+GRPC_FIELDS = {"prompt_ids": "prompt_token_ids"}
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, config: VerifierConfig, tracing: telemetry.Tracing, metrics: VerifierMetrics) -> None:
         self.config = config
@@ -330,7 +336,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             result = self._result(handle, context)
             stats = self.finished(handle, result, span)
             return verifier_pb2.GenerateResponse(
-                text=result.text, token_ids=result.token_ids, finish_reason=FINISH_REASONS[result.finish_reason], stats=stats
+                text=result.text,
+                token_ids=result.token_ids,
+                finish_reason=FINISH_REASONS[result.finish_reason],
+                stats=stats,
+                logprobs=proto_logprobs(result.logprobs or ()),
             )
 
     def GenerateStream(self, request, context):
@@ -340,7 +350,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             text = IncrementalText(self.engine.tokenizer, handle.request.stop)
             for chunk in handle.stream():
                 sources = [TOKEN_SOURCES[source] for source in chunk.sources]
-                yield verifier_pb2.GenerateChunk(text=text.push(chunk.tokens), token_ids=chunk.tokens, token_sources=sources)
+                yield verifier_pb2.GenerateChunk(
+                    text=text.push(chunk.tokens), token_ids=chunk.tokens, token_sources=sources, logprobs=proto_logprobs(chunk.logprobs)
+                )
             result = self._result(handle, context)
             stats = self.finished(handle, result, span)
             yield verifier_pb2.GenerateChunk(text=text.finish(result.text), finish_reason=FINISH_REASONS[result.finish_reason], stats=stats)
@@ -373,12 +385,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return serving.caller_identity(context)
 
     def check_prompt_chars(self, chars: int) -> None:
-        """ValueError for prompt text longer than --max-prompt-chars, before it costs any tokenizing."""
+        """``InvalidRequest`` for prompt text longer than --max-prompt-chars, before it costs any tokenizing."""
         if chars > self.max_prompt_chars:
             assert self.engine is not None
-            raise ValueError(
+            raise InvalidRequest(
+                "prompt_ids",
                 f"prompt is {chars} characters; at most {self.max_prompt_chars} fit a request's "
-                f"{self.engine.cache.capacity} cache positions (--max-prompt-chars)"
+                f"{self.engine.cache.capacity} cache positions (--max-prompt-chars)",
             )
 
     @contextlib.contextmanager
@@ -419,8 +432,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health reports SERVING")
         try:
             handle = self.submit(self._generation_request(request), span)
-        except ValueError as error:  # the engine's rules and the proto's shape: the client's to fix
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except InvalidRequest as error:  # the engine's rules and the proto's shape: the client's to fix
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.named(GRPC_FIELDS.get(error.field, error.field)))
         except QueueFull as error:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         except ShuttingDown as error:
@@ -434,7 +447,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return handle
 
     def submit(self, generation: GenerationRequest, span) -> RequestHandle:
-        """Validate and queue a request from any front door (gRPC, HTTP): raises ValueError
+        """Validate and queue a request from any front door (gRPC, HTTP): raises InvalidRequest
         (the client's to fix), QueueFull or ShuttingDown. Call only once ``ready`` is set."""
         engine, scheduler = self.engine, self.scheduler
         assert engine is not None and scheduler is not None  # ready: attach set them
@@ -477,11 +490,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         field, chat) is checked here; every other rule is the engine's ``validate``."""
         has_ids = len(request.prompt_token_ids) > 0
         if request.prompt and has_ids:
-            raise ValueError("set either prompt or prompt_token_ids, not both")
+            raise InvalidRequest("prompt_ids", "set either prompt or prompt_token_ids, not both")
         if not request.prompt and not has_ids:
-            raise ValueError("prompt is empty: set prompt (text) or prompt_token_ids")
+            raise InvalidRequest("prompt_ids", "prompt is empty: set prompt (text) or prompt_token_ids")
         if has_ids and request.chat:
-            raise ValueError("chat applies to a text prompt; prompt_token_ids are used as given")
+            raise InvalidRequest("prompt_ids", "chat applies to a text prompt; prompt_token_ids are used as given")
         assert self.engine is not None
         tokenizer = self.engine.tokenizer
         self.check_prompt_chars(len(request.prompt))
@@ -496,9 +509,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             top_k=request.top_k,
             top_p=float(request.top_p),
             seed=request.seed if request.HasField("seed") else None,
+            presence_penalty=float(request.presence_penalty),
+            frequency_penalty=float(request.frequency_penalty),
+            repetition_penalty=float(request.repetition_penalty) if request.HasField("repetition_penalty") else 1.0,
+            logit_bias=tuple(sorted((int(token), float(bias)) for token, bias in request.logit_bias.items())),
+            min_tokens=request.min_tokens,
         )
         k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
-        return GenerationRequest(prompt_ids, request.max_new_tokens, sampling, tuple(request.stop), k)
+        logprobs = request.logprobs if request.HasField("logprobs") else None
+        return GenerationRequest(prompt_ids, request.max_new_tokens, sampling, tuple(request.stop), k, logprobs=logprobs)
 
 
 @dataclass
@@ -585,6 +604,17 @@ class VerifierServer:
             self.guard.stop()
         self.servicer.tracing.shutdown()
         return drained
+
+
+def proto_logprobs(items: Iterable[TokenLogprob]) -> list[verifier_pb2.TokenLogprob]:
+    return [
+        verifier_pb2.TokenLogprob(
+            token_id=item.token,
+            logprob=item.logprob,
+            top=[verifier_pb2.TopLogprob(token_id=token, logprob=value) for token, value in item.top],
+        )
+        for item in items
+    ]
 
 
 def create_server(config: VerifierConfig) -> VerifierServer:

@@ -24,25 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\"\xfe\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12#\n\x16num_speculative_tokens\x18\n \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x19\n\x17_num_speculative_tokens\"\xfc\x01\n\x0fGenerationStats\x12\x1d\n\x15target_forward_passes\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x1f\n\x17tokens_per_forward_pass\x18\x05 \x01(\x02\x12\x1e\n\x16time_to_first_token_ms\x18\x06 \x01(\x02\x12\x10\n\x08total_ms\x18\x07 \x01(\x02\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x18\n\x10generated_tokens\x18\t \x01(\r\"\x90\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\"\xbd\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12.\n\rtoken_sources\x18\x05 \x03(\x0e\x32\x17.specdec.v1.TokenSource*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*\xab\x01\n\x0bTokenSource\x12\x1c\n\x18TOKEN_SOURCE_UNSPECIFIED\x10\x00\x12\x17\n\x13TOKEN_SOURCE_TARGET\x10\x01\x12\x18\n\x14TOKEN_SOURCE_CONTEXT\x10\x02\x12\x17\n\x13TOKEN_SOURCE_GLOBAL\x10\x03\x12\x16\n\x12TOKEN_SOURCE_DRAFT\x10\x04\x12\x1a\n\x16TOKEN_SOURCE_SUCCESSOR\x10\x05\x32\x9d\x01\n\x08Verifier\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x19.specdec.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\"\x95\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\r\n\x05top_k\x18\x07 \x01(\r\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12#\n\x16num_speculative_tokens\x18\n \x01(\rH\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x02\x88\x01\x01\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.specdec.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x03\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.specdec.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xfc\x01\n\x0fGenerationStats\x12\x1d\n\x15target_forward_passes\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x02\x12\x1f\n\x17tokens_per_forward_pass\x18\x05 \x01(\x02\x12\x1e\n\x16time_to_first_token_ms\x18\x06 \x01(\x02\x12\x10\n\x08total_ms\x18\x07 \x01(\x02\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x18\n\x10generated_tokens\x18\t \x01(\r\"\xbc\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\xe9\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12.\n\rtoken_sources\x18\x05 \x03(\x0e\x32\x17.specdec.v1.TokenSource\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*\xab\x01\n\x0bTokenSource\x12\x1c\n\x18TOKEN_SOURCE_UNSPECIFIED\x10\x00\x12\x17\n\x13TOKEN_SOURCE_TARGET\x10\x01\x12\x18\n\x14TOKEN_SOURCE_CONTEXT\x10\x02\x12\x17\n\x13TOKEN_SOURCE_GLOBAL\x10\x03\x12\x16\n\x12TOKEN_SOURCE_DRAFT\x10\x04\x12\x1a\n\x16TOKEN_SOURCE_SUCCESSOR\x10\x05\x32\x9d\x01\n\x08Verifier\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x19.specdec.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.verifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=892
-  _globals['_FINISHREASON']._serialized_end=1016
-  _globals['_TOKENSOURCE']._serialized_start=1019
-  _globals['_TOKENSOURCE']._serialized_end=1190
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1396
+  _globals['_FINISHREASON']._serialized_end=1520
+  _globals['_TOKENSOURCE']._serialized_start=1523
+  _globals['_TOKENSOURCE']._serialized_end=1694
   _globals['_GENERATEREQUEST']._serialized_start=42
-  _globals['_GENERATEREQUEST']._serialized_end=296
-  _globals['_GENERATIONSTATS']._serialized_start=299
-  _globals['_GENERATIONSTATS']._serialized_end=551
-  _globals['_GENERATERESPONSE']._serialized_start=554
-  _globals['_GENERATERESPONSE']._serialized_end=698
-  _globals['_GENERATECHUNK']._serialized_start=701
-  _globals['_GENERATECHUNK']._serialized_end=890
-  _globals['_VERIFIER']._serialized_start=1193
-  _globals['_VERIFIER']._serialized_end=1350
+  _globals['_GENERATEREQUEST']._serialized_end=575
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=455
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=503
+  _globals['_TOKENLOGPROB']._serialized_start=577
+  _globals['_TOKENLOGPROB']._serialized_end=663
+  _globals['_TOPLOGPROB']._serialized_start=665
+  _globals['_TOPLOGPROB']._serialized_end=712
+  _globals['_GENERATIONSTATS']._serialized_start=715
+  _globals['_GENERATIONSTATS']._serialized_end=967
+  _globals['_GENERATERESPONSE']._serialized_start=970
+  _globals['_GENERATERESPONSE']._serialized_end=1158
+  _globals['_GENERATECHUNK']._serialized_start=1161
+  _globals['_GENERATECHUNK']._serialized_end=1394
+  _globals['_VERIFIER']._serialized_start=1697
+  _globals['_VERIFIER']._serialized_end=1854
 # @@protoc_insertion_point(module_scope)

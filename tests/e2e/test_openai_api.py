@@ -153,10 +153,24 @@ def test_a_seed_makes_sampling_repeatable_and_equal_to_grpcs(server):
         ({"stop": ["t3"] * 17}, openai.BadRequestError, "stop", "stop takes at most 16 strings"),
         ({"model": "gpt-4o"}, openai.NotFoundError, "model", "GET /v1/models lists"),
         ({"best_of": 3}, openai.BadRequestError, "best_of", "best_of is not supported here"),
-        ({"frequency_penalty": 0.5}, openai.BadRequestError, "frequency_penalty", "leave it out or set it to 0"),
+        ({"frequency_penalty": 2.5}, openai.BadRequestError, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+        ({"logit_bias": {"64": 1}}, openai.BadRequestError, "logit_bias", "outside the vocabulary"),
+        ({"logprobs": 21}, openai.BadRequestError, "logprobs", "logprobs must be in [0, 20]"),
         ({"extra_body": {"guided_json": {}}}, openai.BadRequestError, "guided_json", 'unknown field "guided_json"'),
     ],
-    ids=["n", "max_tokens", "temperature-type", "temperature-range", "stop", "model", "best_of", "penalty", "unknown-field"],
+    ids=[
+        "n",
+        "max_tokens",
+        "temperature-type",
+        "temperature-range",
+        "stop",
+        "model",
+        "best_of",
+        "penalty",
+        "logit_bias",
+        "logprobs",
+        "unknown-field",
+    ],
 )
 def test_bad_requests_raise_the_sdks_typed_errors(server, fields, error, param, says):
     request = {"model": server.model, "prompt": PROMPT, "max_tokens": 4} | fields
@@ -164,6 +178,43 @@ def test_bad_requests_raise_the_sdks_typed_errors(server, fields, error, param, 
         server.client.completions.create(**request)
     assert raised.value.param == param
     assert says in raised.value.message
+
+
+def test_penalties_bias_and_min_tokens_through_the_sdk_equal_grpcs(server):
+    """The same fields by both transports give the same tokens, and they change the output."""
+    shaping = {"presence_penalty": 0.8, "frequency_penalty": 0.5, "logit_bias": {"9": -100, "20": 4}}
+    reference = server.generate(
+        prompt=PROMPT,
+        max_new_tokens=16,
+        presence_penalty=0.8,
+        frequency_penalty=0.5,
+        repetition_penalty=1.2,
+        logit_bias={9: -100, 20: 4},
+        min_tokens=16,
+    )
+    response = server.client.completions.create(
+        model=server.model, prompt=PROMPT, max_tokens=16, temperature=0, **shaping, extra_body={"repetition_penalty": 1.2, "min_tokens": 16}
+    )
+    assert response.choices[0].text == reference.text and response.usage.completion_tokens == len(reference.token_ids) == 16
+    assert 9 not in reference.token_ids
+    assert reference.text != server.generate(prompt=PROMPT, max_new_tokens=16).text
+
+
+def test_logprobs_through_the_sdk_match_grpcs(server):
+    reference = server.generate(prompt=PROMPT, chat=True, max_new_tokens=10, logprobs=2)
+    assert [entry.token_id for entry in reference.logprobs] == list(reference.token_ids)
+    response = server.client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": PROMPT}], max_tokens=10, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = response.choices[0].logprobs.content
+    assert "".join(entry.token for entry in content) == response.choices[0].message.content == reference.text
+    assert [entry.logprob for entry in content] == pytest.approx([entry.logprob for entry in reference.logprobs], abs=1e-5)
+    for entry, grpc_entry in zip(content, reference.logprobs):
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert [top.logprob for top in entry.top_logprobs] == pytest.approx([top.logprob for top in grpc_entry.top], abs=1e-5)
+        assert entry.logprob <= 0
+    legacy = server.client.completions.create(model=server.model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1)
+    assert "".join(legacy.choices[0].logprobs.tokens) == legacy.choices[0].text
 
 
 def test_chat_refuses_malformed_messages(server):

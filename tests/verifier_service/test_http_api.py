@@ -15,16 +15,20 @@ import json
 import logging
 
 import pytest
+import torch
 from starlette.testclient import TestClient
 
 from specdec import telemetry
 from specdec.serving import peer_host
 from specdec.v1 import verifier_pb2 as pb
+from tests.conftest import TINY_EOS
+from tests.verifier_service.test_processing import reference_decode
 from verifier_service import openai_api
 from verifier_service.engine import EngineConfig, SpeculativeEngine
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model_loading import chat_ids
 from verifier_service.openai_api import OpenAIApi
+from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import Scheduler, SchedulerConfig
 from verifier_service.server import ApiKeys, CallerLimit, VerifierConfig, VerifierServicer
 
@@ -458,17 +462,10 @@ def test_the_http_limits_reach_the_server(tiny_model, chat_tokenizer):
 # Each known field this server does not honour: (no-op values, taken; values that would
 # change the answer, refused with the field in ``param``).
 NOT_HONOURED = {
-    "frequency_penalty": ([0, 0.0, None], [0.5, -1]),
-    "presence_penalty": ([0], [1.2]),
-    "repetition_penalty": ([1, 1.0], [1.3, True]),
-    "logit_bias": ([{}, None], [{"5": -100}]),
-    "min_tokens": ([0], [4]),
     "service_tier": (["auto", "default"], ["flex"]),
     "store": ([False], [True]),
 }
 NOT_HONOURED_CHAT = NOT_HONOURED | {
-    "logprobs": ([False], [True]),
-    "top_logprobs": ([0], [3]),
     "response_format": ([{"type": "text"}], [{"type": "json_object"}]),
     "tools": ([[]], [[{"type": "function", "function": {"name": "f", "parameters": {}}}]]),
     "tool_choice": (["none", "auto"], ["required", {"type": "function", "function": {"name": "f"}}]),
@@ -483,7 +480,6 @@ NOT_HONOURED_CHAT = NOT_HONOURED | {
     "web_search_options": ([None], [{}]),
 }
 NOT_HONOURED_COMPLETIONS = NOT_HONOURED | {
-    "logprobs": ([None], [0, 2]),
     "best_of": ([1], [3]),
     "suffix": ([None, ""], ["t9"]),
 }
@@ -661,3 +657,116 @@ def test_echo_puts_the_prompt_before_the_completion(client, chat_tokenizer):
     texts = [json.loads(line[6:])["choices"][0]["text"] for line in streamed.splitlines() if line.startswith("data: {")]
     assert "".join(texts) == echoed and texts[0] == chat_tokenizer.decode(chat_tokenizer("t5 t9").input_ids)
     assert assert_openai_error(client.post("/v1/completions", json=completion(echo="yes")), 400)["param"] == "echo"
+
+
+# -- penalties, logit_bias, min_tokens and log-probabilities --------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"frequency_penalty": 1.5},
+        {"presence_penalty": 2},
+        {"repetition_penalty": 1.8},
+        {"logit_bias": {"7": 5, "9": -100, "30": 3.5, "36": -100}},
+        {"min_tokens": 6, "repetition_penalty": 1.3, "logit_bias": {"12": 2}},
+    ],
+)
+def test_penalties_bias_and_min_tokens_give_plain_decodings_output_with_them(client, tiny_model, chat_tokenizer, fields):
+    prompt = [9, 3, 3, 9, 3, 3, 9, 3]
+    body = completion(prompt=prompt, max_tokens=20, **fields)
+    answer = client.post("/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    bias = tuple(sorted((int(token), float(value)) for token, value in fields.get("logit_bias", {}).items()))
+    numbers = {
+        name: fields[name] for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens") if name in fields
+    }
+    params = SamplingParams(logit_bias=bias, **numbers)
+    expected = reference_decode(tiny_model, prompt, params, 20, frozenset({TINY_EOS}))
+    assert answer.json()["choices"][0]["text"] == chat_tokenizer.decode(expected, skip_special_tokens=True)
+    plain = client.post("/v1/completions", json=completion(prompt=prompt, max_tokens=20)).json()["choices"][0]["text"]
+    assert plain != answer.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"frequency_penalty": 2.5}, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+        ({"presence_penalty": "high"}, "presence_penalty", "presence_penalty must be a number"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be a finite number > 0"),
+        ({"logit_bias": {"t5": 1}}, "logit_bias", "logit_bias keys are token ids"),
+        ({"logit_bias": {"5": "up"}}, "logit_bias", "logit_bias[5] must be a number"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "logit_bias[5] must be in [-100, 100]"),
+        ({"logit_bias": {"64": 1}}, "logit_bias", "logit_bias names token ids outside the vocabulary [0, 64)"),
+        ({"logit_bias": [5]}, "logit_bias", "logit_bias must be an object"),
+        ({"min_tokens": 3}, "min_tokens", "min_tokens (3) must not exceed the tokens asked for (2)"),
+        ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
+        ({"logprobs": 1, "echo": True}, "logprobs", "logprobs with echo"),
+    ],
+)
+def test_bad_penalties_bias_min_tokens_and_logprobs_are_400s_naming_the_field(client, fields, param, says):
+    error = assert_openai_error(client.post("/v1/completions", json=completion(**fields)), 400)
+    assert error["param"] == param and says in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
+    ],
+)
+def test_chats_top_logprobs_need_logprobs_and_stay_in_range(client, fields, says):
+    error = assert_openai_error(client.post("/v1/chat/completions", json=chat_body(**fields)), 400)
+    assert error["param"] == "top_logprobs" and says in error["message"], error
+
+
+def test_the_max_tokens_limit_is_named_as_openai_names_it(client):
+    error = assert_openai_error(client.post("/v1/completions", json=completion(max_tokens=0)), 400)
+    assert error["param"] == "max_tokens" and error["message"].startswith("max_tokens must be in [1, ")
+
+
+def test_chat_logprobs_are_the_targets_in_openais_shape_streamed_or_not(client, tiny_model, chat_tokenizer):
+    body = chat_body(max_tokens=8, logprobs=True, top_logprobs=3)
+    whole = client.post("/v1/chat/completions", json=body).json()
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == whole["usage"]["completion_tokens"] == 8
+    assert "".join(entry["token"] for entry in content) == whole["choices"][0]["message"]["content"]
+    ids = chat_ids(chat_tokenizer, [{"role": "user", "content": "t5 t9"}])
+    output = chat_tokenizer(whole["choices"][0]["message"]["content"]).input_ids
+    with torch.inference_mode():
+        full = torch.log_softmax(tiny_model(torch.tensor([list(ids) + output])).logits[0].float(), dim=-1)
+    for index, entry in enumerate(content):
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert entry["logprob"] == pytest.approx(float(full[len(ids) - 1 + index, output[index]]), abs=1e-5)
+        assert len(entry["top_logprobs"]) == 3 and entry["top_logprobs"][0]["token"] == entry["token"]  # greedy
+    streamed = client.post("/v1/chat/completions", json=body | {"stream": True}).text
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    pieces = [
+        entry
+        for chunk in chunks
+        if chunk["choices"] and chunk["choices"][0]["logprobs"]
+        for entry in chunk["choices"][0]["logprobs"]["content"]
+    ]
+
+    # The same tokens; a value may differ in its last bits, as the two runs' passes can be shaped differently.
+    def values(entries):
+        return [entry["logprob"] for entry in entries] + [top["logprob"] for entry in entries for top in entry["top_logprobs"]]
+
+    def names(entries):
+        return [(entry["token"], [top["token"] for top in entry["top_logprobs"]]) for entry in entries]
+
+    assert names(pieces) == names(content) and values(pieces) == pytest.approx(values(content), abs=1e-5)
+    assert client.post("/v1/chat/completions", json=chat_body()).json()["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_in_openais_legacy_shape(client):
+    answer = client.post("/v1/completions", json=completion(max_tokens=6, logprobs=2)).json()["choices"][0]
+    logprobs = answer["logprobs"]
+    assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert "".join(logprobs["tokens"]) == answer["text"]
+    assert logprobs["text_offset"] == [sum(len(token) for token in logprobs["tokens"][:index]) for index in range(6)]
+    assert all(
+        len(top) == 2 and max(top.values()) >= value - 1e-6 for top, value in zip(logprobs["top_logprobs"], logprobs["token_logprobs"])
+    )

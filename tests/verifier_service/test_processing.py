@@ -281,7 +281,7 @@ def test_rejected_drafts_leave_no_logprobs(tiny_model, tiny_tokenizer):
         (GenerationRequest([5], 4, SamplingParams(logit_bias=((3, 1.0), (3, 2.0)))), "logit_bias names a token twice"),
         (GenerationRequest([5], 4, SamplingParams(logit_bias=((64, 1.0),))), "logit_bias names token ids outside the vocabulary"),
         (GenerationRequest([5], 4, SamplingParams(logit_bias=tuple((t, 1.0) for t in range(4)))), "--logit-bias-limit"),
-        (GenerationRequest([5], 4, SamplingParams(min_tokens=5)), "min_tokens (5) must not exceed max_new_tokens (4)"),
+        (GenerationRequest([5], 4, SamplingParams(min_tokens=5)), "min_tokens (5) must not exceed the tokens asked for (4)"),
         (GenerationRequest([5], 4, logprobs=6), "logprobs must be in [0, 5]"),
     ],
 )

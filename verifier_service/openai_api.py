@@ -55,7 +55,7 @@ import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any, ClassVar
@@ -82,7 +82,7 @@ from verifier_service.generation import FINISH_LENGTH, GenerationRequest
 from verifier_service.model_loading import chat_ids
 from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
-from verifier_service.scheduler import QueueFull, RequestHandle, ShuttingDown, TokenChunk
+from verifier_service.scheduler import QueueFull, RequestHandle, ShuttingDown, TokenChunk, interleave
 from verifier_service.text import IncrementalDecoder, IncrementalText
 
 log = logging.getLogger(__name__)
@@ -434,32 +434,49 @@ class OpenAIApi:
         release = callers.admit(caller)
         if release is None:
             raise ApiError(429, callers.refusal(caller), kind="rate_limit_error", code="too_many_requests_per_caller")
+        places = [release]  # one per choice: a request for n choices holds n places
+
+        def release_all() -> None:
+            for give_back in places:
+                give_back()
+
         try:
-            response = await self._answer(request, chat, release)
+            response = await self._answer(request, chat, caller, places, release_all)
         except BaseException:
-            release()
+            release_all()
             raise
-        if not isinstance(response, _EventStream):  # a stream releases its place when it closes
-            release()
+        if not isinstance(response, _EventStream):  # a stream releases its places when it closes
+            release_all()
         return response
 
-    async def _answer(self, request: Request, chat: bool, release: Callable[[], None]) -> Response:
+    async def _answer(self, request: Request, chat: bool, caller: str, places: list, release: Callable[[], None]) -> Response:
         request_id = f"http-{secrets.token_hex(6)}"
         received = await self._body(request, request_id)
         # Parsing, chat templates and tokenizing up to --http-max-body-bytes take a worker
         # thread, so the event loop keeps serving the other requests' streams meanwhile.
-        generation, stream, include_usage, echo = await anyio.to_thread.run_sync(
+        generations, stream, include_usage, echo = await anyio.to_thread.run_sync(
             self._parse, received, chat, request_id, limiter=self.limiter
         )
+        callers = self.servicer.callers
+        for _ in generations[1:]:
+            place = callers.admit(caller)
+            if place is None:
+                raise ApiError(
+                    429,
+                    callers.refusal(caller) + f" (n={len(generations)} takes {len(generations)})",
+                    kind="rate_limit_error",
+                    code="too_many_requests_per_caller",
+                )
+            places.append(place)
         span_context = self.servicer.request_span(propagate.extract(dict(request.headers)))
         span = span_context.__enter__()
         span.set_attribute("http.request.id", request.scope["state"]["request_id"])  # _RequestIds'
         try:
-            handle = self._submit(generation, span, chat)
+            handles = self._submit(generations, span, chat)
         except BaseException as error:
             span_context.__exit__(type(error), error, error.__traceback__)
             raise
-        reply = _Reply(self, handle, chat, span, span_context, echo)
+        reply = _Reply(self, handles, chat, span, span_context, echo)
         if stream:
             return _EventStream(self._events(reply, include_usage), reply.close, release)
         try:
@@ -488,12 +505,12 @@ class OpenAIApi:
             raise ApiError(400, "the connection closed before the whole body came", code="client_disconnected") from None
         return received
 
-    def _parse(self, received: bytearray, chat: bool, request_id: str) -> tuple[GenerationRequest, bool, bool, str]:
-        """(the request, stream, stream_options.include_usage, the text ``echo`` puts before the
-        completion: the prompt's, decoded from its tokens, or "") from a JSON body."""
+    def _parse(self, received: bytearray, chat: bool, request_id: str) -> tuple[list[GenerationRequest], bool, bool, str]:
+        """(a request per choice, stream, stream_options.include_usage, the text ``echo`` puts
+        before the completion: the prompt's, decoded from its tokens, or "") from a JSON body."""
         body = _json_object(received)
         check_fields(body, chat)
-        generation = self._generation_request(body, chat, request_id)
+        generations = self._generation_requests(body, chat, request_id)
         stream = _take(body, "stream", (bool,), "true or false", False)
         options = _take(body, "stream_options", (dict,), "an object", {})
         for name in options:
@@ -503,12 +520,12 @@ class OpenAIApi:
             raise ApiError(400, "stream_options: only include_usage is supported; leave the others out or false", param="stream_options")
         echo = ""
         if not chat and _take(body, "echo", (bool,), "true or false", False):
-            echo = self.servicer.engine.tokenizer.decode(generation.prompt_ids)
-        return generation, stream, _take(options, "include_usage", (bool,), "true or false", False), echo
+            echo = self.servicer.engine.tokenizer.decode(generations[0].prompt_ids)
+        return generations, stream, _take(options, "include_usage", (bool,), "true or false", False), echo
 
-    def _submit(self, generation: GenerationRequest, span, chat: bool) -> RequestHandle:
+    def _submit(self, generations: list[GenerationRequest], span, chat: bool) -> list[RequestHandle]:
         try:
-            return self.servicer.submit(generation, span)
+            return self.servicer.submit_group(generations, span)
         except InvalidRequest as error:
             param = (OPENAI_CHAT_FIELDS if chat else OPENAI_FIELDS).get(error.field, error.field)
             raise ApiError(400, error.named(param), param=param) from None
@@ -527,28 +544,31 @@ class OpenAIApi:
 
         async with anyio.create_task_group() as group:
             group.start_soon(cancel_on_disconnect)
-            result = await anyio.to_thread.run_sync(reply.result, abandon_on_cancel=True, limiter=self.limiter)
+            results = await anyio.to_thread.run_sync(reply.all_results, abandon_on_cancel=True, limiter=self.limiter)
             group.cancel_scope.cancel()
-        return reply.whole(result, self.servicer.finished(reply.handle, result, reply.span))
+        return reply.whole(results, [self.servicer.recorded(handle, result) for handle, result in zip(reply.handles, results)])
 
     async def _events(self, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
         """The SSE data lines; a disconnect cancels this generator, and the request with it
         (``_EventStream`` closes the reply however the stream ends, even before it began)."""
         try:
             if reply.chat or reply.echo:
-                yield json.dumps(reply.first_chunk())
-            tokens = iter(reply.handle.stream())
-            while (piece := await anyio.to_thread.run_sync(next, tokens, None, abandon_on_cancel=True, limiter=self.limiter)) is not None:
-                yield json.dumps(reply.token_chunk(piece))
-            result = reply.result()
-            stats = self.servicer.finished(reply.handle, result, reply.span)
-            yield json.dumps(reply.final_chunk(result, stats, include_usage))
+                for index in range(len(reply.handles)):
+                    yield json.dumps(reply.first_chunk(index))
+            events = interleave(reply.handles)
+            while (event := await anyio.to_thread.run_sync(next, events, None, abandon_on_cancel=True, limiter=self.limiter)) is not None:
+                index, piece = event
+                if piece is not None:
+                    yield json.dumps(reply.token_chunk(index, piece))
+                    continue
+                result = reply.result(index)
+                yield json.dumps(reply.final_chunk(index, result, self.servicer.recorded(reply.handles[index], result), include_usage))
             if include_usage:
-                yield json.dumps(reply.usage_chunk(result))
+                yield json.dumps(reply.usage_chunk())
             yield "[DONE]"
         except Exception as error:  # the request failed after its stream began: say so in the stream
             if not isinstance(error, ApiError):
-                _log_unexpected(f"request {reply.handle.request.request_id}'s stream", error)
+                _log_unexpected(f"request {reply.handles[0].request.request_id}'s stream", error)
                 error = ApiError(500, "the server failed on this request; it is logged", kind="server_error", code="internal_error")
             reply.close(error)
             yield json.dumps(error.body())
@@ -558,11 +578,30 @@ class OpenAIApi:
 
     # -- the request ----------------------------------------------------------------------
 
-    def _generation_request(self, body: dict, chat: bool, request_id: str) -> GenerationRequest:
+    def _generation_requests(self, body: dict, chat: bool, request_id: str) -> list[GenerationRequest]:
+        """A request per choice (``n``): the same but for their ids and, when ``seed`` is set,
+        their seeds (choice i samples with seed + i, so choice 0 is what n = 1 gives)."""
         model = _take(body, "model", (str,), "a string")
         self._refuse_other_model(model, repr(model))
-        if _take(body, "n", (int,), "an integer", 1) != 1:
-            raise ApiError(400, "n must be 1: this server returns one choice per request", param="n")
+        # The choices are queued together, so the queue must hold them all.
+        limit = min(self.servicer.config.max_choices, self.servicer.scheduler.config.max_queued)
+        n = _take(body, "n", (int,), "an integer", 1)
+        if not 1 <= n <= limit:
+            raise ApiError(400, f"n must be in [1, {limit}] (--max-choices, --max-queued), got {n}", param="n")
+        first = self._generation_request(body, chat, request_id)
+        if n == 1:
+            return [first]
+        seed = first.sampling.seed
+        return [
+            replace(
+                first,
+                request_id=f"{request_id}-{index}",
+                sampling=first.sampling if seed is None else replace(first.sampling, seed=(seed + index) % (1 << 64)),
+            )
+            for index in range(n)
+        ]
+
+    def _generation_request(self, body: dict, chat: bool, request_id: str) -> GenerationRequest:
         # Stop strings are checked first: cheap, and the prompt's tokenizing is not.
         stop = body.get("stop")
         if isinstance(stop, str):
@@ -804,96 +843,141 @@ class _EventStream(EventSourceResponse):
 
 
 class _Reply:
-    """One request's answer as OpenAI objects: chunks while it streams, or the whole."""
+    """One request's answer as OpenAI objects, a choice per handle (``n``): chunks while it
+    streams, or the whole."""
 
-    def __init__(self, api: OpenAIApi, handle: RequestHandle, chat: bool, span, span_context, echo: str = "") -> None:
-        self.api, self.handle, self.chat, self.span = api, handle, chat, span
-        self.echo = echo  # completions' echo: the prompt's text, sent before the completion's
+    def __init__(self, api: OpenAIApi, handles: list[RequestHandle], chat: bool, span, span_context, echo: str = "") -> None:
+        self.api, self.handles, self.chat, self.span = api, handles, chat, span
+        self.echo = echo  # completions' echo: the prompt's text, sent before each completion's
         self._span_context = span_context  # servicer.request_span's, entered
         self._closed = False
         self._answered = False  # the last chunk, or the whole answer, was made
         self._left = False  # the client disconnected first
-        self.tokens_sent = 0
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.object = "chat.completion.chunk" if chat else "text_completion"
-        self.text = _StreamText(api.servicer.engine.tokenizer, handle.request.stop)
-        self.logprobs = _Logprobs(api.servicer.engine.tokenizer, chat) if handle.request.logprobs is not None else None
+        tokenizer = api.servicer.engine.tokenizer
+        self.texts = [_StreamText(tokenizer, handle.request.stop) for handle in handles]
+        wanted = handles[0].request.logprobs is not None
+        self.logprobs = [_Logprobs(tokenizer, chat) if wanted else None for _ in handles]
+        self.tokens_sent = [0] * len(handles)
+        self.stats: list[Any] = [None] * len(handles)  # each choice's GenerationStats, once it ended
+        self.results: list[Any] = [None] * len(handles)
 
     def client_left(self) -> None:
-        """The client disconnected before its answer: cancel the request (freeing its slot at the next step)."""
+        """The client disconnected before its answer: cancel the request (freeing its slots at the next step)."""
         self._left = True
-        self.api.servicer.scheduler.cancel(self.handle)
+        for handle in self.handles:
+            self.api.servicer.scheduler.cancel(handle)
 
     def close(self, error: BaseException | None = None) -> None:
-        """Once: cancel the request (a no-op once it ended; it frees the slot of a client that
-        left) and end its span, with ``error`` unless that is the client going away, which
-        is one line in the log instead."""
+        """Once: cancel the choices' requests (a no-op once they ended; it frees the slots of a
+        client that left) and end the span, with ``error`` unless that is the client going
+        away, which is one line in the log instead."""
         if self._closed:
             return
         self._closed = True
-        self.api.servicer.scheduler.cancel(self.handle)
+        for handle in self.handles:
+            self.api.servicer.scheduler.cancel(handle)
         gone = isinstance(error, anyio.get_cancelled_exc_class() | GeneratorExit) or self._left or error is None and not self._answered
         if gone:
             log.info(
                 "request %s (%s): the client disconnected after %d tokens, before its answer ended; cancelled",
-                self.handle.request.request_id,
+                self.handles[0].request.request_id,
                 self.id,
-                self.tokens_sent,
+                sum(self.tokens_sent),
             )
+        elif None not in self.stats:
+            self.api.servicer.annotate(self.span, _combined(self.stats), self.results[0].finish_reason)
         if error is None or gone:
             self._span_context.__exit__(None, None, None)
         else:
             self._span_context.__exit__(type(error), error, error.__traceback__)
 
-    def result(self):
+    def result(self, index: int):
         try:
-            return self.handle.result()
+            self.results[index] = self.handles[index].result()
         except Exception as error:  # Cancelled (the client left) or what failed this request alone
             raise ApiError(500, f"generation failed: {error}", kind="server_error") from None
+        return self.results[index]
+
+    def all_results(self) -> list:
+        return [self.result(index) for index in range(len(self.handles))]
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": int(time.time()), "model": self.api.model_id, "choices": choices}
 
-    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False, logprobs: dict | None = None) -> dict:
+    def _choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False, logprobs: dict | None = None) -> dict:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def first_chunk(self) -> dict:
+    def first_chunk(self, index: int) -> dict:
         """Chat streams open with the assistant's role, as OpenAI's do; completions with echo, with the prompt."""
-        return self._envelope(self.object, [self._choice(self.echo, None, role=True)])
+        return self._envelope(self.object, [self._choice(index, self.echo, None, role=True)])
 
-    def token_chunk(self, chunk: TokenChunk) -> dict:
-        self.tokens_sent += len(chunk.tokens)
-        delta, pieces = self.text.push(chunk.tokens)
+    def token_chunk(self, index: int, chunk: TokenChunk) -> dict:
+        self.tokens_sent[index] += len(chunk.tokens)
+        delta, pieces = self.texts[index].push(chunk.tokens)
         extra = {"token_ids": chunk.tokens, "token_texts": pieces, "sources": chunk.sources, "verified": chunk.verified}
-        logprobs = self.logprobs.shown(chunk.logprobs) if self.logprobs is not None else None
-        return self._envelope(self.object, [self._choice(delta, None, logprobs=logprobs)]) | {"specdec": extra}
+        shown = self.logprobs[index]
+        logprobs = shown.shown(chunk.logprobs) if shown is not None else None
+        return self._envelope(self.object, [self._choice(index, delta, None, logprobs=logprobs)]) | {"specdec": extra}
 
-    def final_chunk(self, result, stats, usage: bool) -> dict:
-        self._answered = True
-        out = self._envelope(self.object, [self._choice(self.text.finish(result.text), _finish(result))])
+    def final_chunk(self, index: int, result, stats, usage: bool) -> dict:
+        self.stats[index] = stats
+        self._answered = None not in self.stats
+        out = self._envelope(self.object, [self._choice(index, self.texts[index].finish(result.text), _finish(result))])
         out["specdec"] = _speculation(stats)
         if usage:
             out["usage"] = None  # OpenAI: null on every chunk but the last, which carries it alone
         return out
 
-    def usage_chunk(self, result) -> dict:
-        return self._envelope(self.object, []) | {"usage": _usage(self.handle, result)}
+    def usage_chunk(self) -> dict:
+        return self._envelope(self.object, []) | {"usage": self._usage()}
 
-    def whole(self, result, stats) -> dict:
-        self._answered = True
+    def _usage(self) -> dict:
+        prompt, completion = len(self.handles[0].request.prompt_ids), sum(len(result.token_ids) for result in self.results)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def whole(self, results: list, stats: list) -> dict:
+        self.results, self.stats, self._answered = results, stats, True
+        choices = []
+        for index, result in enumerate(results):
+            shown = self.logprobs[index]
+            logprobs = shown.shown(result.logprobs or ()) if shown is not None else None
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs}
+            else:
+                choice = {"index": index, "text": self.echo + result.text, "logprobs": logprobs}
+            choice["finish_reason"] = _finish(result)
+            choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
-        logprobs = self.logprobs.shown(result.logprobs or ()) if self.logprobs is not None else None
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs}
-        else:
-            choice = {"index": 0, "text": self.echo + result.text, "logprobs": logprobs}
-        choice["finish_reason"] = _finish(result)
-        return self._envelope(obj, [choice]) | {"usage": _usage(self.handle, result), "specdec": _speculation(stats)}
+        return self._envelope(obj, choices) | {"usage": self._usage(), "specdec": _speculation(_combined(stats))}
+
+
+def _combined(stats: list) -> Any:
+    """The choices' GenerationStats as one: counts summed, rates recomputed, times the longest
+    (a request of one choice: its own)."""
+    if len(stats) == 1:
+        return stats[0]
+    passes, drafted, accepted = (
+        sum(getattr(item, name) for item in stats) for name in ("target_forward_passes", "draft_tokens", "accepted_tokens")
+    )
+    generated = sum(item.generated_tokens for item in stats)
+    return type(stats[0])(
+        target_forward_passes=passes,
+        draft_tokens=drafted,
+        accepted_tokens=accepted,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        tokens_per_forward_pass=generated / passes if passes else 0.0,
+        time_to_first_token_ms=min(item.time_to_first_token_ms for item in stats),
+        total_ms=max(item.total_ms for item in stats),
+        prompt_tokens=stats[0].prompt_tokens,
+        generated_tokens=generated,
+    )
 
 
 class _Logprobs:
@@ -967,11 +1051,6 @@ class _StreamText:
 
 def _finish(result) -> str:
     return "length" if result.finish_reason == FINISH_LENGTH else "stop"
-
-
-def _usage(handle: RequestHandle, result) -> dict:
-    prompt, completion = len(handle.request.prompt_ids), len(result.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _speculation(stats) -> dict:

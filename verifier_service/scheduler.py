@@ -123,6 +123,8 @@ class RequestHandle:
     _sequence: SequenceHandle | None = None  # the engine's, once the request has a cache slot
     _events: queue.Queue[TokenChunk | _End] = field(default_factory=queue.Queue)
     _ending: _End | None = None
+    # Handles queued together (Scheduler.submit_group) share a feed: each event's handle, for interleave().
+    _feed: queue.Queue[RequestHandle] | None = None
 
     def stream(self, timeout_s: float | None = None) -> Iterator[TokenChunk]:
         """The tokens as they are accepted, a step's at a time (never empty); ``timeout_s``
@@ -153,9 +155,33 @@ class RequestHandle:
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
             self._events.put(TokenChunk(list(outcome.tokens), list(outcome.sources), outcome.verified, outcome.logprobs))
+            if self._feed is not None:
+                self._feed.put(self)
 
     def _end(self, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
         self._events.put(_End(result, error))
+        if self._feed is not None:
+            self._feed.put(self)
+
+
+def interleave(handles: list[RequestHandle]) -> Iterator[tuple[int, TokenChunk | None]]:
+    """The chunks of requests queued together (``Scheduler.submit_group``), in the order the
+    scheduler made them: ``(index, chunk)``, and ``(index, None)`` when request ``index``
+    has ended (its ``result()`` then returns at once). Read a group this way or each
+    handle's ``stream()``, not both."""
+    feed = handles[0]._feed
+    assert feed is not None and all(handle._feed is feed for handle in handles), "handles from one submit_group"
+    where = {id(handle): index for index, handle in enumerate(handles)}
+    running = len(handles)
+    while running:
+        handle = feed.get()
+        event = handle._events.get_nowait()  # the feed holds one entry per event, put after it
+        if isinstance(event, _End):
+            handle._ending = event
+            running -= 1
+            yield where[id(handle)], None
+        else:
+            yield where[id(handle)], event
 
 
 class Scheduler:
@@ -174,18 +200,28 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, request: GenerationRequest, trace_context: object = None) -> RequestHandle:
-        handle = RequestHandle(request, trace_context=trace_context)
+        [handle] = self._queue([RequestHandle(request, trace_context=trace_context)])
+        return handle
+
+    def submit_group(self, requests: list[GenerationRequest], trace_context: object = None) -> list[RequestHandle]:
+        """Queue requests together, all or none (an HTTP request's ``n`` choices): their
+        handles share one feed, read with ``interleave``."""
+        feed: queue.Queue[RequestHandle] = queue.Queue()
+        return self._queue([RequestHandle(request, trace_context=trace_context, _feed=feed) for request in requests])
+
+    def _queue(self, handles: list[RequestHandle]) -> list[RequestHandle]:
         with self._wake:
             if self._stopping:
                 raise ShuttingDown("the verifier is shutting down; retry on another replica")
-            if len(self._waiting) >= self.config.max_queued:
+            if len(self._waiting) + len(handles) > self.config.max_queued:
+                room = "" if len(handles) == 1 else f", no room for {len(handles)} more"
                 raise QueueFull(
                     f"{len(self._running)} requests running and {len(self._waiting)} queued "
-                    f"(limit {self.config.max_queued}); retry with backoff"
+                    f"(limit {self.config.max_queued}{room}); retry with backoff"
                 )
-            self._waiting.append(handle)
+            self._waiting.extend(handles)
             self._wake.notify()
-        return handle
+        return handles
 
     def cancel(self, handle: RequestHandle) -> None:
         """Free the handle's queue place now, or its batch slot at the next step boundary

@@ -138,6 +138,11 @@ class VerifierConfig:
         minimum=1,
         help="requests one caller (API key; else client certificate; else address) may have in flight, over HTTP and gRPC together",
     )
+    # OpenAI allows 128. Each choice is a sequence of its own (a batch slot, a caller's
+    # place): 8 leaves a default batch of 16 room for another such request.
+    max_choices: int = setting(
+        8, minimum=1, help="choices (n) one HTTP request may ask for; each is a sequence, counted against --max-requests-per-caller"
+    )
     # None: what the cache can hold could never need more characters: a position
     # per token, each at most the tokenizer's longest token plus one separator a
     # whitespace pre-tokenizer drops (SmolLM2: 4,096 x (81 + 1), ~336K). Checked before any
@@ -412,7 +417,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def finished(self, handle: RequestHandle, result: GenerationResult, span) -> verifier_pb2.GenerationStats:
         """Record a finished request in its span and the metrics; its stats, as the proto says them."""
+        stats = self.recorded(handle, result)
+        self.annotate(span, stats, result.finish_reason)
+        return stats
+
+    def recorded(self, handle: RequestHandle, result: GenerationResult) -> verifier_pb2.GenerationStats:
+        """Record a finished request in the metrics; its stats, as the proto says them."""
         stats = self._stats(handle, result)
+        first = None if handle.first_token_at is None else handle.first_token_at - handle.arrived
+        self.metrics.record_request(result.finish_reason, stats.total_ms / 1000, first)
+        return stats
+
+    @staticmethod
+    def annotate(span, stats: verifier_pb2.GenerationStats, finish_reason: str) -> None:
         span.set_attributes(
             {
                 "specdec.prompt_tokens": stats.prompt_tokens,
@@ -420,12 +437,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 "specdec.forward_passes": stats.target_forward_passes,
                 "specdec.draft_tokens": stats.draft_tokens,
                 "specdec.accepted": stats.accepted_tokens,
-                "specdec.finish_reason": result.finish_reason,
+                "specdec.finish_reason": finish_reason,
             }
         )
-        first = None if handle.first_token_at is None else handle.first_token_at - handle.arrived
-        self.metrics.record_request(result.finish_reason, stats.total_ms / 1000, first)
-        return stats
 
     def _submit(self, request, context, span) -> RequestHandle:
         if not self.ready.is_set():
@@ -449,9 +463,21 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def submit(self, generation: GenerationRequest, span) -> RequestHandle:
         """Validate and queue a request from any front door (gRPC, HTTP): raises InvalidRequest
         (the client's to fix), QueueFull or ShuttingDown. Call only once ``ready`` is set."""
-        engine, scheduler = self.engine, self.scheduler
-        assert engine is not None and scheduler is not None  # ready: attach set them
-        engine.validate(generation)
+        self._check(generation, span)
+        assert self.scheduler is not None  # ready: attach set it
+        return self.scheduler.submit(generation, trace.set_span_in_context(span))
+
+    def submit_group(self, generations: list[GenerationRequest], span) -> list[RequestHandle]:
+        """``submit`` for requests that make one answer (HTTP's ``n`` choices): all queued or none."""
+        for generation in generations:
+            self._check(generation, span)
+        span.set_attribute("specdec.choices", len(generations))
+        assert self.scheduler is not None  # ready: attach set it
+        return self.scheduler.submit_group(generations, trace.set_span_in_context(span))
+
+    def _check(self, generation: GenerationRequest, span) -> None:
+        assert self.engine is not None  # ready: attach set it
+        self.engine.validate(generation)
         span.set_attributes(
             {
                 "specdec.max_new_tokens": generation.max_new_tokens,
@@ -459,7 +485,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 "specdec.k_requested": -1 if generation.num_speculative_tokens is None else generation.num_speculative_tokens,
             }
         )
-        return scheduler.submit(generation, trace.set_span_in_context(span))
 
     def _result(self, handle: RequestHandle, context) -> GenerationResult:
         try:

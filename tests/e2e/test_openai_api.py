@@ -146,7 +146,7 @@ def test_a_seed_makes_sampling_repeatable_and_equal_to_grpcs(server):
 @pytest.mark.parametrize(
     "fields, error, param, says",
     [
-        ({"n": 2}, openai.BadRequestError, "n", "n must be 1"),
+        ({"n": 2}, openai.BadRequestError, "n", "n must be in [1, 1] (--max-choices, --max-queued), got 2"),
         ({"max_tokens": 0}, openai.BadRequestError, "max_tokens", "max_tokens must be in [1, 60000]"),
         ({"temperature": "hot"}, openai.BadRequestError, "temperature", "temperature must be a number"),
         ({"temperature": -1}, openai.BadRequestError, "temperature", "temperature must be a finite number >= 0"),
@@ -322,6 +322,14 @@ def test_the_default_model_answers_the_openai_client_as_grpc_does():
         )
         tokens = [token for chunk in chunks if chunk.choices for token in chunk.model_extra.get("specdec", {}).get("token_ids", [])]
         assert tokens == list(reference.token_ids)
+        sampled = verifier.client.chat.completions.create(
+            model=DEFAULT_MODEL, messages=messages, max_tokens=16, temperature=1.0, seed=3, n=2, logprobs=True
+        )
+        assert [choice.index for choice in sampled.choices] == [0, 1]
+        for index, choice in enumerate(sampled.choices):
+            single = verifier.generate(prompt=question, chat=True, max_new_tokens=16, temperature=1.0, seed=3 + index)
+            assert choice.message.content == single.text
+            assert "".join(entry.token for entry in choice.logprobs.content) == single.text
     finally:
         verifier.process.stop()
 

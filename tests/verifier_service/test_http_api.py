@@ -9,6 +9,7 @@ The tiny model's word-level tokenizer reads "t5 t9" as tokens [5, 9]; its longes
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import hmac
 import json
@@ -390,10 +391,10 @@ def test_a_lone_surrogate_is_named_with_its_field(client):
 
 
 def test_an_unexpected_exception_is_a_500_in_openais_shape_and_one_log_line(open_servicer, client, monkeypatch, caplog):
-    def broken(generation, span):
+    def broken(generations, span):
         raise RuntimeError("the engine fell over")
 
-    monkeypatch.setattr(open_servicer, "submit", broken)
+    monkeypatch.setattr(open_servicer, "submit_group", broken)
     with caplog.at_level(logging.INFO):
         response = client.post("/v1/completions", json=completion())
     error = assert_openai_error(response, 500)
@@ -600,8 +601,8 @@ def test_every_answer_carries_the_clients_request_id_or_one_made_for_it(client):
     for unusable in (b"a b", b"x" * 129, "é".encode()):  # spaces, too long, not ASCII: replaced
         sent = {"X-Request-Id": unusable}
         assert client.post("/v1/completions", json=completion(), headers=sent).headers["x-request-id"].startswith("req-")
-    assert_openai_error(client.post("/v1/completions", json=completion(n=2), headers={"X-Request-Id": "e-1"}), 400)
-    assert client.post("/v1/completions", json=completion(n=2), headers={"X-Request-Id": "e-1"}).headers["x-request-id"] == "e-1"
+    assert_openai_error(client.post("/v1/completions", json=completion(n=0), headers={"X-Request-Id": "e-1"}), 400)
+    assert client.post("/v1/completions", json=completion(n=0), headers={"X-Request-Id": "e-1"}).headers["x-request-id"] == "e-1"
 
 
 @pytest.mark.parametrize("top_p", [0, -0.1, 1.5])
@@ -770,3 +771,66 @@ def test_completion_logprobs_in_openais_legacy_shape(client):
     assert all(
         len(top) == 2 and max(top.values()) >= value - 1e-6 for top, value in zip(logprobs["top_logprobs"], logprobs["token_logprobs"])
     )
+
+
+# -- n choices -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def roomy(tiny_model, chat_tokenizer):
+    """Room for a caller's several choices: 4 places, at most 3 choices a request, a batch of 2 (so choices queue)."""
+    servicer = started(tiny_model, chat_tokenizer, max_requests_per_caller=4, max_choices=3)
+    yield TestClient(OpenAIApi(servicer, MODEL).app)
+    servicer.scheduler.stop(1.0)
+
+
+def sampled(**fields) -> dict:
+    return completion(prompt=[5, 9, 14, 20], max_tokens=12, temperature=1.0, seed=11) | fields
+
+
+def test_n_choices_are_the_requests_with_seeds_seed_plus_index(roomy):
+    answer = roomy.post("/v1/completions", json=sampled(n=3)).json()
+    assert [choice["index"] for choice in answer["choices"]] == [0, 1, 2]
+    singles = [roomy.post("/v1/completions", json=sampled(seed=11 + index)).json() for index in range(3)]
+    texts = [single["choices"][0]["text"] for single in singles]
+    assert [choice["text"] for choice in answer["choices"]] == texts
+    assert len(set(texts)) > 1  # the seeds differ, so the samples do
+    generated = sum(single["usage"]["completion_tokens"] for single in singles)
+    assert answer["usage"] == {"prompt_tokens": 4, "completion_tokens": generated, "total_tokens": 4 + generated}
+    assert answer["specdec"]["generated_tokens"] == generated
+
+
+def test_streamed_choices_carry_their_index_and_end_once_each(roomy):
+    whole = roomy.post("/v1/chat/completions", json=chat_body(n=3, max_tokens=10, temperature=1.0, seed=5, logprobs=True)).json()
+    body = chat_body(n=3, max_tokens=10, temperature=1.0, seed=5, logprobs=True, stream=True, stream_options={"include_usage": True})
+    lines = [line for line in roomy.post("/v1/chat/completions", json=body).text.splitlines() if line]
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert lines[-1] == "data: [DONE]" and chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    texts, finishes, tokens = collections.defaultdict(str), collections.Counter(), collections.defaultdict(list)
+    for chunk in chunks[:-1]:
+        [choice] = chunk["choices"]
+        texts[choice["index"]] += choice["delta"].get("content", "")
+        finishes[choice["index"]] += choice["finish_reason"] is not None
+        if choice["logprobs"]:
+            tokens[choice["index"]] += [entry["token"] for entry in choice["logprobs"]["content"]]
+    assert [texts[index] for index in range(3)] == [choice["message"]["content"] for choice in whole["choices"]]
+    assert finishes == {0: 1, 1: 1, 2: 1}
+    assert [tokens[index] for index in range(3)] == [
+        [entry["token"] for entry in choice["logprobs"]["content"]] for choice in whole["choices"]
+    ]
+
+
+def test_greedy_choices_are_alike(roomy):
+    answer = roomy.post("/v1/completions", json=completion(n=2, max_tokens=8)).json()
+    first, second = (choice["text"] for choice in answer["choices"])
+    assert first == second == roomy.post("/v1/completions", json=completion(max_tokens=8)).json()["choices"][0]["text"]
+
+
+def test_n_over_the_limit_or_the_callers_places_is_refused(roomy, client, open_servicer):
+    error = assert_openai_error(roomy.post("/v1/completions", json=sampled(n=4)), 400)
+    assert error["param"] == "n" and "n must be in [1, 3] (--max-choices, --max-queued), got 4" in error["message"]
+    assert assert_openai_error(roomy.post("/v1/completions", json=sampled(n=0)), 400)["param"] == "n"
+    error = assert_openai_error(client.post("/v1/completions", json=completion(n=2)), 429)  # one place per caller
+    assert "--max-requests-per-caller 1" in error["message"] and "n=2 takes 2" in error["message"]
+    assert open_servicer.callers.in_flight("testclient") == 0
+    assert client.post("/v1/completions", json=completion()).status_code == 200

@@ -10,7 +10,7 @@ import pytest
 from drafter_service.sessions import NGramDrafter
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import FINISH_CANCELLED, FINISH_LENGTH, EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.scheduler import Cancelled, QueueFull, Scheduler, SchedulerConfig, ShuttingDown
+from verifier_service.scheduler import Cancelled, QueueFull, Scheduler, SchedulerConfig, ShuttingDown, interleave
 
 PROMPTS = [[5, 6, 7], [9, 3, 3, 9, 3, 3, 9, 3], [12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [20, 21, 20, 21], [33]]
 NO_EOS = frozenset()
@@ -160,6 +160,28 @@ def test_submit_beyond_max_queued_raises_queue_full(scheduler_factory, tiny_mode
     assert result_of(first).token_ids == alone(tiny_model, tiny_tokenizer, REQUESTS[0])
     assert result_of(second).token_ids == alone(tiny_model, tiny_tokenizer, REQUESTS[2])
     assert scheduler.steps > 0
+
+
+def test_a_group_is_queued_whole_or_not_at_all_and_read_interleaved(scheduler_factory, tiny_model, tiny_tokenizer):
+    scheduler = scheduler_factory(batch=2, queued=3, start=False)
+    single = scheduler.submit(REQUESTS[0])
+    with pytest.raises(QueueFull, match=r"^0 requests running and 1 queued \(limit 3, no room for 3 more\); retry with backoff$"):
+        scheduler.submit_group([REQUESTS[1], REQUESTS[2], REQUESTS[3]])
+    assert scheduler.queue_depth == 1  # none of the three was queued
+    group = scheduler.submit_group([REQUESTS[2], REQUESTS[3]])
+    scheduler.start()
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    ended = []
+    for index, chunk in interleave(group):
+        if chunk is None:
+            ended.append(index)
+        else:
+            assert index not in ended  # nothing of a request after its end
+            tokens[index] += chunk.tokens
+    assert sorted(ended) == [0, 1]
+    for index, request in enumerate((REQUESTS[2], REQUESTS[3])):
+        assert tokens[index] == group[index].result(timeout_s=EVENT_TIMEOUT_S).token_ids == alone(tiny_model, tiny_tokenizer, request)
+    assert result_of(single).token_ids == alone(tiny_model, tiny_tokenizer, REQUESTS[0])
 
 
 def test_queue_full_counts_running_requests(scheduler_factory):

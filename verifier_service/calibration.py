@@ -5,15 +5,26 @@ draft tokens against it, padding picks cheaper token counts from it, and
 each real step refines it). ``calibrate_step_cost`` measures one on the real
 device, once per model object (``calibrated_step_cost``); tests and benches
 hand the engine a model of their own instead.
+
+A calibration takes tens of seconds (minutes on a busy machine), so the
+service keeps it in a folder (``load_or_calibrate``), keyed by what decides
+the costs: the model's shape and dtype, the device, the CPU, the thread
+count, torch's version and the cache's shape. A later start times a short
+probe and keeps the stored model only when the probe agrees with it.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 import logging
+import os
+import platform
 import time
 import weakref
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,15 +45,119 @@ CALIBRATION_REPEAT_BELOW = 64
 # Cached tokens per slot when timing attention's reads of the cache.
 CALIBRATION_COLUMNS = 1024
 
+# A stored calibration's layout; a file of another is measured again.
+STORED_FORMAT = 1
+# Token counts the start-up probe times (best of PROBE_REPEATS each)...
+PROBE_TOKENS = (1, 4, 16)
+PROBE_REPEATS = 3
+# ...and how far (as a factor, either way) each may be from the stored cost for
+# it to stand: a machine busier or idler than at calibration differs by less,
+# another machine or a changed setting (threads, power) by more.
+PROBE_TOLERANCE = 2.0
+
 _calibrations: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def calibrated_step_cost(engine: SpeculativeEngine) -> StepCostModel:
-    """The step-cost model of ``engine``'s model on this machine, measured once per model object."""
+def calibrated_step_cost(engine: SpeculativeEngine, folder: Path | None = None) -> StepCostModel:
+    """The step-cost model of ``engine``'s model on this machine, measured once per model
+    object (and kept in ``folder`` across processes, when given: ``load_or_calibrate``)."""
     cached = _calibrations.get(engine.model)
     if cached is None:
-        cached = _calibrations[engine.model] = calibrate_step_cost(engine)
+        cached = calibrate_step_cost(engine) if folder is None else load_or_calibrate(engine, folder)
+        _calibrations[engine.model] = cached
     return cached
+
+
+def calibration_key(engine: SpeculativeEngine) -> dict:
+    """What decides the step costs: a stored calibration is reused only under the same."""
+    model = engine.model
+    return {
+        "format": STORED_FORMAT,
+        "model": hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
+        "dtype": str(next(model.parameters()).dtype),
+        "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else str(engine.device),
+        "cpu": _cpu_name(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "slots": len(engine._slots),
+        "capacity": engine.cache.capacity,
+        "tokens": list(CALIBRATION_TOKENS),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_or_calibrate(engine: SpeculativeEngine, folder: Path) -> StepCostModel:
+    """The calibration stored in ``folder`` for this key when a short probe agrees with it
+    (within ``PROBE_TOLERANCE``), else a new one, stored for the next start. A file that
+    cannot be read or written costs a calibration, never the start."""
+    key = calibration_key(engine)
+    path = folder / f"step-cost-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
+    stored = _read_stored(path, key)
+    if stored is not None:
+        model, up_to = stored
+        if engine.kernels is not None:
+            engine.kernels.up_to = up_to
+        disagreements = _probe(engine, model)
+        if not disagreements:
+            log.info("step cost from %s (the probe agrees within %gx)", path, PROBE_TOLERANCE)
+            return model
+        log.info("stored step cost %s is off (%s); calibrating again", path, "; ".join(disagreements))
+    model = calibrate_step_cost(engine)
+    record = {
+        "key": key,
+        "points": model.points(),
+        "per_context_token": model.per_context_token,
+        "up_to": engine.kernels.up_to if engine.kernels is not None else 0,
+    }
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(record))
+        os.replace(partial, path)  # whole or not at all, even beside another starting verifier
+    except OSError as error:
+        log.warning("could not store the step cost in %s (%s); the next start calibrates again", path, error)
+    return model
+
+
+def _read_stored(path: Path, key: dict) -> tuple[StepCostModel, int] | None:
+    try:
+        record = json.loads(path.read_text())
+        if record["key"] != key:
+            return None
+        points = {int(count): float(seconds) for count, seconds in record["points"].items()}
+        if not points or not all(seconds > 0 for seconds in points.values()):
+            raise ValueError("no positive step times")
+        return StepCostModel(points, float(record["per_context_token"])), int(record["up_to"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        log.warning("stored step cost %s is unreadable (%s: %s); calibrating again", path, type(error).__name__, error)
+        return None
+
+
+def _probe(engine: SpeculativeEngine, model: StepCostModel) -> list[str]:
+    """The probe counts whose time now is off the stored one by more than PROBE_TOLERANCE."""
+    slots = len(engine._slots)
+    off = []
+    with torch.inference_mode():
+        stored = model.points()
+        for count in PROBE_TOKENS:
+            if count not in stored:
+                continue
+            seconds = _best_time(engine, PROBE_REPEATS, _spread(count, slots, cached=1), [], list(range(count)))
+            if not 1 / PROBE_TOLERANCE <= seconds / stored[count] <= PROBE_TOLERANCE:
+                off.append(f"{count} tokens: {1000 * seconds:.1f} ms now, {1000 * stored[count]:.1f} ms stored")
+    return off
 
 
 def calibrate_step_cost(engine: SpeculativeEngine, tokens: Sequence[int] = CALIBRATION_TOKENS) -> StepCostModel:

@@ -44,6 +44,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -235,6 +236,7 @@ class SpeculativeEngine:
         proposer: DraftProposer | None = None,
         config: EngineConfig | None = None,
         step_cost: StepCostModel | None = None,
+        calibration_folder: Path | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -258,7 +260,8 @@ class SpeculativeEngine:
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.last_step: StepReport | None = None  # the latest step that ran a forward pass
         self._check_slot_attention()
-        self.step_cost = step_cost or calibrated_step_cost(self)
+        # Measured here unless given (kept in calibration_folder across starts, when set).
+        self.step_cost = step_cost or calibrated_step_cost(self, calibration_folder)
         self.planner = Planner(self.step_cost)
 
     def _check_slot_attention(self) -> None:

@@ -65,7 +65,7 @@ from verifier_service.generation import (
     GenerationStats,
 )
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
+from verifier_service.model_loading import DEFAULT_MODEL, cache_root, chat_prompt_ids, load_model
 from verifier_service.observability import ServiceObserver
 from verifier_service.openai_api import HttpLimits, HttpServer, OpenAIApi, bearer
 from verifier_service.processing import TokenLogprob
@@ -173,6 +173,13 @@ class VerifierConfig:
     )
     calibrate: bool = setting(
         True, help="measure the step cost at start-up (without: a flat cost refined by real steps; for tests and tiny models)"
+    )
+    # Calibrating takes ~20 s on an idle 2-core machine and minutes on a busy one;
+    # a stored one needs only a probe of a few passes.
+    calibration_cache: bool = setting(
+        True,
+        help="keep the step-cost calibration under the cache folder ($SPECDEC_CACHE_DIR/calibration) and reuse it "
+        "when a short probe at start agrees with it",
     )
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -593,7 +600,8 @@ class VerifierServer:
             )
         observer = ServiceObserver(self.servicer.tracing, self.servicer.metrics)
         proposer = observer.traced(self.drafter) if self.drafter is not None else None
-        engine = SpeculativeEngine(loaded.model, loaded.tokenizer, proposer, config.engine, step_cost)
+        folder = cache_root() / "calibration" if config.calibration_cache else None
+        engine = SpeculativeEngine(loaded.model, loaded.tokenizer, proposer, config.engine, step_cost, folder)
         engine.generate([GenerationRequest([0, 1, 2, 3], 4, num_speculative_tokens=0)])  # warm-up
         scheduler = Scheduler(engine, config.scheduler, observer)
         self.servicer.metrics.queue_depth.set_function(lambda: scheduler.queue_depth)

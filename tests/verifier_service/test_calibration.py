@@ -1,10 +1,18 @@
-"""StepCostModel on literal points: interpolation, padding, and folding in real step times."""
+"""StepCostModel on literal points: interpolation, padding, and folding in real step times;
+and a calibration kept in a folder across starts (load_or_calibrate)."""
 
 from __future__ import annotations
 
-import pytest
+import json
+import logging
+from pathlib import Path
 
+import pytest
+import torch
+
+from verifier_service import calibration
 from verifier_service.calibration import StepCostModel
+from verifier_service.engine import EngineConfig, SpeculativeEngine
 
 # -- StepCostModel --------------------------------------------------------------------
 
@@ -69,3 +77,80 @@ def test_observe_takes_the_context_term_out_before_moving_points():
 def test_bad_points_raise_value_error(points):
     with pytest.raises(ValueError, match="need at least one"):
         StepCostModel(points)
+
+
+# -- a calibration kept across starts ------------------------------------------------------
+
+
+@pytest.fixture
+def engine(tiny_model, tiny_tokenizer):
+    """An engine with a step cost of its own, so load_or_calibrate is what the test calls."""
+    return SpeculativeEngine(tiny_model, tiny_tokenizer, None, EngineConfig(max_batch_size=2), StepCostModel({1: 1.0}))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """calibrate_step_cost, counted, returning a fixed model (no timing in tests)."""
+    calls = []
+
+    def fake(engine, tokens=calibration.CALIBRATION_TOKENS):
+        calls.append(engine)
+        engine.kernels.up_to = 8
+        return StepCostModel({1: 0.002, 4: 0.003, 16: 0.004}, per_context_token=1e-7)
+
+    monkeypatch.setattr(calibration, "calibrate_step_cost", fake)
+    return calls
+
+
+def stored_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("step-cost-*.json"))
+
+
+def test_a_stored_calibration_is_reused_when_the_probe_agrees(engine, counted, tmp_path, monkeypatch):
+    monkeypatch.setattr(calibration, "PROBE_TOLERANCE", 1e12)  # any time agrees: this test is not about timing
+    first = calibration.load_or_calibrate(engine, tmp_path)
+    [path] = stored_files(tmp_path)
+    assert len(counted) == 1 and json.loads(path.read_text())["key"] == calibration.calibration_key(engine)
+    engine.kernels.up_to = 0
+    again = calibration.load_or_calibrate(engine, tmp_path)
+    assert len(counted) == 1  # no second calibration
+    assert again.points() == first.points() and again.per_context_token == first.per_context_token
+    assert engine.kernels.up_to == 8  # the stored choice of linear-layer form, restored
+
+
+def test_a_probe_far_from_the_stored_costs_calibrates_again(engine, counted, tmp_path, caplog):
+    calibration.load_or_calibrate(engine, tmp_path)
+    [path] = stored_files(tmp_path)
+    record = json.loads(path.read_text())
+    record["points"] = {count: 1e3 for count in record["points"]}  # a machine a million times slower
+    path.write_text(json.dumps(record))
+    with caplog.at_level(logging.INFO):
+        calibration.load_or_calibrate(engine, tmp_path)
+    assert len(counted) == 2
+    assert "is off (1 tokens:" in caplog.text and "calibrating again" in caplog.text
+    assert json.loads(path.read_text())["points"]["1"] == 0.002  # the new calibration replaced it
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"key": 1}', "", '{"key": null, "points": []}'])
+def test_an_unreadable_stored_calibration_costs_a_calibration_not_the_start(engine, counted, tmp_path, content, monkeypatch):
+    calibration.load_or_calibrate(engine, tmp_path)
+    [path] = stored_files(tmp_path)
+    path.write_text(content)
+    calibration.load_or_calibrate(engine, tmp_path)
+    assert len(counted) == 2 and json.loads(path.read_text())["key"] == calibration.calibration_key(engine)
+
+
+def test_another_thread_count_is_another_calibration(engine, counted, tmp_path, monkeypatch):
+    calibration.load_or_calibrate(engine, tmp_path)
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
+    calibration.load_or_calibrate(engine, tmp_path)
+    assert len(counted) == 2 and len(stored_files(tmp_path)) == 2
+
+
+def test_an_unwritable_folder_still_starts(engine, counted, tmp_path, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with caplog.at_level(logging.WARNING):
+        model = calibration.load_or_calibrate(engine, blocked / "calibration")
+    assert model.points()[1] == 0.002 and "could not store the step cost" in caplog.text

@@ -9,11 +9,13 @@ tokens too.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 
 import httpx2 as httpx
 import openai
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from verifier_service.model_loading import DEFAULT_MODEL
 
@@ -353,3 +355,21 @@ def test_a_chat_body_over_the_http_limit_is_refused_413_through_the_openai_clien
 
 def test_the_start_up_log_says_no_api_keys_are_required(server):
     assert "no API keys configured: /v1 and gRPC Generate/GenerateStream are open" in server.process.log()
+
+
+def test_sigterm_exits_without_waiting_on_idle_connections_or_health_watches(chat_model_dir):
+    """Nothing running: an open health Watch, an idle keep-alive HTTP connection and an idle
+    gRPC channel do not hold the exit for the grace period (600 s here; the wait allows 120)."""
+    verifier = HttpVerifier(chat_model_dir, "--grace", "600")
+    try:
+        watch = health_pb2_grpc.HealthStub(verifier.process.channel).Watch(health_pb2.HealthCheckRequest(service=""))
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        idle = httpx.Client(timeout=CALL_TIMEOUT_S)
+        assert idle.get(verifier.base + "/health").status_code == 200  # its connection stays open
+        assert verifier.generate(prompt=PROMPT, max_new_tokens=2).token_ids
+        verifier.process.process.send_signal(signal.SIGTERM)
+        assert verifier.process.process.wait(timeout=120) == 0
+        assert "stopped cleanly" in verifier.process.log()
+        idle.close()
+    finally:
+        verifier.process.stop()

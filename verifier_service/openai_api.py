@@ -63,7 +63,6 @@ from typing import Any, ClassVar
 import anyio
 import h11
 import uvicorn
-from google.protobuf import json_format
 from opentelemetry import propagate
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
@@ -83,6 +82,7 @@ from verifier_service.model_loading import chat_ids
 from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import QueueFull, RequestHandle, ShuttingDown, TokenChunk, interleave
+from verifier_service.service import RequestStats, VerifierService
 from verifier_service.text import IncrementalDecoder, IncrementalText
 
 log = logging.getLogger(__name__)
@@ -281,15 +281,16 @@ def _float(body: dict, name: str, default: float) -> float:
 
 
 class OpenAIApi:
-    """The routes, over a ``VerifierServicer`` (its engine, scheduler, tracing, metrics, API keys and per-caller limit)."""
+    """The routes, over a ``VerifierService`` (the gRPC front door's too: submitting and
+    cancelling, readiness, spans, stats, API keys and the per-caller limit)."""
 
-    def __init__(self, servicer, model_id: str) -> None:
-        self.servicer = servicer
+    def __init__(self, service: VerifierService, model_id: str) -> None:
+        self.service = service
         self.model_id = model_id
         self.created = int(time.time())
         self.page = VIEW.read_text(encoding="utf-8")
         # Waiting on a request's tokens blocks a thread: one per request that may be running or queued.
-        config = servicer.config
+        config = service.config
         self.limiter = anyio.CapacityLimiter(config.engine.max_batch_size + config.scheduler.max_queued + 8)
         self.app = Starlette(
             routes=[
@@ -307,7 +308,7 @@ class OpenAIApi:
                 *self._cors(config.origins()),
                 Middleware(_RequestIds),
                 Middleware(_Unexpected),
-                Middleware(_Callers, keys=servicer.keys),
+                Middleware(_Callers, keys=service.keys),
             ],
             exception_handlers={
                 ApiError: lambda request, error: error.response(),
@@ -336,14 +337,14 @@ class OpenAIApi:
 
     async def metrics(self, request: Request) -> Response:
         """The service's Prometheus metrics (as on --metrics-port), so one port can be scraped."""
-        return Response(generate_latest(self.servicer.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(self.service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def view(self, request: Request) -> Response:
         """The live view: one static page that streams a chat completion and colours each token by its source."""
         return HTMLResponse(self.page)
 
     async def health(self, request: Request) -> Response:
-        if not self.servicer.ready.is_set():
+        if not self.service.ready.is_set():
             raise ApiError(503, "the model is still loading", kind="server_error", code="loading")
         return JSONResponse({"status": "ok"})
 
@@ -382,29 +383,29 @@ class OpenAIApi:
             prompt = _take(body, "prompt", (str,), "a string")
             self._check_prompt_chars(len(_text(prompt, "prompt", "prompt")), "prompt")
             special = _take(body, "add_special_tokens", (bool,), "true or false", True)
-            tokenizer = self.servicer.engine.tokenizer
+            tokenizer = self.service.tokenizer
             tokens = await anyio.to_thread.run_sync(
                 lambda: list(tokenizer(prompt, add_special_tokens=special).input_ids), limiter=self.limiter
             )
-        return JSONResponse({"count": len(tokens), "max_model_len": self.servicer.engine.cache.capacity, "tokens": tokens})
+        return JSONResponse({"count": len(tokens), "max_model_len": self.service.capacity, "tokens": tokens})
 
     async def detokenize(self, request: Request) -> Response:
         """``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}`` (vLLM's shapes)."""
         body = await self._small_body(request, {"model", "tokens"})
         tokens = body.get("tokens")
-        vocabulary = self.servicer.engine.vocab_size
+        vocabulary = self.service.vocab_size
         if not isinstance(tokens, list) or not all(isinstance(token, int) and not isinstance(token, bool) for token in tokens):
             raise ApiError(400, "tokens must be a list of token ids", param="tokens")
-        if len(tokens) > self.servicer.engine.cache.capacity:
-            raise ApiError(400, f"tokens holds {len(tokens)} ids, more than a sequence's {self.servicer.engine.cache.capacity}", "tokens")
+        if len(tokens) > self.service.capacity:
+            raise ApiError(400, f"tokens holds {len(tokens)} ids, more than a sequence's {self.service.capacity}", "tokens")
         if (bad := next((token for token in tokens if not 0 <= token < vocabulary), None)) is not None:
             raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocabulary})", param="tokens")
-        tokenizer = self.servicer.engine.tokenizer
+        tokenizer = self.service.tokenizer
         return JSONResponse({"prompt": await anyio.to_thread.run_sync(tokenizer.decode, tokens, limiter=self.limiter)})
 
     async def _small_body(self, request: Request, fields: set[str]) -> dict:
         """A tokenize/detokenize body: a JSON object of ``fields`` only, for the served model."""
-        if not self.servicer.ready.is_set():
+        if not self.service.ready.is_set():
             raise ApiError(503, "the model is still loading; retry when GET /health answers 200", kind="server_error", code="loading")
         body = _json_object(await self._body(request, f"http-{secrets.token_hex(6)}"))
         for name in body:
@@ -427,10 +428,10 @@ class OpenAIApi:
     async def _serve(self, request: Request, chat: bool) -> Response:
         """The answer, with the caller's place under --max-requests-per-caller held from
         before its body is read until its answer ends (streamed: until the stream closes)."""
-        if not self.servicer.ready.is_set():
+        if not self.service.ready.is_set():
             raise ApiError(503, "the model is still loading; retry when GET /health answers 200", kind="server_error", code="loading")
         caller = request.scope["state"]["caller"]  # _Callers'
-        callers = self.servicer.callers
+        callers = self.service.callers
         release = callers.admit(caller)
         if release is None:
             raise ApiError(429, callers.refusal(caller), kind="rate_limit_error", code="too_many_requests_per_caller")
@@ -457,7 +458,7 @@ class OpenAIApi:
         generations, stream, include_usage, echo = await anyio.to_thread.run_sync(
             self._parse, received, chat, request_id, limiter=self.limiter
         )
-        callers = self.servicer.callers
+        callers = self.service.callers
         for _ in generations[1:]:
             place = callers.admit(caller)
             if place is None:
@@ -468,7 +469,7 @@ class OpenAIApi:
                     code="too_many_requests_per_caller",
                 )
             places.append(place)
-        span_context = self.servicer.request_span(propagate.extract(dict(request.headers)))
+        span_context = self.service.request_span(propagate.extract(dict(request.headers)))
         span = span_context.__enter__()
         span.set_attribute("http.request.id", request.scope["state"]["request_id"])  # _RequestIds'
         try:
@@ -490,7 +491,7 @@ class OpenAIApi:
     async def _body(self, request: Request, request_id: str) -> bytearray:
         """The body, up to --http-max-body-bytes (413 beyond: from its Content-Length before
         a byte is read, else while a chunked one arrives)."""
-        limit, received = self.servicer.config.http_max_body_bytes, bytearray()
+        limit, received = self.service.config.http_max_body_bytes, bytearray()
         too_large = ApiError(413, f"the body is over {limit} bytes (--http-max-body-bytes)", code="body_too_large")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:  # h11 has refused any other Content-Length
@@ -520,12 +521,12 @@ class OpenAIApi:
             raise ApiError(400, "stream_options: only include_usage is supported; leave the others out or false", param="stream_options")
         echo = ""
         if not chat and _take(body, "echo", (bool,), "true or false", False):
-            echo = self.servicer.engine.tokenizer.decode(generations[0].prompt_ids)
+            echo = self.service.tokenizer.decode(generations[0].prompt_ids)
         return generations, stream, _take(options, "include_usage", (bool,), "true or false", False), echo
 
     def _submit(self, generations: list[GenerationRequest], span, chat: bool) -> list[RequestHandle]:
         try:
-            return self.servicer.submit_group(generations, span)
+            return self.service.submit_group(generations, span)
         except InvalidRequest as error:
             param = (OPENAI_CHAT_FIELDS if chat else OPENAI_FIELDS).get(error.field, error.field)
             raise ApiError(400, error.named(param), param=param) from None
@@ -546,7 +547,7 @@ class OpenAIApi:
             group.start_soon(cancel_on_disconnect)
             results = await anyio.to_thread.run_sync(reply.all_results, abandon_on_cancel=True, limiter=self.limiter)
             group.cancel_scope.cancel()
-        return reply.whole(results, [self.servicer.recorded(handle, result) for handle, result in zip(reply.handles, results)])
+        return reply.whole(results, [self.service.recorded(handle, result) for handle, result in zip(reply.handles, results)])
 
     async def _events(self, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
         """The SSE data lines; a disconnect cancels this generator, and the request with it
@@ -562,7 +563,7 @@ class OpenAIApi:
                     yield json.dumps(reply.token_chunk(index, piece))
                     continue
                 result = reply.result(index)
-                yield json.dumps(reply.final_chunk(index, result, self.servicer.recorded(reply.handles[index], result), include_usage))
+                yield json.dumps(reply.final_chunk(index, result, self.service.recorded(reply.handles[index], result), include_usage))
             if include_usage:
                 yield json.dumps(reply.usage_chunk())
             yield "[DONE]"
@@ -584,7 +585,7 @@ class OpenAIApi:
         model = _take(body, "model", (str,), "a string")
         self._refuse_other_model(model, repr(model))
         # The choices are queued together, so the queue must hold them all.
-        limit = min(self.servicer.config.max_choices, self.servicer.scheduler.config.max_queued)
+        limit = min(self.service.config.max_choices, self.service.max_queued)
         n = _take(body, "n", (int,), "an integer", 1)
         if not 1 <= n <= limit:
             raise ApiError(400, f"n must be in [1, {limit}] (--max-choices, --max-queued), got {n}", param="n")
@@ -613,10 +614,9 @@ class OpenAIApi:
         for index, item in enumerate(stop):
             _text(item, f"stop[{index}]", "stop")
         prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
-        engine = self.servicer.engine
         if chat:
-            room = engine.cache.capacity - len(prompt_ids)
-            default_max = max(1, min(engine.config.max_new_tokens_limit, room))
+            room = self.service.capacity - len(prompt_ids)
+            default_max = max(1, min(self.service.max_new_tokens_limit, room))
             max_tokens = _take(body, "max_completion_tokens", (int,), "an integer", None)
             if max_tokens is None:
                 max_tokens = _take(body, "max_tokens", (int,), "an integer", default_max)
@@ -652,7 +652,7 @@ class OpenAIApi:
 
     def _check_prompt_chars(self, chars: int, param: str) -> None:
         try:
-            self.servicer.check_prompt_chars(chars)
+            self.service.check_prompt_chars(chars)
         except InvalidRequest as error:
             raise ApiError(400, str(error), param=param) from None
 
@@ -673,7 +673,7 @@ class OpenAIApi:
                 raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts", param="messages")
             plain.append({"role": message["role"], "content": _text(content, f"messages[{index}].content", "messages")})
         self._check_prompt_chars(sum(len(message["content"]) for message in plain), "messages")
-        tokenizer = self.servicer.engine.tokenizer
+        tokenizer = self.service.tokenizer
         if not tokenizer.chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         try:
@@ -687,7 +687,7 @@ class OpenAIApi:
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             self._check_prompt_chars(len(_text(prompt, "prompt", "prompt")), "prompt")
-            return list(self.servicer.engine.tokenizer(prompt).input_ids)
+            return list(self.service.tokenizer(prompt).input_ids)
         if isinstance(prompt, list) and all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
             return prompt
         raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
@@ -849,25 +849,25 @@ class _Reply:
     def __init__(self, api: OpenAIApi, handles: list[RequestHandle], chat: bool, span, span_context, echo: str = "") -> None:
         self.api, self.handles, self.chat, self.span = api, handles, chat, span
         self.echo = echo  # completions' echo: the prompt's text, sent before each completion's
-        self._span_context = span_context  # servicer.request_span's, entered
+        self._span_context = span_context  # service.request_span's, entered
         self._closed = False
         self._answered = False  # the last chunk, or the whole answer, was made
         self._left = False  # the client disconnected first
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.object = "chat.completion.chunk" if chat else "text_completion"
-        tokenizer = api.servicer.engine.tokenizer
+        tokenizer = api.service.tokenizer
         self.texts = [_StreamText(tokenizer, handle.request.stop) for handle in handles]
         wanted = handles[0].request.logprobs is not None
         self.logprobs = [_Logprobs(tokenizer, chat) if wanted else None for _ in handles]
         self.tokens_sent = [0] * len(handles)
-        self.stats: list[Any] = [None] * len(handles)  # each choice's GenerationStats, once it ended
+        self.stats: list[Any] = [None] * len(handles)  # each choice's RequestStats, once it ended
         self.results: list[Any] = [None] * len(handles)
 
     def client_left(self) -> None:
         """The client disconnected before its answer: cancel the request (freeing its slots at the next step)."""
         self._left = True
         for handle in self.handles:
-            self.api.servicer.scheduler.cancel(handle)
+            self.api.service.cancel(handle)
 
     def close(self, error: BaseException | None = None) -> None:
         """Once: cancel the choices' requests (a no-op once they ended; it frees the slots of a
@@ -877,7 +877,7 @@ class _Reply:
             return
         self._closed = True
         for handle in self.handles:
-            self.api.servicer.scheduler.cancel(handle)
+            self.api.service.cancel(handle)
         gone = isinstance(error, anyio.get_cancelled_exc_class() | GeneratorExit) or self._left or error is None and not self._answered
         if gone:
             log.info(
@@ -887,7 +887,7 @@ class _Reply:
                 sum(self.tokens_sent),
             )
         elif None not in self.stats:
-            self.api.servicer.annotate(self.span, _combined(self.stats), self.results[0].finish_reason)
+            self.api.service.annotate(self.span, RequestStats.combined(self.stats), self.results[0].finish_reason)
         if error is None or gone:
             self._span_context.__exit__(None, None, None)
         else:
@@ -930,7 +930,7 @@ class _Reply:
         self.stats[index] = stats
         self._answered = None not in self.stats
         out = self._envelope(self.object, [self._choice(index, self.texts[index].finish(result.text), _finish(result))])
-        out["specdec"] = _speculation(stats)
+        out["specdec"] = stats.as_dict()
         if usage:
             out["usage"] = None  # OpenAI: null on every chunk but the last, which carries it alone
         return out
@@ -955,29 +955,7 @@ class _Reply:
             choice["finish_reason"] = _finish(result)
             choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
-        return self._envelope(obj, choices) | {"usage": self._usage(), "specdec": _speculation(_combined(stats))}
-
-
-def _combined(stats: list) -> Any:
-    """The choices' GenerationStats as one: counts summed, rates recomputed, times the longest
-    (a request of one choice: its own)."""
-    if len(stats) == 1:
-        return stats[0]
-    passes, drafted, accepted = (
-        sum(getattr(item, name) for item in stats) for name in ("target_forward_passes", "draft_tokens", "accepted_tokens")
-    )
-    generated = sum(item.generated_tokens for item in stats)
-    return type(stats[0])(
-        target_forward_passes=passes,
-        draft_tokens=drafted,
-        accepted_tokens=accepted,
-        acceptance_rate=accepted / drafted if drafted else 0.0,
-        tokens_per_forward_pass=generated / passes if passes else 0.0,
-        time_to_first_token_ms=min(item.time_to_first_token_ms for item in stats),
-        total_ms=max(item.total_ms for item in stats),
-        prompt_tokens=stats[0].prompt_tokens,
-        generated_tokens=generated,
-    )
+        return self._envelope(obj, choices) | {"usage": self._usage(), "specdec": RequestStats.combined(stats).as_dict()}
 
 
 class _Logprobs:
@@ -1051,11 +1029,6 @@ class _StreamText:
 
 def _finish(result) -> str:
     return "length" if result.finish_reason == FINISH_LENGTH else "stop"
-
-
-def _speculation(stats) -> dict:
-    """The gRPC GenerationStats, under OpenAI-style snake_case names."""
-    return json_format.MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
 @dataclass(frozen=True)

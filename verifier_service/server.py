@@ -1,7 +1,9 @@
 """The verifier as a gRPC service: ``Generate`` and ``GenerateStream`` over one shared batch.
 
-Requests are checked before any model work (INVALID_ARGUMENT with a message
-naming the field), then handed to the ``Scheduler``, which runs every
+``VerifierServicer`` is the gRPC front door over ``service.VerifierService``,
+which the HTTP API (``openai_api``) shares. Requests are checked before any
+model work (INVALID_ARGUMENT with a message naming the field), then handed
+to the ``Scheduler``, which runs every
 in-flight request in one forward pass per step. A full queue answers
 RESOURCE_EXHAUSTED at once. A client that cancels, or whose deadline passes,
 frees its batch slot at the next step (gRPC's termination callback cancels
@@ -24,28 +26,21 @@ it is away) every step is plain decoding.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import hmac
 import logging
 import re
 import ssl
-import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
 from grpc_health.v1 import health
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from specdec import serving, telemetry
-from specdec.flags import setting
+from specdec import serving, settings, telemetry
+from specdec.flags import nested, setting
 from specdec.limits import ConnectionLimits
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from specdec.vocabulary import tokenizer_fingerprint
@@ -71,6 +66,7 @@ from verifier_service.openai_api import HttpLimits, HttpServer, OpenAIApi, beare
 from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import Cancelled, QueueFull, RequestHandle, Scheduler, SchedulerConfig, ShuttingDown
+from verifier_service.service import RequestStats, VerifierService
 from verifier_service.text import IncrementalText
 
 log = logging.getLogger(__name__)
@@ -94,7 +90,7 @@ TOKEN_SOURCES = {
 @dataclass(frozen=True)
 class VerifierConfig:
     """The service's settings, the engine's and the scheduler's nested: each field is a flag
-    and a SPECDEC_VERIFIER_* variable (``specdec.flags``), apart from SERVING_FIELDS."""
+    and a SPECDEC_VERIFIER_* variable (``specdec.flags``)."""
 
     port: int = setting(50052, help="gRPC port (0: a free one)")
     host: str = setting("127.0.0.1", help="address to bind")
@@ -106,16 +102,8 @@ class VerifierConfig:
         choices=["float32", "bfloat16", "auto"],
         help="weights and activations (auto: bfloat16 where the hardware has native bf16: GPUs, AMX or AVX512-BF16 CPUs)",
     )
-    drafter: str | None = setting(None, help="host:port of the drafter service (none: no speculation)")
-    drafter_timeout_s: float = setting(DrafterClientConfig.propose_timeout_s, minimum=0.001, help="seconds a step waits for drafts")
-    drafter_backoff_s: float = setting(
-        DrafterClientConfig.backoff_s, minimum=0.0, help="seconds steps skip the drafter after a failed call"
-    )
-    drafter_tls_ca: str | None = setting(None, help="PEM root certificate: reach the drafter over TLS")
-    drafter_tls_cert: str | None = setting(
-        None, help="PEM client certificate for a drafter that requires one (with --drafter-tls-key and --drafter-tls-ca)"
-    )
-    drafter_tls_key: str | None = setting(None, help="PEM key of --drafter-tls-cert")
+    # How the verifier reaches the drafter: --drafter HOST:PORT and the --drafter-* flags.
+    drafter: DrafterClientConfig = nested(DrafterClientConfig, prefix="drafter-")
     # A 4K-token prompt as ids is ~20 KB.
     max_message_bytes: int = setting(serving.MAX_MESSAGE_BYTES, minimum=1, help="gRPC message size cap, both ways")
     grace_s: float = setting(10.0, minimum=0.0, help="seconds SIGTERM gives in-flight requests")
@@ -184,19 +172,15 @@ class VerifierConfig:
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # The flags every service shares (serving.add_serving_flags):
-    # PEM certificate and key: serve over TLS when both are set.
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    # PEM CA: require client certificates it signed (mutual TLS).
-    tls_client_ca: str | None = None
-    # Prometheus /metrics port (0: a free one; None: not served, the default
-    # for in-process servers; the command line serves on DEFAULT_METRICS_PORT).
-    metrics_port: int | None = None
-    # Plaintext gRPC health Check outside the request limit (serving.serve_health); None: not served.
-    health_port: int | None = None
+    # The settings every service has (specdec.serving): health outside the request limit.
+    tls_cert: str | None = settings.tls_cert_setting()
+    tls_key: str | None = settings.tls_key_setting()
+    tls_client_ca: str | None = settings.tls_client_ca_setting()
+    metrics_port: int | None = settings.metrics_port_setting(DEFAULT_METRICS_PORT)
+    health_port: int | None = settings.health_port_setting()
 
     def __post_init__(self) -> None:
+        settings.check_tls(self.tls_cert, self.tls_key, self.tls_client_ca, settings.SERVER_TLS_FLAGS, client=False)
         self.api_keys()  # fail fast: an unreadable key file or a malformed key is a usage error
         self.origins()
 
@@ -229,94 +213,10 @@ class VerifierConfig:
         return tuple(key for key, _ in keys)
 
 
-SERVING_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "metrics_port", "health_port")
 # What an HTTP header and gRPC metadata carry unchanged, less the --api-key separator.
 KEY_PATTERN = re.compile(r"[!-+\--~]+")
 # An origin as browsers send it: scheme://host[:port], no path.
 ORIGIN_PATTERN = re.compile(r"[a-z][a-z0-9+.-]*://[A-Za-z0-9.\-\[\]:]+")
-
-
-class ApiKeys:
-    """The keys a caller must present, when any are configured. No gRPC and no HTTP here."""
-
-    def __init__(self, keys: Sequence[str]) -> None:
-        # Compared as digests, so neither a key's length nor where a guess first
-        # differs from it shows in the time a check takes.
-        self._digests = [hashlib.sha256(key.encode()).digest() for key in keys]
-
-    @property
-    def required(self) -> bool:
-        return bool(self._digests)
-
-    def __len__(self) -> int:
-        return len(self._digests)
-
-    def caller(self, token: str | None) -> str | None:
-        """ "api key #N" for the Nth configured key, None for anything else. Every key is
-        compared, with no early exit, in constant time (hmac.compare_digest)."""
-        digest = hashlib.sha256((token or "").encode("utf-8", "surrogatepass")).digest()
-        found = None
-        for index, key in enumerate(self._digests):
-            if hmac.compare_digest(digest, key):
-                found = index
-        return None if found is None else f"api key #{found + 1}"
-
-    @staticmethod
-    def refusal(sent: bool) -> str:
-        """What a caller without a valid key is told (never what it sent)."""
-        if not sent:
-            return (
-                "this verifier requires an API key: send 'authorization: Bearer <key>' (an HTTP header, or gRPC "
-                "metadata; the CLI client's --api-key or SPECDEC_VERIFIER_API_KEY)"
-            )
-        return "the API key sent is not one this verifier accepts (its --api-key or --api-key-file): check the key the client sends"
-
-
-class CallerLimit:
-    """Requests in flight per caller, shared by the HTTP and gRPC front doors. No gRPC here.
-
-    limit=2: a caller's third request at once is refused; another caller's is not."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._in_flight: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def in_flight(self, caller: str) -> int:
-        return self._in_flight[caller]
-
-    def admit(self, caller: str) -> Callable[[], None] | None:
-        """A function that gives the place back (once, however often it is called), or None
-        when ``caller`` already has ``limit`` requests in flight."""
-        with self._lock:
-            if self._in_flight[caller] >= self.limit:
-                return None
-            self._in_flight[caller] += 1
-        released = threading.Event()
-
-        def release() -> None:
-            with self._lock:
-                if released.is_set():
-                    return
-                released.set()
-                self._in_flight[caller] -= 1
-                if not self._in_flight[caller]:
-                    del self._in_flight[caller]
-
-        return release
-
-    def refusal(self, caller: str) -> str:
-        return (
-            f"{caller} has {self._in_flight[caller]} requests in flight, the most one caller may "
-            f"(--max-requests-per-caller {self.limit}); retry when one ends"
-        )
-
-
-def longest_token_chars(tokenizer) -> int:
-    """Characters of the vocabulary's longest token as the tokenizer spells it, which is at
-    least what it stands for: byte-level BPE spells a byte per character ("Ġthe"),
-    SentencePiece a character per character ("▁the"), byte fallback "<0xE3>" for a byte."""
-    return max(map(len, tokenizer.get_vocab()), default=1)
 
 
 # The engine's field names that the proto spells otherwise (InvalidRequest.field -> GenerateRequest's).
@@ -324,49 +224,41 @@ GRPC_FIELDS = {"prompt_ids": "prompt_token_ids"}
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, config: VerifierConfig, tracing: telemetry.Tracing, metrics: VerifierMetrics) -> None:
-        self.config = config
-        self.tracing, self.metrics = tracing, metrics
-        self.ready = threading.Event()
-        self.engine: SpeculativeEngine | None = None
-        self.scheduler: Scheduler | None = None
-        self.keys = ApiKeys(config.api_keys())
-        self.callers = CallerLimit(config.max_requests_per_caller)
-        self.max_prompt_chars = config.max_prompt_chars or 1
+    """gRPC's front door: the proto in and out, callers from metadata, and status codes;
+    the rest is ``service``'s, shared with the HTTP API."""
 
-    def attach(self, engine: SpeculativeEngine, scheduler: Scheduler) -> None:
-        self.engine, self.scheduler = engine, scheduler
-        self.max_prompt_chars = self.config.max_prompt_chars or engine.cache.capacity * (longest_token_chars(engine.tokenizer) + 1)
-        self.ready.set()
+    def __init__(self, service: VerifierService) -> None:
+        self.service = service
 
     # -- RPCs ---------------------------------------------------------------------
 
     def Generate(self, request, context):
         self._admit(context)
-        with self.request_span(telemetry.incoming_context(context)) as span:
+        with self.service.request_span(telemetry.incoming_context(context)) as span:
             handle = self._submit(request, context, span)
             result = self._result(handle, context)
-            stats = self.finished(handle, result, span)
+            stats = self.service.finished(handle, result, span)
             return verifier_pb2.GenerateResponse(
                 text=result.text,
                 token_ids=result.token_ids,
                 finish_reason=FINISH_REASONS[result.finish_reason],
-                stats=stats,
+                stats=proto_stats(stats),
                 logprobs=proto_logprobs(result.logprobs or ()),
             )
 
     def GenerateStream(self, request, context):
         self._admit(context)
-        with self.request_span(telemetry.incoming_context(context)) as span:
+        with self.service.request_span(telemetry.incoming_context(context)) as span:
             handle = self._submit(request, context, span)
-            text = IncrementalText(self.engine.tokenizer, handle.request.stop)
+            assert self.service.engine is not None  # submitted: ready
+            text = IncrementalText(self.service.engine.tokenizer, handle.request.stop)
             for chunk in handle.stream():
                 sources = [TOKEN_SOURCES[source] for source in chunk.sources]
                 yield verifier_pb2.GenerateChunk(
                     text=text.push(chunk.tokens), token_ids=chunk.tokens, token_sources=sources, logprobs=proto_logprobs(chunk.logprobs)
                 )
             result = self._result(handle, context)
-            stats = self.finished(handle, result, span)
+            stats = proto_stats(self.service.finished(handle, result, span))
             yield verifier_pb2.GenerateChunk(text=text.finish(result.text), finish_reason=FINISH_REASONS[result.finish_reason], stats=stats)
 
     # -- helpers --------------------------------------------------------------------
@@ -376,9 +268,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         configured) and admitted under --max-requests-per-caller (RESOURCE_EXHAUSTED beyond)
         until the call ends."""
         caller = self._caller(context)
-        release = self.callers.admit(caller)
+        callers = self.service.callers
+        release = callers.admit(caller)
         if release is None:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.callers.refusal(caller))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, callers.refusal(caller))
             raise AssertionError("abort raises")  # for the type checker
         if not context.add_callback(release):  # the call already ended
             release()
@@ -386,112 +279,34 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _caller(self, context) -> str:
         """Who calls: the API key when keys are configured; else the client certificate's
         common name under mutual TLS; else the peer's host (its port changes per connection)."""
-        if self.keys.required:
+        keys = self.service.keys
+        if keys.required:
             values = [value for name, value in context.invocation_metadata() if name == "authorization"]
             token = bearer(values[0]) if values else None
-            caller = self.keys.caller(token)
+            caller = keys.caller(token)
             if caller is None:
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, self.keys.refusal(bool(values)))
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, keys.refusal(bool(values)))
                 raise AssertionError("abort raises")  # for the type checker
             return caller
         return serving.caller_identity(context)
 
-    def check_prompt_chars(self, chars: int) -> None:
-        """``InvalidRequest`` for prompt text longer than --max-prompt-chars, before it costs any tokenizing."""
-        if chars > self.max_prompt_chars:
-            assert self.engine is not None
-            raise InvalidRequest(
-                "prompt_ids",
-                f"prompt is {chars} characters; at most {self.max_prompt_chars} fit a request's "
-                f"{self.engine.cache.capacity} cache positions (--max-prompt-chars)",
-            )
-
-    @contextlib.contextmanager
-    def request_span(self, parent):
-        """The request's root span, a child of ``parent`` (the caller's trace context, when it sent one).
-        Not made current: the work runs on the scheduler thread (it gets the
-        context through the handle), and a stream's generator may be resumed elsewhere."""
-        span = self.tracing.tracer.start_span("specdec.generate", context=parent, kind=SpanKind.SERVER)
-        try:
-            yield span
-        except BaseException as error:
-            if not isinstance(error, GeneratorExit):  # a stream the client stopped reading is not an error
-                span.record_exception(error)
-                span.set_status(Status(StatusCode.ERROR, str(error)))
-            raise
-        finally:
-            span.end()
-
-    def finished(self, handle: RequestHandle, result: GenerationResult, span) -> verifier_pb2.GenerationStats:
-        """Record a finished request in its span and the metrics; its stats, as the proto says them."""
-        stats = self.recorded(handle, result)
-        self.annotate(span, stats, result.finish_reason)
-        return stats
-
-    def recorded(self, handle: RequestHandle, result: GenerationResult) -> verifier_pb2.GenerationStats:
-        """Record a finished request in the metrics; its stats, as the proto says them."""
-        stats = self._stats(handle, result)
-        first = None if handle.first_token_at is None else handle.first_token_at - handle.arrived
-        self.metrics.record_request(result.finish_reason, stats.total_ms / 1000, first)
-        return stats
-
-    @staticmethod
-    def annotate(span, stats: verifier_pb2.GenerationStats, finish_reason: str) -> None:
-        span.set_attributes(
-            {
-                "specdec.prompt_tokens": stats.prompt_tokens,
-                "specdec.generated_tokens": stats.generated_tokens,
-                "specdec.forward_passes": stats.target_forward_passes,
-                "specdec.draft_tokens": stats.draft_tokens,
-                "specdec.accepted": stats.accepted_tokens,
-                "specdec.finish_reason": finish_reason,
-            }
-        )
-
     def _submit(self, request, context, span) -> RequestHandle:
-        if not self.ready.is_set():
+        if not self.service.ready.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health reports SERVING")
         try:
-            handle = self.submit(self._generation_request(request), span)
+            handle = self.service.submit(self._generation_request(request), span)
         except InvalidRequest as error:  # the engine's rules and the proto's shape: the client's to fix
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.named(GRPC_FIELDS.get(error.field, error.field)))
         except QueueFull as error:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         except ShuttingDown as error:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        scheduler = self.scheduler
-        assert scheduler is not None  # submit succeeded
+        service = self.service
         # On cancel, deadline, or completion; False when the call already ended
         # (the client gave up while we validated): free the slot at once.
-        if not context.add_callback(lambda: scheduler.cancel(handle)):
-            scheduler.cancel(handle)
+        if not context.add_callback(lambda: service.cancel(handle)):
+            service.cancel(handle)
         return handle
-
-    def submit(self, generation: GenerationRequest, span) -> RequestHandle:
-        """Validate and queue a request from any front door (gRPC, HTTP): raises InvalidRequest
-        (the client's to fix), QueueFull or ShuttingDown. Call only once ``ready`` is set."""
-        self._check(generation, span)
-        assert self.scheduler is not None  # ready: attach set it
-        return self.scheduler.submit(generation, trace.set_span_in_context(span))
-
-    def submit_group(self, generations: list[GenerationRequest], span) -> list[RequestHandle]:
-        """``submit`` for requests that make one answer (HTTP's ``n`` choices): all queued or none."""
-        for generation in generations:
-            self._check(generation, span)
-        span.set_attribute("specdec.choices", len(generations))
-        assert self.scheduler is not None  # ready: attach set it
-        return self.scheduler.submit_group(generations, trace.set_span_in_context(span))
-
-    def _check(self, generation: GenerationRequest, span) -> None:
-        assert self.engine is not None  # ready: attach set it
-        self.engine.validate(generation)
-        span.set_attributes(
-            {
-                "specdec.max_new_tokens": generation.max_new_tokens,
-                "specdec.greedy": generation.sampling.greedy,
-                "specdec.k_requested": -1 if generation.num_speculative_tokens is None else generation.num_speculative_tokens,
-            }
-        )
 
     def _result(self, handle: RequestHandle, context) -> GenerationResult:
         try:
@@ -501,21 +316,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except Exception as error:  # what failed this request alone (the engine isolates it)
             context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {error}")
             raise  # abort raises; this line is for the type checker
-
-    def _stats(self, handle: RequestHandle, result: GenerationResult) -> verifier_pb2.GenerationStats:
-        stats, now = result.stats, time.perf_counter()
-        first = handle.first_token_at
-        return verifier_pb2.GenerationStats(
-            target_forward_passes=stats.target_forward_passes,
-            draft_tokens=stats.draft_tokens,
-            accepted_tokens=stats.accepted_tokens,
-            acceptance_rate=stats.acceptance_rate,
-            tokens_per_forward_pass=stats.tokens_per_forward_pass,
-            time_to_first_token_ms=1000 * (first - handle.arrived) if first is not None else 0.0,
-            total_ms=1000 * (now - handle.arrived),
-            prompt_tokens=len(handle.request.prompt_ids),
-            generated_tokens=len(result.token_ids),
-        )
 
     def _generation_request(self, request) -> GenerationRequest:
         """The proto as a GenerationRequest: only what the proto's shape decides (which prompt
@@ -527,9 +327,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise InvalidRequest("prompt_ids", "prompt is empty: set prompt (text) or prompt_token_ids")
         if has_ids and request.chat:
             raise InvalidRequest("prompt_ids", "chat applies to a text prompt; prompt_token_ids are used as given")
-        assert self.engine is not None
-        tokenizer = self.engine.tokenizer
-        self.check_prompt_chars(len(request.prompt))
+        assert self.service.engine is not None  # ready
+        tokenizer = self.service.engine.tokenizer
+        self.service.check_prompt_chars(len(request.prompt))
         if has_ids:
             prompt_ids = list(request.prompt_token_ids)
         elif request.chat:
@@ -556,7 +356,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 class VerifierServer:
     server: grpc.Server
     port: int
-    servicer: VerifierServicer
+    service: VerifierService
     health: health.HealthServicer
     drafter: RemoteDrafter | None = None
     metrics_port: int | None = None  # where /metrics is served; None: not served
@@ -572,42 +372,33 @@ class VerifierServer:
 
     def load(self) -> None:
         """Load the model, calibrate and warm up, start the scheduler, then report SERVING."""
-        config = self.servicer.config
+        config = self.service.config
         started = time.perf_counter()
         loaded = load_model(config.model, device=config.device, dtype=config.dtype)
         torch.set_grad_enabled(False)
         # Uncalibrated: every step costs the same (as on an idle GPU), refined by real step times.
         step_cost = None if config.calibrate else StepCostModel({1: 1.0, 1024: 1.0})
-        if config.drafter:
-            drafter = self.drafter = RemoteDrafter(
-                DrafterClientConfig(
-                    target=config.drafter,
-                    vocabulary=tokenizer_fingerprint(loaded.tokenizer),
-                    propose_timeout_s=config.drafter_timeout_s,
-                    backoff_s=config.drafter_backoff_s,
-                    tls_ca=config.drafter_tls_ca,
-                    tls_cert=config.drafter_tls_cert,
-                    tls_key=config.drafter_tls_key,
-                )
-            )
-            self.servicer.metrics.watch(
+        if config.drafter.target:
+            link = replace(config.drafter, vocabulary=tokenizer_fingerprint(loaded.tokenizer))
+            drafter = self.drafter = RemoteDrafter(link)
+            self.service.metrics.watch(
                 "drafter_fallbacks", "Steps run without drafts because the drafter failed or was backed off", lambda: drafter.fallbacks
             )
-            self.servicer.metrics.watch(
+            self.service.metrics.watch(
                 "dropped_observations",
                 "Finished sequences never observed (the drafter was away too long)",
                 lambda: drafter.dropped_observations,
             )
-        observer = ServiceObserver(self.servicer.tracing, self.servicer.metrics)
+        observer = ServiceObserver(self.service.tracing, self.service.metrics)
         proposer = observer.traced(self.drafter) if self.drafter is not None else None
         folder = cache_root() / "calibration" if config.calibration_cache else None
         engine = SpeculativeEngine(loaded.model, loaded.tokenizer, proposer, config.engine, step_cost, folder)
         engine.generate([GenerationRequest([0, 1, 2, 3], 4, num_speculative_tokens=0)])  # warm-up
         scheduler = Scheduler(engine, config.scheduler, observer)
-        self.servicer.metrics.queue_depth.set_function(lambda: scheduler.queue_depth)
-        self.servicer.metrics.active_sequences.set_function(lambda: scheduler.batch_size)
+        self.service.metrics.queue_depth.set_function(lambda: scheduler.queue_depth)
+        self.service.metrics.active_sequences.set_function(lambda: scheduler.batch_size)
         scheduler.start()
-        self.servicer.attach(engine, scheduler)
+        self.service.attach(engine, scheduler)
         serving.set_serving(self.health, SERVICE_NAME, True)
         log.info(
             "model %s (%s) ready on %s in %.1fs",
@@ -619,11 +410,11 @@ class VerifierServer:
 
     def stop(self, grace: float | None = None) -> bool:
         """NOT_SERVING, drain in-flight requests for up to ``grace`` seconds, then stop."""
-        grace = self.servicer.config.grace_s if grace is None else grace
+        grace = self.service.config.grace_s if grace is None else grace
         self.health.enter_graceful_shutdown()
         drained = True
-        if self.servicer.scheduler is not None:
-            drained = self.servicer.scheduler.stop(grace)
+        if self.service.scheduler is not None:
+            drained = self.service.scheduler.stop(grace)
         if self.http is not None:
             self.http.stop()
         self.server.stop(1.0).wait()
@@ -635,8 +426,12 @@ class VerifierServer:
             self._metrics_server.shutdown()
         if self.guard is not None:
             self.guard.stop()
-        self.servicer.tracing.shutdown()
+        self.service.tracing.shutdown()
         return drained
+
+
+def proto_stats(stats: RequestStats) -> verifier_pb2.GenerationStats:
+    return verifier_pb2.GenerationStats(**stats.as_dict())
 
 
 def proto_logprobs(items: Iterable[TokenLogprob]) -> list[verifier_pb2.TokenLogprob]:
@@ -661,11 +456,11 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     tracing = telemetry.Tracing("specdec-verifier")
     metrics = VerifierMetrics()
     metrics.watch("dropped_spans", "Trace spans dropped (collector down or queue full)", lambda: tracing.dropped_spans)
-    servicer = VerifierServicer(config, tracing, metrics)
-    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+    service = VerifierService(config, tracing, metrics)
+    verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(service), server)
     port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key, config.tls_client_ca)
     server.start()
-    verifier = VerifierServer(server, port, servicer, health_servicer, guard=guard)
+    verifier = VerifierServer(server, port, service, health_servicer, guard=guard)
     metrics.watch("auxiliary_streams_refused", "Reflection and health Watch streams refused for want of a slot", lambda: guard.refused)
     metrics.watch("auxiliary_streams_ended_idle", "Reflection and health Watch streams ended for silence", lambda: guard.ended_idle)
     if config.health_port is not None:
@@ -673,12 +468,12 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     if config.metrics_port is not None:
         verifier._metrics_server, verifier.metrics_port = telemetry.start_metrics_server(metrics.registry, config.host, config.metrics_port)
     if config.http_port >= 0:
-        api = OpenAIApi(servicer, config.model)
+        api = OpenAIApi(service, config.model)
         limits = HttpLimits(config.http_max_connections, config.http_header_timeout_s, config.http_body_timeout_s)
         verifier.http = HttpServer(api.app, config.host, config.http_port, limits, http_tls(config), config.grace_s)
         verifier.http.start()
-    if servicer.keys.required:
-        log.info("API keys required (%d configured) on /v1 and gRPC Generate/GenerateStream", len(servicer.keys))
+    if service.keys.required:
+        log.info("API keys required (%d configured) on /v1 and gRPC Generate/GenerateStream", len(service.keys))
     else:
         log.info("no API keys configured: /v1 and gRPC Generate/GenerateStream are open to any caller that reaches the port")
     return verifier

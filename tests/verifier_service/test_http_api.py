@@ -1,5 +1,5 @@
 """The HTTP API in process (Starlette's TestClient, or the ASGI app called directly) over a
-real servicer, engine and scheduler on the tiny model: API keys, per-caller limits, body
+real service, engine and scheduler on the tiny model: API keys, per-caller limits, body
 and prompt bounds, malformed bodies, the fallback for the unexpected, and dropped bodies.
 
 The tiny model's word-level tokenizer reads "t5 t9" as tokens [5, 9]; its longest token
@@ -31,7 +31,8 @@ from verifier_service.model_loading import chat_ids
 from verifier_service.openai_api import OpenAIApi
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import Scheduler, SchedulerConfig
-from verifier_service.server import ApiKeys, CallerLimit, VerifierConfig, VerifierServicer
+from verifier_service.server import VerifierConfig, VerifierServicer
+from verifier_service.service import ApiKeys, CallerLimit, VerifierService
 
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
 KEYS = ("key-one", "key-two")
@@ -46,38 +47,38 @@ def chat_tokenizer(tiny_tokenizer):
     return tokenizer
 
 
-def started(tiny_model, tokenizer, **fields) -> VerifierServicer:
+def started(tiny_model, tokenizer, **fields) -> VerifierService:
     config = VerifierConfig(engine=EngineConfig(max_batch_size=2, max_sequence_tokens=CAPACITY), **fields)
-    servicer = VerifierServicer(config, telemetry.Tracing("test"), VerifierMetrics())
+    service = VerifierService(config, telemetry.Tracing("test"), VerifierMetrics())
     engine = SpeculativeEngine(tiny_model, tokenizer, None, config.engine)
     scheduler = Scheduler(engine, SchedulerConfig())
     scheduler.start()
-    servicer.attach(engine, scheduler)
-    return servicer
+    service.attach(engine, scheduler)
+    return service
 
 
 @pytest.fixture(scope="module")
-def open_servicer(tiny_model, chat_tokenizer):
-    servicer = started(tiny_model, chat_tokenizer, max_requests_per_caller=1)
-    yield servicer
-    servicer.scheduler.stop(1.0)
+def open_service(tiny_model, chat_tokenizer):
+    service = started(tiny_model, chat_tokenizer, max_requests_per_caller=1)
+    yield service
+    service.scheduler.stop(1.0)
 
 
 @pytest.fixture(scope="module")
-def keyed_servicer(tiny_model, chat_tokenizer):
-    servicer = started(tiny_model, chat_tokenizer, api_key=",".join(KEYS), max_requests_per_caller=1)
-    yield servicer
-    servicer.scheduler.stop(1.0)
+def keyed_service(tiny_model, chat_tokenizer):
+    service = started(tiny_model, chat_tokenizer, api_key=",".join(KEYS), max_requests_per_caller=1)
+    yield service
+    service.scheduler.stop(1.0)
 
 
 @pytest.fixture(scope="module")
-def client(open_servicer):
-    return TestClient(OpenAIApi(open_servicer, MODEL).app)
+def client(open_service):
+    return TestClient(OpenAIApi(open_service, MODEL).app)
 
 
 @pytest.fixture(scope="module")
-def keyed(keyed_servicer):
-    return TestClient(OpenAIApi(keyed_servicer, MODEL).app)
+def keyed(keyed_service):
+    return TestClient(OpenAIApi(keyed_service, MODEL).app)
 
 
 def completion(**fields) -> dict:
@@ -200,8 +201,8 @@ def test_caller_limit_counts_per_caller_and_releases_once():
     assert "--max-requests-per-caller 2" in limit.refusal("a")
 
 
-def test_a_caller_at_its_limit_gets_429_naming_the_flag_while_others_are_served(keyed_servicer, keyed):
-    release = keyed_servicer.callers.admit("api key #1")  # one request of key-one in flight
+def test_a_caller_at_its_limit_gets_429_naming_the_flag_while_others_are_served(keyed_service, keyed):
+    release = keyed_service.callers.admit("api key #1")  # one request of key-one in flight
     try:
         error = assert_openai_error(keyed.post("/v1/completions", json=completion(), headers=bearer("key-one")), 429)
         assert (error["type"], error["code"]) == ("rate_limit_error", "too_many_requests_per_caller")
@@ -212,8 +213,8 @@ def test_a_caller_at_its_limit_gets_429_naming_the_flag_while_others_are_served(
     assert keyed.post("/v1/completions", json=completion(), headers=bearer("key-one")).status_code == 200
 
 
-def test_without_keys_the_caller_is_the_peer_address(open_servicer, client):
-    release = open_servicer.callers.admit("testclient")  # TestClient's peer host
+def test_without_keys_the_caller_is_the_peer_address(open_service, client):
+    release = open_service.callers.admit("testclient")  # TestClient's peer host
     try:
         assert assert_openai_error(client.post("/v1/completions", json=completion()), 429)["code"] == "too_many_requests_per_caller"
     finally:
@@ -279,9 +280,9 @@ def call_asgi(app, headers: list[tuple[bytes, bytes]], parts: list[bytes], disco
 
 
 def test_a_body_over_the_limit_is_refused_from_its_content_length_before_a_byte_is_read(tiny_model, chat_tokenizer):
-    servicer = started(tiny_model, chat_tokenizer, http_max_body_bytes=1000)
+    service = started(tiny_model, chat_tokenizer, http_max_body_bytes=1000)
     try:
-        app = OpenAIApi(servicer, MODEL).app
+        app = OpenAIApi(service, MODEL).app
         status, body, parts_read = call_asgi(app, [(b"content-length", b"7340032")], [b"{" * 65536] * 3)
         assert (status, body["error"]["code"], parts_read) == (413, "body_too_large", 0)
         assert "--http-max-body-bytes" in body["error"]["message"]
@@ -289,7 +290,7 @@ def test_a_body_over_the_limit_is_refused_from_its_content_length_before_a_byte_
         status, body, parts_read = call_asgi(app, [(b"transfer-encoding", b"chunked")], [b" " * 600] * 5)
         assert (status, body["error"]["code"], parts_read) == (413, "body_too_large", 2)
     finally:
-        servicer.scheduler.stop(1.0)
+        service.scheduler.stop(1.0)
 
 
 class NoTokenizing:
@@ -307,10 +308,10 @@ class NoTokenizing:
         raise AssertionError("the tokenizer ran on a prompt already known to be too long")
 
 
-def test_prompt_text_longer_than_the_cache_could_hold_is_refused_before_any_template_or_tokenizer(open_servicer, client, monkeypatch):
+def test_prompt_text_longer_than_the_cache_could_hold_is_refused_before_any_template_or_tokenizer(open_service, client, monkeypatch):
     limit = CAPACITY * (3 + 1)
-    assert open_servicer.max_prompt_chars == limit
-    monkeypatch.setattr(open_servicer.engine, "tokenizer", NoTokenizing(open_servicer.engine.tokenizer))
+    assert open_service.max_prompt_chars == limit
+    monkeypatch.setattr(open_service.engine, "tokenizer", NoTokenizing(open_service.engine.tokenizer))
     text = "t5 " * (limit // 3 + 1)
     error = assert_openai_error(client.post("/v1/completions", json=completion(prompt=text)), 400)
     assert error["param"] == "prompt" and f"at most {limit}" in error["message"] and "--max-prompt-chars" in error["message"]
@@ -324,22 +325,22 @@ def test_a_prompt_within_the_character_bound_but_past_the_cache_is_still_the_eng
     assert "cache positions" in error["message"]
 
 
-def test_grpc_prompt_text_is_bounded_before_tokenizing_too(open_servicer, monkeypatch):
-    monkeypatch.setattr(open_servicer.engine, "tokenizer", NoTokenizing(open_servicer.engine.tokenizer))
+def test_grpc_prompt_text_is_bounded_before_tokenizing_too(open_service, monkeypatch):
+    monkeypatch.setattr(open_service.engine, "tokenizer", NoTokenizing(open_service.engine.tokenizer))
     for chat in (False, True):
         with pytest.raises(ValueError, match="--max-prompt-chars"):
-            open_servicer._generation_request(pb.GenerateRequest(prompt="t5" * CAPACITY * 4, chat=chat, max_new_tokens=1))
+            VerifierServicer(open_service)._generation_request(pb.GenerateRequest(prompt="t5" * CAPACITY * 4, chat=chat, max_new_tokens=1))
 
 
 def test_max_prompt_chars_set_by_flag_wins(tiny_model, chat_tokenizer):
-    servicer = started(tiny_model, chat_tokenizer, max_prompt_chars=10)
+    service = started(tiny_model, chat_tokenizer, max_prompt_chars=10)
     try:
         error = assert_openai_error(
-            TestClient(OpenAIApi(servicer, MODEL).app).post("/v1/completions", json=completion(prompt="t5 t6 t7 t8")), 400
+            TestClient(OpenAIApi(service, MODEL).app).post("/v1/completions", json=completion(prompt="t5 t6 t7 t8")), 400
         )
         assert "at most 10" in error["message"]
     finally:
-        servicer.scheduler.stop(1.0)
+        service.scheduler.stop(1.0)
 
 
 # -- malformed bodies ------------------------------------------------------------------------------
@@ -390,11 +391,11 @@ def test_a_lone_surrogate_is_named_with_its_field(client):
     assert error["param"] == "messages" and "messages[0].content holds a lone surrogate ('\\udc00')" in error["message"]
 
 
-def test_an_unexpected_exception_is_a_500_in_openais_shape_and_one_log_line(open_servicer, client, monkeypatch, caplog):
+def test_an_unexpected_exception_is_a_500_in_openais_shape_and_one_log_line(open_service, client, monkeypatch, caplog):
     def broken(generations, span):
         raise RuntimeError("the engine fell over")
 
-    monkeypatch.setattr(open_servicer, "submit_group", broken)
+    monkeypatch.setattr(open_service, "submit_group", broken)
     with caplog.at_level(logging.INFO):
         response = client.post("/v1/completions", json=completion())
     error = assert_openai_error(response, 500)
@@ -407,14 +408,14 @@ def test_an_unexpected_exception_is_a_500_in_openais_shape_and_one_log_line(open
     assert client.post("/v1/completions", json=completion()).status_code == 500  # its caller's place came back
 
 
-def test_a_body_the_client_abandons_logs_one_line_naming_the_request(open_servicer, caplog):
-    app = OpenAIApi(open_servicer, MODEL).app
+def test_a_body_the_client_abandons_logs_one_line_naming_the_request(open_service, caplog):
+    app = OpenAIApi(open_service, MODEL).app
     with caplog.at_level(logging.INFO):
         call_asgi(app, [(b"content-length", b"1000")], [b'{"prompt": '], disconnect=True)
     [record] = [record for record in caplog.records if record.name.startswith(("verifier_service", "uvicorn", "starlette"))]
     assert record.levelno == logging.INFO and record.exc_info is None
     assert "request http-" in record.getMessage() and "closed after 11 bytes of its body" in record.getMessage()
-    assert open_servicer.callers.in_flight("10.1.2.3") == 0
+    assert open_service.callers.in_flight("10.1.2.3") == 0
 
 
 def test_the_module_keeps_one_bearer_parser():
@@ -449,7 +450,9 @@ def test_each_limit_has_a_flag_and_a_variable(flag, monkeypatch):
 def test_the_http_limits_reach_the_server(tiny_model, chat_tokenizer):
     from verifier_service.server import create_server
 
-    config = VerifierConfig(port=0, http_port=0, http_max_connections=9, http_header_timeout_s=2.5, http_body_timeout_s=3.5)
+    config = VerifierConfig(
+        port=0, http_port=0, metrics_port=None, http_max_connections=9, http_header_timeout_s=2.5, http_body_timeout_s=3.5
+    )
     verifier = create_server(config)
     try:
         limits = verifier.http.server.config.http_protocol_class.limits
@@ -611,7 +614,7 @@ def test_top_p_outside_openais_range_is_a_400(client, top_p):
     assert error["param"] == "top_p" and "top_p must be in (0, 1]" in error["message"]
 
 
-def test_metrics_are_served_on_the_api_port_too(open_servicer, client):
+def test_metrics_are_served_on_the_api_port_too(open_service, client):
     client.post("/v1/completions", json=completion())
     response = client.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
@@ -620,9 +623,9 @@ def test_metrics_are_served_on_the_api_port_too(open_servicer, client):
 
 
 def test_cors_answers_only_the_allowed_origins(tiny_model, chat_tokenizer, client):
-    servicer = started(tiny_model, chat_tokenizer, allowed_origins="https://app.example.com, http://localhost:3000")
+    service = started(tiny_model, chat_tokenizer, allowed_origins="https://app.example.com, http://localhost:3000")
     try:
-        cors = TestClient(OpenAIApi(servicer, MODEL).app)
+        cors = TestClient(OpenAIApi(service, MODEL).app)
         preflight = {
             "Origin": "https://app.example.com",
             "Access-Control-Request-Method": "POST",
@@ -637,7 +640,7 @@ def test_cors_answers_only_the_allowed_origins(tiny_model, chat_tokenizer, clien
         assert "access-control-allow-origin" not in other.headers
         assert cors.options("/v1/completions", headers=preflight | {"Origin": "https://evil.example"}).status_code == 400
     finally:
-        servicer.scheduler.stop(1.0)
+        service.scheduler.stop(1.0)
     # Without the flag, no CORS headers at all.
     assert "access-control-allow-origin" not in client.get("/health", headers={"Origin": "https://app.example.com"}).headers
 
@@ -779,9 +782,9 @@ def test_completion_logprobs_in_openais_legacy_shape(client):
 @pytest.fixture(scope="module")
 def roomy(tiny_model, chat_tokenizer):
     """Room for a caller's several choices: 4 places, at most 3 choices a request, a batch of 2 (so choices queue)."""
-    servicer = started(tiny_model, chat_tokenizer, max_requests_per_caller=4, max_choices=3)
-    yield TestClient(OpenAIApi(servicer, MODEL).app)
-    servicer.scheduler.stop(1.0)
+    service = started(tiny_model, chat_tokenizer, max_requests_per_caller=4, max_choices=3)
+    yield TestClient(OpenAIApi(service, MODEL).app)
+    service.scheduler.stop(1.0)
 
 
 def sampled(**fields) -> dict:
@@ -826,11 +829,11 @@ def test_greedy_choices_are_alike(roomy):
     assert first == second == roomy.post("/v1/completions", json=completion(max_tokens=8)).json()["choices"][0]["text"]
 
 
-def test_n_over_the_limit_or_the_callers_places_is_refused(roomy, client, open_servicer):
+def test_n_over_the_limit_or_the_callers_places_is_refused(roomy, client, open_service):
     error = assert_openai_error(roomy.post("/v1/completions", json=sampled(n=4)), 400)
     assert error["param"] == "n" and "n must be in [1, 3] (--max-choices, --max-queued), got 4" in error["message"]
     assert assert_openai_error(roomy.post("/v1/completions", json=sampled(n=0)), 400)["param"] == "n"
     error = assert_openai_error(client.post("/v1/completions", json=completion(n=2)), 429)  # one place per caller
     assert "--max-requests-per-caller 1" in error["message"] and "n=2 takes 2" in error["message"]
-    assert open_servicer.callers.in_flight("testclient") == 0
+    assert open_service.callers.in_flight("testclient") == 0
     assert client.post("/v1/completions", json=completion()).status_code == 200

@@ -1,0 +1,305 @@
+"""What the verifier's two front doors share, with no gRPC and no HTTP in it.
+
+``VerifierService`` holds the engine and scheduler once the model is loaded
+(``ready``), checks and queues requests (``submit``, ``submit_group``; a
+bad one raises ``InvalidRequest`` naming the engine's field, which each
+front door names its own way), cancels them, traces them (``request_span``)
+and records how each ended (``recorded``: ``RequestStats``, engine-side
+numbers that gRPC turns into its proto and HTTP into JSON). Callers are
+identified and limited here too (``ApiKeys``, ``CallerLimit``). ``server.py``
+(gRPC) and ``openai_api.py`` (HTTP) are thin layers over it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from specdec import telemetry
+from verifier_service.engine import SpeculativeEngine
+from verifier_service.errors import InvalidRequest
+from verifier_service.generation import GenerationRequest, GenerationResult
+from verifier_service.metrics import VerifierMetrics
+from verifier_service.scheduler import RequestHandle, Scheduler
+
+if TYPE_CHECKING:
+    from verifier_service.server import VerifierConfig
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """How a finished request went: the engine's counts and the times the service saw
+    (``GenerationStats`` in the proto, ``specdec`` in HTTP answers; the same names)."""
+
+    target_forward_passes: int  # prefill included
+    draft_tokens: int  # draft tokens scored by the target
+    accepted_tokens: int
+    acceptance_rate: float  # accepted_tokens / draft_tokens
+    tokens_per_forward_pass: float
+    time_to_first_token_ms: float  # from arrival, queueing included
+    total_ms: float
+    prompt_tokens: int
+    generated_tokens: int
+
+    @classmethod
+    def combined(cls, parts: Sequence[RequestStats]) -> RequestStats:
+        """Requests that make one answer (``n`` choices) as one: counts summed, rates
+        recomputed, the first token the earliest, the total the longest."""
+        if len(parts) == 1:
+            return parts[0]
+        passes = sum(part.target_forward_passes for part in parts)
+        drafted = sum(part.draft_tokens for part in parts)
+        accepted = sum(part.accepted_tokens for part in parts)
+        generated = sum(part.generated_tokens for part in parts)
+        return cls(
+            target_forward_passes=passes,
+            draft_tokens=drafted,
+            accepted_tokens=accepted,
+            acceptance_rate=accepted / drafted if drafted else 0.0,
+            tokens_per_forward_pass=generated / passes if passes else 0.0,
+            time_to_first_token_ms=min(part.time_to_first_token_ms for part in parts),
+            total_ms=max(part.total_ms for part in parts),
+            prompt_tokens=parts[0].prompt_tokens,
+            generated_tokens=generated,
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class ApiKeys:
+    """The keys a caller must present, when any are configured. No gRPC and no HTTP here."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        # Compared as digests, so neither a key's length nor where a guess first
+        # differs from it shows in the time a check takes.
+        self._digests = [hashlib.sha256(key.encode()).digest() for key in keys]
+
+    @property
+    def required(self) -> bool:
+        return bool(self._digests)
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def caller(self, token: str | None) -> str | None:
+        """ "api key #N" for the Nth configured key, None for anything else. Every key is
+        compared, with no early exit, in constant time (hmac.compare_digest)."""
+        digest = hashlib.sha256((token or "").encode("utf-8", "surrogatepass")).digest()
+        found = None
+        for index, key in enumerate(self._digests):
+            if hmac.compare_digest(digest, key):
+                found = index
+        return None if found is None else f"api key #{found + 1}"
+
+    @staticmethod
+    def refusal(sent: bool) -> str:
+        """What a caller without a valid key is told (never what it sent)."""
+        if not sent:
+            return (
+                "this verifier requires an API key: send 'authorization: Bearer <key>' (an HTTP header, or gRPC "
+                "metadata; the CLI client's --api-key or SPECDEC_VERIFIER_API_KEY)"
+            )
+        return "the API key sent is not one this verifier accepts (its --api-key or --api-key-file): check the key the client sends"
+
+
+class CallerLimit:
+    """Requests in flight per caller, shared by the HTTP and gRPC front doors. No gRPC here.
+
+    limit=2: a caller's third request at once is refused; another caller's is not."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._in_flight: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def in_flight(self, caller: str) -> int:
+        return self._in_flight[caller]
+
+    def admit(self, caller: str) -> Callable[[], None] | None:
+        """A function that gives the place back (once, however often it is called), or None
+        when ``caller`` already has ``limit`` requests in flight."""
+        with self._lock:
+            if self._in_flight[caller] >= self.limit:
+                return None
+            self._in_flight[caller] += 1
+        released = threading.Event()
+
+        def release() -> None:
+            with self._lock:
+                if released.is_set():
+                    return
+                released.set()
+                self._in_flight[caller] -= 1
+                if not self._in_flight[caller]:
+                    del self._in_flight[caller]
+
+        return release
+
+    def refusal(self, caller: str) -> str:
+        return (
+            f"{caller} has {self._in_flight[caller]} requests in flight, the most one caller may "
+            f"(--max-requests-per-caller {self.limit}); retry when one ends"
+        )
+
+
+def longest_token_chars(tokenizer) -> int:
+    """Characters of the vocabulary's longest token as the tokenizer spells it, which is at
+    least what it stands for: byte-level BPE spells a byte per character ("Ġthe"),
+    SentencePiece a character per character ("▁the"), byte fallback "<0xE3>" for a byte."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+class VerifierService:
+    """Submit, cancel, readiness, spans and results, for any front door (see the module docstring)."""
+
+    def __init__(self, config: VerifierConfig, tracing: telemetry.Tracing, metrics: VerifierMetrics) -> None:
+        self.config = config
+        self.tracing, self.metrics = tracing, metrics
+        self.ready = threading.Event()
+        self.engine: SpeculativeEngine | None = None
+        self.scheduler: Scheduler | None = None
+        self.keys = ApiKeys(config.api_keys())
+        self.callers = CallerLimit(config.max_requests_per_caller)
+        self.max_prompt_chars = config.max_prompt_chars or 1
+
+    def attach(self, engine: SpeculativeEngine, scheduler: Scheduler) -> None:
+        self.engine, self.scheduler = engine, scheduler
+        self.max_prompt_chars = self.config.max_prompt_chars or engine.cache.capacity * (longest_token_chars(engine.tokenizer) + 1)
+        self.ready.set()
+
+    def check_prompt_chars(self, chars: int) -> None:
+        """``InvalidRequest`` for prompt text longer than --max-prompt-chars, before it costs any tokenizing."""
+        if chars > self.max_prompt_chars:
+            assert self.engine is not None
+            raise InvalidRequest(
+                "prompt_ids",
+                f"prompt is {chars} characters; at most {self.max_prompt_chars} fit a request's "
+                f"{self.engine.cache.capacity} cache positions (--max-prompt-chars)",
+            )
+
+    @contextlib.contextmanager
+    def request_span(self, parent):
+        """The request's root span, a child of ``parent`` (the caller's trace context, when it sent one).
+        Not made current: the work runs on the scheduler thread (it gets the
+        context through the handle), and a stream's generator may be resumed elsewhere."""
+        span = self.tracing.tracer.start_span("specdec.generate", context=parent, kind=SpanKind.SERVER)
+        try:
+            yield span
+        except BaseException as error:
+            if not isinstance(error, GeneratorExit):  # a stream the client stopped reading is not an error
+                span.record_exception(error)
+                span.set_status(Status(StatusCode.ERROR, str(error)))
+            raise
+        finally:
+            span.end()
+
+    def finished(self, handle: RequestHandle, result: GenerationResult, span) -> RequestStats:
+        """Record a finished request in its span and the metrics; its stats."""
+        stats = self.recorded(handle, result)
+        self.annotate(span, stats, result.finish_reason)
+        return stats
+
+    def recorded(self, handle: RequestHandle, result: GenerationResult) -> RequestStats:
+        """Record a finished request in the metrics; its stats."""
+        stats = self._stats(handle, result)
+        first = None if handle.first_token_at is None else handle.first_token_at - handle.arrived
+        self.metrics.record_request(result.finish_reason, stats.total_ms / 1000, first)
+        return stats
+
+    @staticmethod
+    def annotate(span, stats: RequestStats, finish_reason: str) -> None:
+        span.set_attributes(
+            {
+                "specdec.prompt_tokens": stats.prompt_tokens,
+                "specdec.generated_tokens": stats.generated_tokens,
+                "specdec.forward_passes": stats.target_forward_passes,
+                "specdec.draft_tokens": stats.draft_tokens,
+                "specdec.accepted": stats.accepted_tokens,
+                "specdec.finish_reason": finish_reason,
+            }
+        )
+
+    def submit(self, generation: GenerationRequest, span) -> RequestHandle:
+        """Validate and queue a request from any front door (gRPC, HTTP): raises InvalidRequest
+        (the client's to fix), QueueFull or ShuttingDown. Call only once ``ready`` is set."""
+        self._check(generation, span)
+        assert self.scheduler is not None  # ready: attach set it
+        return self.scheduler.submit(generation, trace.set_span_in_context(span))
+
+    def submit_group(self, generations: list[GenerationRequest], span) -> list[RequestHandle]:
+        """``submit`` for requests that make one answer (HTTP's ``n`` choices): all queued or none."""
+        for generation in generations:
+            self._check(generation, span)
+        span.set_attribute("specdec.choices", len(generations))
+        assert self.scheduler is not None  # ready: attach set it
+        return self.scheduler.submit_group(generations, trace.set_span_in_context(span))
+
+    def _check(self, generation: GenerationRequest, span) -> None:
+        assert self.engine is not None  # ready: attach set it
+        self.engine.validate(generation)
+        span.set_attributes(
+            {
+                "specdec.max_new_tokens": generation.max_new_tokens,
+                "specdec.greedy": generation.sampling.greedy,
+                "specdec.k_requested": -1 if generation.num_speculative_tokens is None else generation.num_speculative_tokens,
+            }
+        )
+
+    # What the front doors read of the loaded model (call once ``ready`` is set).
+
+    @property
+    def tokenizer(self):
+        assert self.engine is not None
+        return self.engine.tokenizer
+
+    @property
+    def capacity(self) -> int:
+        """Cache positions one request has: its prompt and its output together."""
+        assert self.engine is not None
+        return self.engine.cache.capacity
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.engine is not None
+        return self.engine.vocab_size
+
+    @property
+    def max_new_tokens_limit(self) -> int:
+        return self.config.engine.max_new_tokens_limit
+
+    @property
+    def max_queued(self) -> int:
+        assert self.scheduler is not None
+        return self.scheduler.config.max_queued
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Free a request's queue place now, or its batch slot at the next step (a no-op once it ended)."""
+        assert self.scheduler is not None  # ready: attach set it
+        self.scheduler.cancel(handle)
+
+    @staticmethod
+    def _stats(handle: RequestHandle, result: GenerationResult) -> RequestStats:
+        stats, now = result.stats, time.perf_counter()
+        first = handle.first_token_at
+        return RequestStats(
+            target_forward_passes=stats.target_forward_passes,
+            draft_tokens=stats.draft_tokens,
+            accepted_tokens=stats.accepted_tokens,
+            acceptance_rate=stats.acceptance_rate,
+            tokens_per_forward_pass=stats.tokens_per_forward_pass,
+            time_to_first_token_ms=1000 * (first - handle.arrived) if first is not None else 0.0,
+            total_ms=1000 * (now - handle.arrived),
+            prompt_tokens=len(handle.request.prompt_ids),
+            generated_tokens=len(result.token_ids),
+        )

@@ -127,7 +127,7 @@ def bench_propose_server_side(tokens: list[int], steps: int = 300) -> dict:
     from drafter_service.server import DrafterConfig, create_server
 
     with tempfile.TemporaryDirectory() as db:
-        server = create_server(DrafterConfig(port=0, db=db))
+        server = create_server(DrafterConfig(port=0, db=db, metrics_port=None))
         try:
             servicer = server.servicer
             for start in range(0, 200_000, 100_000):  # within --max-tokens-per-call

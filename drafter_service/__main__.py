@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from drafter_service.config import DEFAULT_METRICS_PORT, SERVING_FIELDS, DrafterConfig
+from drafter_service.config import DrafterConfig
 from drafter_service.server import create_server
 from drafter_service.storage import DirectoryLocked
 from specdec.serving import announce, parse_service_config, stop_on_signals
@@ -19,9 +19,7 @@ ENV_PREFIX = "SPECDEC_DRAFTER_"
 
 def parse_config(argv: list[str] | None = None) -> DrafterConfig:
     # DrafterConfig's own checks (n_min <= n_max, --backup-dir outside --db) are usage errors too.
-    _, config = parse_service_config(
-        DrafterConfig, "python -m drafter_service", "n-gram drafter gRPC service", ENV_PREFIX, DEFAULT_METRICS_PORT, SERVING_FIELDS, argv
-    )
+    _, config = parse_service_config(DrafterConfig, "python -m drafter_service", "n-gram drafter gRPC service", ENV_PREFIX, argv)
     return config
 
 

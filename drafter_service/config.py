@@ -10,6 +10,7 @@ from pathlib import Path
 
 from drafter_service.context_index import MAX_TOKEN_ID, MAX_TOKENS
 from drafter_service.ngram import NGramConfig
+from specdec import settings
 from specdec.flags import check_minimums, setting
 from specdec.limits import ConnectionLimits
 
@@ -21,7 +22,7 @@ VOCABULARY_PATTERN = re.compile(r"[0-9a-f]{16}")  # always with fullmatch: "$" a
 @dataclass(frozen=True)
 class DrafterConfig:
     """The drafter's settings; each field is a flag and a SPECDEC_DRAFTER_* variable
-    (``specdec.flags``), apart from SERVING_FIELDS. Lower bounds hold in-process too."""
+    (``specdec.flags``). Lower bounds hold in-process too."""
 
     port: int = setting(50051, help="gRPC port (0: a free one; tests, several instances on one host)")
     host: str = setting("127.0.0.1", help="address to bind")
@@ -118,20 +119,16 @@ class DrafterConfig:
     admin_host: str = setting("127.0.0.1", help="address of the admin port")
     # One folder per backup, named by the caller. Never the --db directory or inside it.
     backup_dir: str | None = setting(None, help="directory the Backup RPC writes into, outside --db (none: Backup refused)")
-    # The flags every service shares (serving.add_serving_flags):
-    # Prometheus /metrics port (0: a free one; None: not served, the default
-    # for in-process servers; the command line serves on DEFAULT_METRICS_PORT).
-    metrics_port: int | None = None
-    # Plaintext gRPC health Check outside the worker pool (serving.serve_health); None: not served.
-    health_port: int | None = None
-    # PEM certificate and key: serve over TLS when both are set.
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    # PEM CA: require client certificates it signed (mutual TLS).
-    tls_client_ca: str | None = None
+    # The settings every service has (specdec.serving): health outside the worker pool.
+    metrics_port: int | None = settings.metrics_port_setting(DEFAULT_METRICS_PORT)
+    health_port: int | None = settings.health_port_setting()
+    tls_cert: str | None = settings.tls_cert_setting()
+    tls_key: str | None = settings.tls_key_setting()
+    tls_client_ca: str | None = settings.tls_client_ca_setting()
 
     def __post_init__(self) -> None:
         check_minimums(self)
+        settings.check_tls(self.tls_cert, self.tls_key, self.tls_client_ca, settings.SERVER_TLS_FLAGS, client=False)
         if self.max_token_id > MAX_TOKEN_ID + 1 or self.max_session_tokens > MAX_TOKENS:
             raise ValueError(
                 f"a context index holds ids below {MAX_TOKEN_ID + 1} and at most {MAX_TOKENS} tokens: "
@@ -158,6 +155,3 @@ class DrafterConfig:
     def calls_per_caller(self) -> int:
         """--max-calls-per-caller, or half the threads: 32 -> 16, 2 -> 1."""
         return self.max_calls_per_caller if self.max_calls_per_caller is not None else max(1, self.max_workers // 2)
-
-
-SERVING_FIELDS = ("tls_cert", "tls_key", "tls_client_ca", "metrics_port", "health_port")

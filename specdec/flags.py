@@ -12,8 +12,13 @@ written once (as vLLM's ``EngineArgs.add_cli_args`` does). The rules:
   underscores (``SPECDEC_VERIFIER_MAX_BATCH_SIZE``, ``SPECDEC_VERIFIER_NO_CALIBRATE``);
   a flag given on the command line wins; a bool variable gives its flag for
   1/true/yes and not for 0/false/no;
-* ``T | None`` fields take ``none`` (or an empty variable) for None;
-* a field whose default is itself a dataclass is flattened into its fields' flags;
+* ``T | None`` fields take ``none`` (or an empty variable) for None, and
+  the ``off`` value a setting names (``--metrics-port -1``) too;
+* a field whose default is itself a dataclass is flattened into its fields'
+  flags, their names behind the ``prefix`` its ``nested`` declaration gives
+  (``drafter.backoff_s`` -> ``--drafter-backoff``);
+* a setting may name its flag outright (``flag="drafter"``), and a field
+  that is set at run time, never by hand, is ``derived`` (no flag);
 * help, lower bound and choices come from the field's metadata (``setting``).
 
 ``add_flags`` declares the flags and ``from_args`` builds the config, checks
@@ -27,18 +32,37 @@ import dataclasses
 import os
 import types
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
 def setting(
-    default: Any = dataclasses.MISSING, *, help: str, minimum: float | None = None, choices: Sequence[str] | None = None, **kwargs
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    minimum: float | None = None,
+    choices: Sequence[str] | None = None,
+    flag: str | None = None,
+    off: int | None = None,
+    **kwargs,
 ) -> Any:
-    """A config field with what its flag says: ``help``, and the ``minimum`` and ``choices`` it accepts."""
-    metadata = {"help": help, "minimum": minimum, "choices": choices}
+    """A config field with what its flag says: ``help``, the ``minimum`` and ``choices`` it
+    accepts, its name when not the field's (``flag``, without dashes), and a number that
+    also means None (``off``)."""
+    metadata = {"help": help, "minimum": minimum, "choices": choices, "flag": flag, "off": off}
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+def nested(factory: Callable[[], Any], *, prefix: str = "") -> Any:
+    """A config dataclass inside another, its flags named ``prefix`` + their own names."""
+    return dataclasses.field(default_factory=factory, metadata={"prefix": prefix})
+
+
+def derived(default: Any) -> Any:
+    """A field the program sets at run time (no flag, no variable)."""
+    return dataclasses.field(default=default, metadata={"derived": True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +75,7 @@ class _Flag:
     help: str
     minimum: float | None
     choices: Sequence[str] | None
+    off: int | None = None  # a number the flag also takes for None
 
     @property
     def dest(self) -> str:
@@ -68,7 +93,7 @@ class _Flag:
 
 def flags(cls: type, skip: Sequence[str] = ()) -> list[_Flag]:
     """The flags of config dataclass ``cls`` (and the dataclasses it nests), less the fields in ``skip``."""
-    found = list(_walk(cls, (), set(skip)))
+    found = list(_walk(cls, (), set(skip), ""))
     names = [flag.name for flag in found]
     duplicated = sorted({name for name in names if names.count(name) > 1})
     if duplicated:
@@ -76,21 +101,23 @@ def flags(cls: type, skip: Sequence[str] = ()) -> list[_Flag]:
     return found
 
 
-def _walk(cls: type, path: tuple[str, ...], skip: set[str]) -> Iterator[_Flag]:
+def _walk(cls: type, path: tuple[str, ...], skip: set[str], prefix: str) -> Iterator[_Flag]:
     hints = typing.get_type_hints(cls)
     defaults = cls()
     for field in dataclasses.fields(cls):
-        if field.name in skip or field.name.startswith("_"):
+        meta = field.metadata
+        if field.name in skip or field.name.startswith("_") or meta.get("derived"):
             continue
         default = getattr(defaults, field.name)
         if dataclasses.is_dataclass(default):
-            yield from _walk(type(default), (*path, field.name), skip)
+            yield from _walk(type(default), (*path, field.name), skip, prefix + meta.get("prefix", ""))
             continue
         kind, optional = _kind(hints[field.name], f"{cls.__name__}.{field.name}")
-        name = field.name.removesuffix("_s").replace("_", "-")
-        meta = field.metadata
+        name = meta.get("flag") or prefix + field.name.removesuffix("_s").replace("_", "-")
         help_text = meta.get("help") or ""
-        yield _Flag((*path, field.name), name, kind, optional, default, help_text, meta.get("minimum"), meta.get("choices"))
+        yield _Flag(
+            (*path, field.name), name, kind, optional, default, help_text, meta.get("minimum"), meta.get("choices"), meta.get("off")
+        )
 
 
 def _kind(hint: Any, where: str) -> tuple[type, bool]:
@@ -104,7 +131,7 @@ def _kind(hint: Any, where: str) -> tuple[type, bool]:
 
 
 def _parse(flag: _Flag, text: str) -> Any:
-    if flag.optional and text.strip().lower() in ("", "none"):
+    if flag.optional and (text.strip().lower() in ("", "none") or flag.off is not None and text.strip() == str(flag.off)):
         return None
     if flag.kind is bool:
         try:

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec.flags import add_flags, from_args
 from specdec.limits import ConnectionLimits
+from specdec.settings import check_tls
 
 # Both services cap messages alike: a long prompt plus its output as uint32
 # ids is well under 1 MB; 8 MB leaves room and still bounds a hostile client.
@@ -37,10 +38,7 @@ def bind(
     requiring a client certificate that ``tls_client_ca`` signed, when that is given too);
     returns the bound port."""
     address = f"{host}:{port}"
-    if bool(tls_cert) != bool(tls_key):
-        raise ValueError("TLS needs both a certificate and a key (got only one)")
-    if tls_client_ca and not tls_cert:
-        raise ValueError("client certificates (tls_client_ca) need the server's own TLS certificate and key")
+    check_tls(tls_cert, tls_key, tls_client_ca, ("tls_cert", "tls_key", "tls_client_ca"), client=False)
     if tls_cert and tls_key:
         credentials = grpc.ssl_server_credentials(
             [(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())],
@@ -246,11 +244,8 @@ def channel(
     """A channel to a peer service: TLS, trusting ``tls_ca``, when one is given, presenting
     the client certificate ``tls_cert``/``tls_key`` when given (mutual TLS); ``options`` add to CHANNEL_OPTIONS."""
     options = CHANNEL_OPTIONS + list(options)
-    if bool(tls_cert) != bool(tls_key):
-        raise ValueError("a client certificate needs both its certificate and its key (got only one)")
+    check_tls(tls_cert, tls_key, tls_ca, ("tls_cert", "tls_key", "tls_ca"), client=True)
     if not tls_ca:
-        if tls_cert:
-            raise ValueError("a client certificate is sent only over TLS: give the server's CA too")
         return grpc.insecure_channel(target, options=options)
     credentials = grpc.ssl_channel_credentials(
         root_certificates=Path(tls_ca).read_bytes(),
@@ -260,66 +255,18 @@ def channel(
     return grpc.secure_channel(target, credentials, options=options)
 
 
-def env_default(prefix: str, name: str, default):
-    """The environment's value for a flag (``prefix`` + NAME), else ``default``."""
-    return os.environ.get(prefix + name.upper(), default)
-
-
-def add_serving_flags(parser: argparse.ArgumentParser, env_prefix: str, default_metrics_port: int) -> None:
-    """The flags every service has: its /metrics and health ports and its TLS certificate and key."""
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(env_default(env_prefix, "metrics_port", default_metrics_port)),
-        help="Prometheus /metrics port (0: a free one, -1: off)",
-    )
-    parser.add_argument(
-        "--health-port",
-        type=int,
-        default=int(env_default(env_prefix, "health_port", -1)),
-        help="plaintext gRPC health service on threads of its own, answered at any load: for liveness and "
-        "readiness probes (0: a free one; default -1: off, health on the service port only)",
-    )
-    parser.add_argument(
-        "--tls-cert", default=env_default(env_prefix, "tls_cert", None), help="PEM certificate: serve over TLS (with --tls-key)"
-    )
-    parser.add_argument("--tls-key", default=env_default(env_prefix, "tls_key", None))
-    parser.add_argument(
-        "--tls-client-ca",
-        default=env_default(env_prefix, "tls_client_ca", None),
-        help="PEM CA: require client certificates it signed (mutual TLS; needs --tls-cert)",
-    )
-
-
 def parse_service_config(
-    cls: type, prog: str, description: str, env_prefix: str, default_metrics_port: int, skip: Sequence[str], argv: list[str] | None
+    cls: type, prog: str, description: str, env_prefix: str, argv: list[str] | None
 ) -> tuple[argparse.ArgumentParser, Any]:
-    """A service's command line: a flag per field of config dataclass ``cls`` (``specdec.flags``)
-    but the serving fields in ``skip``, which ``add_serving_flags`` declares. Returns the parser too,
-    for usage errors about rules across fields; a rule a config's own checks enforce (ValueError) is one."""
+    """A service's command line: a flag per field of config dataclass ``cls`` (``specdec.flags``).
+    Returns the parser too; a rule a config's own checks enforce (ValueError) is a usage error."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    add_flags(parser, cls, env_prefix, skip=skip)
-    add_serving_flags(parser, env_prefix, default_metrics_port)
+    add_flags(parser, cls, env_prefix)
     args = parser.parse_args(argv)
     try:
-        return parser, from_args(parser, cls, args, skip=skip, **serving_options(parser, args))
+        return parser, from_args(parser, cls, args)
     except ValueError as error:
         parser.error(str(error))
-
-
-def serving_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
-    """Config fields from ``add_serving_flags``' flags, checked (exits with a usage error)."""
-    if bool(args.tls_cert) != bool(args.tls_key):
-        parser.error("--tls-cert and --tls-key go together")
-    if args.tls_client_ca and not args.tls_cert:
-        parser.error("--tls-client-ca needs --tls-cert and --tls-key: client certificates are checked over TLS only")
-    return {
-        "tls_cert": args.tls_cert,
-        "tls_key": args.tls_key,
-        "tls_client_ca": args.tls_client_ca,
-        "metrics_port": None if args.metrics_port < 0 else args.metrics_port,
-        "health_port": None if args.health_port < 0 else args.health_port,
-    }
 
 
 def stop_on_signals() -> threading.Event:

@@ -12,25 +12,16 @@ import sys
 import threading
 
 from specdec.serving import announce, parse_service_config, stop_on_signals
-from verifier_service.server import DEFAULT_METRICS_PORT, SERVING_FIELDS, VerifierConfig, create_server
+from verifier_service.server import VerifierConfig, create_server
 
 ENV_PREFIX = "SPECDEC_VERIFIER_"
 
 
 def parse_config(argv: list[str] | None = None) -> VerifierConfig:
-    parser, config = parse_service_config(
-        VerifierConfig,
-        "python -m verifier_service",
-        "speculative-decoding verifier gRPC service",
-        ENV_PREFIX,
-        DEFAULT_METRICS_PORT,
-        SERVING_FIELDS,
-        argv,
+    # VerifierConfig's own checks (TLS settings that go together, API keys, origins) are usage errors too.
+    _, config = parse_service_config(
+        VerifierConfig, "python -m verifier_service", "speculative-decoding verifier gRPC service", ENV_PREFIX, argv
     )
-    if bool(config.drafter_tls_cert) != bool(config.drafter_tls_key):
-        parser.error("--drafter-tls-cert and --drafter-tls-key go together")
-    if config.drafter_tls_cert and not config.drafter_tls_ca:
-        parser.error("--drafter-tls-cert needs --drafter-tls-ca: a client certificate is sent over TLS only")
     return config
 
 

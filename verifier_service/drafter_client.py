@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from specdec import serving, telemetry
+from specdec import serving, settings, telemetry
+from specdec.flags import check_minimums, derived, setting
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR
 from verifier_service.drafting import DraftEvidence, DraftRequest, Predictions, ProposedDraft
@@ -48,33 +49,46 @@ RECONNECT_OPTIONS = [
 
 @dataclass(frozen=True)
 class DrafterClientConfig:
-    target: str  # host:port of the drafter service
-    vocabulary: str  # 16-hex-digit fingerprint of the verifier's tokenizer
+    """How a verifier reaches its drafter: each field a --drafter-* flag of the verifier's
+    (``VerifierConfig.drafter``), but ``vocabulary``, which the loaded tokenizer decides."""
+
+    target: str | None = setting(None, flag="drafter", help="host:port of the drafter service (none: no speculation)")
+    vocabulary: str = derived("")  # 16-hex-digit fingerprint of the verifier's tokenizer
     # Per Propose: a step costs >= ~50 ms on CPU (a few ms on a GPU) and the
     # drafter answers in ~2 ms, so waiting longer than this costs more than drafts save.
-    propose_timeout_s: float = 0.1
+    timeout_s: float = setting(0.1, minimum=0.001, help="seconds a step waits for drafts")
     # After a failed call, steps skip the drafter for this long (gRPC reconnects
     # meanwhile, retrying every <= RECONNECT_MAX_MS): drafts are back within
     # ~0.5 s of the drafter serving again.
-    backoff_s: float = 0.25
+    backoff_s: float = setting(0.25, minimum=0.0, help="seconds steps skip the drafter after a failed call")
     # Opening sessions costs the drafter ~3-4 us a token (16 x 8K tokens: ~390 ms
     # here): one call opens at most this many tokens, and its deadline grows by
     # open_seconds_per_token for each, so reopening a whole batch after an
     # outage takes a few steps instead of timing out forever.
-    open_tokens_per_call: int = 16_384
-    open_seconds_per_token: float = 10e-6
-    observe_timeout_s: float = 10.0
-    # Finished sequences waiting to be observed while the drafter is away.
-    max_pending_observations: int = 1024
-    # PEM root certificate: the drafter is reached over TLS when set.
-    tls_ca: str | None = None
-    # Client certificate and key, for a drafter that requires them (mutual TLS).
-    tls_cert: str | None = None
-    tls_key: str | None = None
+    open_tokens_per_call: int = setting(16_384, minimum=1, help="context tokens one Propose call may open sessions with")
+    open_seconds_per_token: float = setting(
+        10e-6, minimum=0.0, help="seconds a Propose call's deadline grows for each context token it opens a session with"
+    )
+    observe_timeout_s: float = setting(10.0, minimum=0.001, help="seconds an Observe call (finished sequences) may take")
+    max_pending_observations: int = setting(
+        1024, minimum=1, help="finished sequences kept for the drafter while it is away (the oldest dropped beyond)"
+    )
+    tls_ca: str | None = setting(None, help="PEM root certificate: reach the drafter over TLS")
+    tls_cert: str | None = setting(
+        None, help="PEM client certificate for a drafter that requires one (with --drafter-tls-key and --drafter-tls-ca)"
+    )
+    tls_key: str | None = setting(None, help="PEM key of --drafter-tls-cert")
+
+    def __post_init__(self) -> None:
+        check_minimums(self)
+        settings.check_tls(
+            self.tls_cert, self.tls_key, self.tls_ca, ("--drafter-tls-cert", "--drafter-tls-key", "--drafter-tls-ca"), client=True
+        )
 
 
 class RemoteDrafter:
     def __init__(self, config: DrafterClientConfig) -> None:
+        assert config.target, "a drafter link needs its target"
         self.config = config
         self.channel = serving.channel(config.target, config.tls_ca, RECONNECT_OPTIONS, config.tls_cert, config.tls_key)
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
@@ -114,7 +128,7 @@ class RemoteDrafter:
         try:
             response = self.stub.Propose(
                 drafter_pb2.ProposeRequest(vocabulary=self.config.vocabulary, sequences=updates),
-                timeout=self.config.propose_timeout_s + opening * self.config.open_seconds_per_token,
+                timeout=self.config.timeout_s + opening * self.config.open_seconds_per_token,
                 metadata=telemetry.outgoing_metadata(),  # the drafter's span joins the caller's trace
             )
         except grpc.RpcError as error:

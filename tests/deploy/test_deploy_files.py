@@ -694,7 +694,7 @@ def test_the_known_metrics_are_what_the_services_export(tmp_path):
     exported = exported_families(verifier.registry)
     assert {name: exported.get(name) for name in VERIFIER_METRICS} == VERIFIER_METRICS
 
-    drafter = create_server(DrafterConfig(port=0, db=str(tmp_path / "drafter")))
+    drafter = create_server(DrafterConfig(port=0, db=str(tmp_path / "drafter"), metrics_port=None))
     try:
         exported = exported_families(drafter.servicer.registry)
     finally:

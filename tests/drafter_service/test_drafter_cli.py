@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from drafter_service.__main__ import parse_config
-from drafter_service.config import SERVING_FIELDS, DrafterConfig
+from drafter_service.config import DrafterConfig
 from specdec.flags import flags
 
 SETTINGS = {  # flag -> (config field path, a value other than its default)
@@ -28,6 +28,8 @@ SETTINGS = {  # flag -> (config field path, a value other than its default)
     "--max-write-wait": ("max_write_wait_s", 5.0),
     "--connection-age": ("connections.connection_age_s", 60.0),
     "--max-auxiliary-streams": ("connections.max_auxiliary_streams", 2),
+    "--metrics-port": ("metrics_port", 9200),
+    "--health-port": ("health_port", 50061),
 }
 
 
@@ -47,16 +49,25 @@ def test_each_setting_reaches_the_config_from_its_flag_and_its_variable(flag, mo
 
 
 def test_every_field_of_the_config_is_a_flag():
-    derived = {".".join(flag.path) for flag in flags(DrafterConfig, skip=SERVING_FIELDS)}
+    derived = {".".join(flag.path) for flag in flags(DrafterConfig)}
     nested = ("ngram", "connections")
     leaves = {f.name for f in dataclasses.fields(DrafterConfig) if f.name not in nested}
     for part in nested:
         leaves |= {f"{part}.{f.name}" for f in dataclasses.fields(getattr(DrafterConfig(), part))}
-    assert derived | set(SERVING_FIELDS) == leaves
+    assert derived == leaves
 
 
-def test_without_flags_the_config_is_the_dataclass_default_but_for_the_metrics_port():
-    assert dataclasses.replace(parse_config([]), metrics_port=None) == DrafterConfig()
+def test_without_flags_the_config_is_the_dataclass_default():
+    assert parse_config([]) == DrafterConfig()
+
+
+def test_help_lists_the_serving_flags_with_their_variables_and_defaults(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "(SPECDEC_DRAFTER_METRICS_PORT; default 9101)" in shown and "(SPECDEC_DRAFTER_HEALTH_PORT; default none)" in shown
+    for variable in ("TLS_CERT", "TLS_KEY", "TLS_CLIENT_CA"):
+        assert f"(SPECDEC_DRAFTER_{variable}; default none)" in shown
 
 
 @pytest.mark.parametrize(
@@ -67,6 +78,8 @@ def test_without_flags_the_config_is_the_dataclass_default_but_for_the_metrics_p
         (["--n-min", "5"], "need 1 <= n_min <= n_max, got n_min=5, n_max=4"),
         (["--backup-dir", "data/drafter/backups"], "must lie outside the table directory 'data/drafter'"),
         (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+        (["--tls-client-ca", "ca.pem"], "--tls-client-ca needs --tls-cert and --tls-key"),
+        (["--health-port", "-5"], "--health-port must be >= 0, got -5"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_naming_the_flag(argv, message, capsys):

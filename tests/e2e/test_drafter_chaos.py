@@ -39,7 +39,7 @@ def test_sessions_survive_kill_9_restarts_and_every_acknowledged_observation_is_
     args = ("drafter_service", "--port", str(port), "--db", str(db), "--metrics-port", "-1")
     drafter = ServiceProcess(*args)
     drafter.wait_until_serving("", 30)
-    client = RemoteDrafter(DrafterClientConfig(target=f"127.0.0.1:{port}", vocabulary=VOCABULARY, propose_timeout_s=0.1))
+    client = RemoteDrafter(DrafterClientConfig(target=f"127.0.0.1:{port}", vocabulary=VOCABULARY, timeout_s=0.1))
     observed, peak_mb, up_periods_with_drafts = [], 0.0, 0
     try:
         for round_ in range(ROUNDS + 1):

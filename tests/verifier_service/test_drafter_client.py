@@ -71,7 +71,7 @@ class Drafters:
 
     def start(self, port: int = 0):
         self.count += 1
-        server = create_server(DrafterConfig(port=port, db=str(self.tmp_path / f"db{self.count}"), grace_s=0))
+        server = create_server(DrafterConfig(port=port, db=str(self.tmp_path / f"db{self.count}"), grace_s=0, metrics_port=None))
         self.servers.append(server)
         return server
 
@@ -105,7 +105,7 @@ def clients():
 
     def make(port: int, **overrides) -> RemoteDrafter:
         # A generous propose deadline: these tests check behaviour, not the latency budget.
-        settings = dict(propose_timeout_s=5.0, backoff_s=0.2, observe_timeout_s=2.0) | overrides
+        settings = dict(timeout_s=5.0, backoff_s=0.2, observe_timeout_s=2.0) | overrides
         client = RemoteDrafter(DrafterClientConfig(target=f"127.0.0.1:{port}", vocabulary=VOCABULARY, **settings))
         client.stub = RecordingStub(client.stub)
         made.append(client)
@@ -358,7 +358,7 @@ def test_reopening_a_big_batch_after_an_outage_spreads_over_steps_that_each_meet
     # 16 sequences of 6,000 tokens: reopened in one call (96K tokens, ~0.3-0.4 s of
     # drafter work) every step would miss the 100 ms deadline forever.
     server = drafters.start()
-    client = clients(server.port, propose_timeout_s=0.1)
+    client = clients(server.port, timeout_s=0.1)
     contexts = long_contexts(16, 6000)
     requests = [DraftRequest(f"seq-{i}", context, 3) for i, context in enumerate(contexts)]
     steps = 0
@@ -374,7 +374,7 @@ def test_reopening_a_big_batch_after_an_outage_spreads_over_steps_that_each_meet
 def test_drafts_come_back_within_a_second_of_a_restarted_drafter_serving(drafters, clients):
     port = free_port()
     first = drafters.start(port)
-    client = clients(port, propose_timeout_s=0.1)  # the defaults: back-off and reconnect as shipped
+    client = clients(port, timeout_s=0.1)  # the defaults: back-off and reconnect as shipped
     assert tokens(client.propose([DraftRequest("seq-0", CONTEXT, 3)])) == [[4, 2, 3]]
     first.stop(0)
     down_until = time.monotonic() + 3.0  # down for 3 s while steps keep running

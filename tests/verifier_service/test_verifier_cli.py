@@ -8,7 +8,7 @@ import pytest
 
 from specdec.flags import flags
 from verifier_service.__main__ import parse_config
-from verifier_service.server import SERVING_FIELDS, VerifierConfig
+from verifier_service.server import VerifierConfig
 
 SETTINGS = {  # flag -> (config field path, a value other than its default)
     "--max-batch-size": ("engine.max_batch_size", 3),
@@ -21,10 +21,13 @@ SETTINGS = {  # flag -> (config field path, a value other than its default)
     "--max-message-bytes": ("max_message_bytes", 1 << 20),
     "--stop-strings-limit": ("engine.stop_strings_limit", 4),
     "--stop-string-length-limit": ("engine.stop_string_length_limit", 32),
-    "--drafter-timeout": ("drafter_timeout_s", 0.5),
-    "--drafter-backoff": ("drafter_backoff_s", 2.0),
+    "--drafter-timeout": ("drafter.timeout_s", 0.5),
+    "--drafter-backoff": ("drafter.backoff_s", 2.0),
+    "--drafter-open-tokens-per-call": ("drafter.open_tokens_per_call", 1000),
+    "--drafter-max-pending-observations": ("drafter.max_pending_observations", 7),
     "--grace": ("grace_s", 3.0),
     "--health-port": ("health_port", 50062),
+    "--metrics-port": ("metrics_port", 9200),
 }
 
 
@@ -37,6 +40,8 @@ def get(config, path: str):
 def leaf_paths(cls, prefix: str = "") -> list[str]:
     paths = []
     for field in dataclasses.fields(cls):
+        if field.metadata.get("derived"):  # set at run time (the drafter link's vocabulary)
+            continue
         default = getattr(cls(), field.name)
         if dataclasses.is_dataclass(default):
             paths += leaf_paths(type(default), f"{prefix}{field.name}.")
@@ -57,13 +62,38 @@ def test_each_setting_reaches_the_config_from_its_flag_and_its_variable(flag, mo
 
 def test_every_field_of_the_config_is_a_flag():
     """No setting can be added to the config (or the engine's, or the scheduler's) without reaching the command line."""
-    derived = {".".join(flag.path) for flag in flags(VerifierConfig, skip=SERVING_FIELDS)}
-    assert derived | set(SERVING_FIELDS) == set(leaf_paths(VerifierConfig))
-    assert {"engine.adaptive_max_k", "engine.max_batch_size", "scheduler.max_queued", "calibrate"} <= derived
+    derived = {".".join(flag.path) for flag in flags(VerifierConfig)}
+    assert derived == set(leaf_paths(VerifierConfig))
+    assert {"engine.adaptive_max_k", "scheduler.max_queued", "calibrate", "drafter.target", "tls_cert", "metrics_port"} <= derived
 
 
-def test_without_flags_the_config_is_the_dataclass_default_but_for_the_metrics_port():
-    assert dataclasses.replace(parse_config([]), metrics_port=None) == VerifierConfig()
+def test_without_flags_the_config_is_the_dataclass_default():
+    assert parse_config([]) == VerifierConfig()
+
+
+def test_help_lists_every_flag_with_its_variable_and_default(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for flag in flags(VerifierConfig):
+        assert flag.option in shown, flag.option
+        assert flag.variable("SPECDEC_VERIFIER_") in shown, flag.option
+    assert "Prometheus /metrics port (0: a free one; -1 or none: off) (SPECDEC_VERIFIER_METRICS_PORT; default 9102)" in shown
+    assert "--drafter DRAFTER host:port of the drafter service (none: no speculation) (SPECDEC_VERIFIER_DRAFTER; default none)" in shown
+    assert "(SPECDEC_VERIFIER_TLS_CERT; default none)" in shown
+
+
+@pytest.mark.parametrize("flag", ["--metrics-port", "--health-port"])
+def test_a_port_is_off_at_minus_one_or_none(flag):
+    path = flag[2:].replace("-", "_")
+    assert getattr(parse_config([flag, "-1"]), path) is None
+    assert getattr(parse_config([flag, "none"]), path) is None
+    assert getattr(parse_config([flag, "0"]), path) == 0
+
+
+def test_the_drafter_link_reaches_the_client_config():
+    link = parse_config(["--drafter", "10.0.0.2:50051", "--drafter-tls-ca", "ca.pem", "--drafter-observe-timeout", "3"]).drafter
+    assert (link.target, link.tls_ca, link.observe_timeout_s, link.vocabulary) == ("10.0.0.2:50051", "ca.pem", 3.0, "")
 
 
 def test_a_bool_setting_that_defaults_on_has_a_no_flag_and_variable(monkeypatch):
@@ -93,6 +123,11 @@ def test_an_optional_setting_takes_none(monkeypatch):
         (["--max-sequence-tokens", "lots"], "argument --max-sequence-tokens: invalid int or none value: 'lots'"),
         (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
         (["--drafter-tls-cert", "c.pem"], "--drafter-tls-cert and --drafter-tls-key go together"),
+        (["--drafter-tls-cert", "c.pem", "--drafter-tls-key", "k.pem"], "--drafter-tls-cert needs --drafter-tls-ca"),
+        (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+        (["--tls-client-ca", "ca.pem"], "--tls-client-ca needs --tls-cert and --tls-key"),
+        (["--metrics-port", "-2"], "--metrics-port must be >= 0, got -2"),
+        (["--drafter-timeout", "0"], "--drafter-timeout must be >= 0.001, got 0.0"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_naming_the_flag(argv, message, capsys):

@@ -11,13 +11,14 @@ validation (``SpeculativeEngine.validate``), spans and metrics.
 What OpenAI's API says is followed where it has a rule: ``temperature``
 defaults to 1 (sampling; 0 is greedy), ``/v1/completions``' ``max_tokens``
 to 16, chat's to what the request's cache room and ``--max-new-tokens-limit``
-allow; ``n`` must be 1. Penalties (presence, frequency, repetition),
-``logit_bias``, ``min_tokens`` and ``logprobs`` are honoured by the engine,
-speculation included; log-probabilities are the target's raw ones, before
-any penalty or temperature (vLLM's default). No field is dropped without a
-word (``check_fields``): a key the endpoint does not know is a 400 naming
-it, and a known field this server does not honour (``echo`` with
-``logprobs``, ``tools``, ``response_format``, ...) is a 400 naming it
+allow; ``n`` choices are sequences queued together. Penalties (presence,
+frequency, repetition), ``logit_bias``, ``min_tokens`` and ``logprobs`` are
+honoured by the engine, speculation included; log-probabilities are the
+target's raw ones, before any penalty or temperature (vLLM's default). No
+field is dropped without a word: the bodies are declared
+(``openai_protocol``), a key the endpoint does not know is a 400 naming it,
+and a known field this server does not honour (``tools``,
+``response_format``, ``echo`` with ``logprobs``, ...) is a 400 naming it
 unless it holds its no-op value. Errors have OpenAI's shape, ``{"error": {"message",
 "type", "param", "code"}}``: 400 naming the field in ``param``, 404 for
 another model, 429 for a full queue, 503 while the model loads or the
@@ -56,7 +57,6 @@ import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
-from http import HTTPStatus
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -79,6 +79,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from verifier_service.errors import InvalidRequest
 from verifier_service.generation import FINISH_LENGTH, GenerationRequest
 from verifier_service.model_loading import chat_ids
+from verifier_service.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from verifier_service.openai_protocol import shown as _shown
 from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import QueueFull, RequestHandle, ShuttingDown, TokenChunk, interleave
@@ -93,149 +95,13 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # The engine's field names (``InvalidRequest.field``) that OpenAI spells otherwise; the rest are the same.
 OPENAI_FIELDS = {"max_new_tokens": "max_tokens", "prompt_ids": "prompt"}
 OPENAI_CHAT_FIELDS = OPENAI_FIELDS | {"prompt_ids": "messages", "logprobs": "top_logprobs"}
-
-
-# Every field a body may carry. A request with any other key is refused (400, the key in
-# ``param``): a field this server does not know would otherwise be dropped without a word.
-# Honoured: read by ``_generation_request`` and ``_parse``. ``user``, ``metadata``,
-# ``safety_identifier`` and ``prompt_cache_key`` only label a request for its sender;
-# they change nothing in the answer, so any value is taken.
-HONOURED = {
-    "model",
-    "max_tokens",
-    "n",
-    "seed",
-    "stop",
-    "stream",
-    "stream_options",
-    "temperature",
-    "top_p",
-    "top_k",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "min_tokens",
-    "logprobs",
-    "num_speculative_tokens",
-    "user",
-    "metadata",
-    "safety_identifier",
-    "prompt_cache_key",
-}
-HONOURED_CHAT = HONOURED | {"messages", "max_completion_tokens", "top_logprobs"}
-HONOURED_COMPLETIONS = HONOURED | {"prompt", "echo"}
-
-
-def _absent(value: Any) -> bool:
-    return value is None
-
-
-def _empty(value: Any) -> bool:
-    return value is None or value == {} or value == []
-
-
-def _one_of(*values: Any) -> Callable[[Any], bool]:
-    return lambda value: value is None or (not isinstance(value, bool) and any(value == allowed for allowed in values))
-
-
-# Known fields this server does not honour: each is refused (400, named in ``param``)
-# unless it holds a value that changes nothing, its no-op (what the predicate accepts,
-# shown in the message). (field, no-op predicate, the no-op in words, why it is refused)
-_NOT_HONOURED: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
-    ("service_tier", _one_of("auto", "default"), '"auto"', "this server has one tier"),
-    ("store", lambda value: value is None or value is False, "false", "this server stores no completions"),
-)
-_NOT_HONOURED_CHAT = (
-    *_NOT_HONOURED,
-    ("response_format", lambda value: value is None or value == {"type": "text"}, '{"type": "text"}', "structured output is not supported"),
-    ("tools", _empty, "[]", "tool calling is not supported"),
-    ("tool_choice", _one_of("none", "auto"), '"none"', "tool calling is not supported"),
-    ("parallel_tool_calls", lambda value: value is None or isinstance(value, bool), "true", "tool calling is not supported"),
-    ("functions", _empty, "[]", "function calling is not supported"),
-    ("function_call", _one_of("none", "auto"), '"none"', "function calling is not supported"),
-    ("modalities", lambda value: value is None or value == ["text"], '["text"]', "only text is generated"),
-    ("audio", _absent, "null", "only text is generated"),
-    ("prediction", _absent, "null", "predicted outputs are not taken yet"),
-    ("reasoning_effort", _absent, "null", "the model has no reasoning setting"),
-    ("verbosity", _absent, "null", "the model has no verbosity setting"),
-    ("web_search_options", _absent, "null", "this server has no web search"),
-)
-_NOT_HONOURED_COMPLETIONS = (
-    *_NOT_HONOURED,
-    ("best_of", _one_of(1), "1", "best_of is not supported"),
-    ("suffix", lambda value: value is None or value == "", "null", "suffix (insertion) is not supported"),
-)
-# stream_options' keys: include_usage is honoured; the rest must be absent or their no-op.
+# stream_options' keys: include_usage is honoured; the rest must be absent or false.
 STREAM_OPTIONS = {"include_usage", "include_obfuscation", "continuous_usage_stats"}
 
 
-def check_fields(body: dict, chat: bool) -> None:
-    """400 for a key this endpoint does not know, or a known field it does not honour set to
-    anything but its no-op: nothing a client sends is silently dropped."""
-    honoured = HONOURED_CHAT if chat else HONOURED_COMPLETIONS
-    refused = {name: (no_op, shown, why) for name, no_op, shown, why in (_NOT_HONOURED_CHAT if chat else _NOT_HONOURED_COMPLETIONS)}
-    endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-    for name, value in body.items():
-        if name in honoured:
-            continue
-        if name not in refused:
-            raise ApiError(
-                400,
-                f"unknown field {_shown(name)} for {endpoint}: this server takes OpenAI's fields and refuses any other "
-                "rather than ignore it (the README lists each field and what is done with it)",
-                param=name,
-                code="unknown_field",
-            )
-        no_op, shown, why = refused[name]
-        if not no_op(value):
-            raise ApiError(
-                400,
-                f"{name} is not supported here ({why}); leave it out or set it to {shown}, got {_shown(value)}",
-                param=name,
-                code="unsupported_field",
-            )
-
-
-class ApiError(Exception):
-    """An answer in OpenAI's error shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        # A message may quote the client's text: a lone surrogate in it could not be encoded.
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code, self.headers = status, message, param, kind, code, headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-    def raw(self) -> bytes:
-        """The whole HTTP/1.1 response, closing the connection, for the protocol to write itself."""
-        body = json.dumps(self.body()).encode()
-        head = (
-            f"HTTP/1.1 {self.status} {HTTPStatus(self.status).phrase}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
-        )
-        return head.encode() + body
-
-
-def _shown(value: Any) -> str:
-    """A short rendering of a client's value for an error message (a container by its kind:
-    rendering one nested thousands deep would itself overflow the recursion limit)."""
-    if isinstance(value, list | dict):
-        return "a list" if isinstance(value, list) else "an object"
-    return json.dumps(value)[:80]
+def _or(value: Any, default: Any) -> Any:
+    """A declared field's value, or ``default`` when the body left it out or sent null."""
+    return default if value is None else value
 
 
 def _take(body: dict, name: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
@@ -270,14 +136,6 @@ def _json_object(received: bytes | bytearray) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body
-
-
-def _float(body: dict, name: str, default: float) -> float:
-    """``body[name]`` as a float; a JSON integer too large for one is the client's error, not ours."""
-    try:
-        return float(_take(body, name, (int, float), "a number", default))
-    except OverflowError:
-        raise ApiError(400, f"{name} must be a finite number; this integer is too large for one", param=name) from None
 
 
 class OpenAIApi:
@@ -343,19 +201,26 @@ class OpenAIApi:
         """The live view: one static page that streams a chat completion and colours each token by its source."""
         return HTMLResponse(self.page)
 
-    async def health(self, request: Request) -> Response:
+    def _ready(self) -> None:
+        """503 until the model can serve: /health, /v1/models and every request route agree
+        with gRPC's health service (SERVING from the same moment)."""
         if not self.service.ready.is_set():
-            raise ApiError(503, "the model is still loading", kind="server_error", code="loading")
+            raise ApiError(503, "the model is still loading; retry when GET /health answers 200", kind="server_error", code="loading")
+
+    async def health(self, request: Request) -> Response:
+        self._ready()
         return JSONResponse({"status": "ok"})
 
     def _model(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "specdec"}
 
     async def models(self, request: Request) -> Response:
+        self._ready()
         return JSONResponse({"object": "list", "data": [self._model()]})
 
     async def model(self, request: Request) -> Response:
         """``GET /v1/models/{id}``: the served model, or OpenAI's 404 for any other id."""
+        self._ready()
         self._refuse_other_model(request.path_params["model"], _shown(request.path_params["model"]))
         return JSONResponse(self._model())
 
@@ -378,7 +243,7 @@ class OpenAIApi:
                 raise ApiError(
                     400, "add_generation_prompt must be true: chats are tokenized as chat completions see them", "add_generation_prompt"
                 )
-            tokens = await anyio.to_thread.run_sync(self._chat_prompt, body, limiter=self.limiter)
+            tokens = await anyio.to_thread.run_sync(self._chat_prompt, body["messages"], limiter=self.limiter)
         else:
             prompt = _take(body, "prompt", (str,), "a string")
             self._check_prompt_chars(len(_text(prompt, "prompt", "prompt")), "prompt")
@@ -405,8 +270,7 @@ class OpenAIApi:
 
     async def _small_body(self, request: Request, fields: set[str]) -> dict:
         """A tokenize/detokenize body: a JSON object of ``fields`` only, for the served model."""
-        if not self.service.ready.is_set():
-            raise ApiError(503, "the model is still loading; retry when GET /health answers 200", kind="server_error", code="loading")
+        self._ready()
         body = _json_object(await self._body(request, f"http-{secrets.token_hex(6)}"))
         for name in body:
             if name not in fields:
@@ -428,8 +292,7 @@ class OpenAIApi:
     async def _serve(self, request: Request, chat: bool) -> Response:
         """The answer, with the caller's place under --max-requests-per-caller held from
         before its body is read until its answer ends (streamed: until the stream closes)."""
-        if not self.service.ready.is_set():
-            raise ApiError(503, "the model is still loading; retry when GET /health answers 200", kind="server_error", code="loading")
+        self._ready()
         caller = request.scope["state"]["caller"]  # _Callers'
         callers = self.service.callers
         release = callers.admit(caller)
@@ -509,18 +372,17 @@ class OpenAIApi:
     def _parse(self, received: bytearray, chat: bool, request_id: str) -> tuple[list[GenerationRequest], bool, bool, str]:
         """(a request per choice, stream, stream_options.include_usage, the text ``echo`` puts
         before the completion: the prompt's, decoded from its tokens, or "") from a JSON body."""
-        body = _json_object(received)
-        check_fields(body, chat)
+        body = parse(_json_object(received), ChatCompletionRequest if chat else CompletionRequest)
         generations = self._generation_requests(body, chat, request_id)
-        stream = _take(body, "stream", (bool,), "true or false", False)
-        options = _take(body, "stream_options", (dict,), "an object", {})
+        stream = _or(body.stream, False)
+        options = _or(body.stream_options, {})
         for name in options:
             if name not in STREAM_OPTIONS:
                 raise ApiError(400, f"unknown field {_shown(name)} in stream_options: only include_usage is taken", param="stream_options")
         if options.get("include_obfuscation") or options.get("continuous_usage_stats"):
             raise ApiError(400, "stream_options: only include_usage is supported; leave the others out or false", param="stream_options")
         echo = ""
-        if not chat and _take(body, "echo", (bool,), "true or false", False):
+        if not chat and body.echo:
             echo = self.service.tokenizer.decode(generations[0].prompt_ids)
         return generations, stream, _take(options, "include_usage", (bool,), "true or false", False), echo
 
@@ -579,14 +441,14 @@ class OpenAIApi:
 
     # -- the request ----------------------------------------------------------------------
 
-    def _generation_requests(self, body: dict, chat: bool, request_id: str) -> list[GenerationRequest]:
-        """A request per choice (``n``): the same but for their ids and, when ``seed`` is set,
-        their seeds (choice i samples with seed + i, so choice 0 is what n = 1 gives)."""
-        model = _take(body, "model", (str,), "a string")
-        self._refuse_other_model(model, repr(model))
+    def _generation_requests(self, body: Any, chat: bool, request_id: str) -> list[GenerationRequest]:
+        """A request per choice (``n``) from a declared body (``openai_protocol``): the same
+        but for their ids and, when ``seed`` is set, their seeds (choice i samples with
+        seed + i, so choice 0 is what n = 1 gives)."""
+        self._refuse_other_model(body.model, repr(body.model))
         # The choices are queued together, so the queue must hold them all.
         limit = min(self.service.config.max_choices, self.service.max_queued)
-        n = _take(body, "n", (int,), "an integer", 1)
+        n = _or(body.n, 1)
         if not 1 <= n <= limit:
             raise ApiError(400, f"n must be in [1, {limit}] (--max-choices, --max-queued), got {n}", param="n")
         first = self._generation_request(body, chat, request_id)
@@ -602,9 +464,9 @@ class OpenAIApi:
             for index in range(n)
         ]
 
-    def _generation_request(self, body: dict, chat: bool, request_id: str) -> GenerationRequest:
+    def _generation_request(self, body: Any, chat: bool, request_id: str) -> GenerationRequest:
         # Stop strings are checked first: cheap, and the prompt's tokenizing is not.
-        stop = body.get("stop")
+        stop = body.stop
         if isinstance(stop, str):
             stop = [stop]
         elif stop is None:
@@ -613,41 +475,39 @@ class OpenAIApi:
             raise ApiError(400, "stop must be a string or a list of strings", param="stop")
         for index, item in enumerate(stop):
             _text(item, f"stop[{index}]", "stop")
-        prompt_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
+        prompt_ids = self._chat_prompt(body.messages) if chat else self._completion_prompt(body.prompt)
         if chat:
             room = self.service.capacity - len(prompt_ids)
             default_max = max(1, min(self.service.max_new_tokens_limit, room))
-            max_tokens = _take(body, "max_completion_tokens", (int,), "an integer", None)
-            if max_tokens is None:
-                max_tokens = _take(body, "max_tokens", (int,), "an integer", default_max)
+            max_tokens = _or(body.max_completion_tokens, _or(body.max_tokens, default_max))
         else:
-            max_tokens = _take(body, "max_tokens", (int,), "an integer", COMPLETIONS_DEFAULT_MAX_TOKENS)
-        seed = _take(body, "seed", (int,), "an integer")
+            max_tokens = _or(body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        seed = body.seed
         if seed is not None and not 0 <= seed < 1 << 64:
             raise ApiError(400, f"seed must be in [0, 2**64), got {seed}", param="seed")
-        top_p = _float(body, "top_p", 1.0)
+        top_p = _or(body.top_p, 1.0)
         if not 0.0 < top_p <= 1.0:  # OpenAI's range; 0 is "off" only on gRPC, where it means unset
             raise ApiError(400, f"top_p must be in (0, 1] (1: no nucleus filter), got {top_p}", param="top_p")
         sampling = SamplingParams(
-            temperature=_float(body, "temperature", 1.0),
-            top_k=_take(body, "top_k", (int,), "an integer", 0),
+            temperature=_or(body.temperature, 1.0),
+            top_k=_or(body.top_k, 0),
             top_p=top_p,
             seed=seed,
-            presence_penalty=_float(body, "presence_penalty", 0.0),
-            frequency_penalty=_float(body, "frequency_penalty", 0.0),
-            repetition_penalty=_float(body, "repetition_penalty", 1.0),
-            logit_bias=_logit_bias(body),
-            min_tokens=_take(body, "min_tokens", (int,), "an integer", 0),
+            presence_penalty=_or(body.presence_penalty, 0.0),
+            frequency_penalty=_or(body.frequency_penalty, 0.0),
+            repetition_penalty=_or(body.repetition_penalty, 1.0),
+            logit_bias=_logit_bias(_or(body.logit_bias, {})),
+            min_tokens=_or(body.min_tokens, 0),
         )
-        k = _take(body, "num_speculative_tokens", (int,), "an integer (unset: adaptive)")
-        logprobs = _chat_logprobs(body) if chat else _take(body, "logprobs", (int,), "an integer (alternatives per token)")
-        if logprobs is not None and not chat and _take(body, "echo", (bool,), "true or false", False):
+        logprobs = _chat_logprobs(body) if chat else body.logprobs
+        if logprobs is not None and not chat and body.echo:
             raise ApiError(
                 400,
                 "logprobs with echo would need the prompt's log-probabilities, which are not computed; ask for one or the other",
                 param="logprobs",
                 code="unsupported_field",
             )
+        k = body.num_speculative_tokens
         return GenerationRequest(prompt_ids, max_tokens, sampling, tuple(stop), k, request_id=request_id, logprobs=logprobs)
 
     def _check_prompt_chars(self, chars: int, param: str) -> None:
@@ -656,8 +516,7 @@ class OpenAIApi:
         except InvalidRequest as error:
             raise ApiError(400, str(error), param=param) from None
 
-    def _chat_prompt(self, body: dict) -> list[int]:
-        messages = body.get("messages")
+    def _chat_prompt(self, messages: Any) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
         plain = []
@@ -681,8 +540,7 @@ class OpenAIApi:
         except Exception as error:  # the template's own rules (role order, ...)
             raise ApiError(400, f"the chat template refused these messages: {error}", param="messages") from None
 
-    def _completion_prompt(self, body: dict) -> list[int]:
-        prompt = body.get("prompt")
+    def _completion_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
@@ -693,9 +551,8 @@ class OpenAIApi:
         raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
 
 
-def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+def _logit_bias(value: dict) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``logit_bias``: an object from token ids (as JSON keys, strings) to biases."""
-    value = _take(body, "logit_bias", (dict,), "an object of token id -> bias", {})
     bias = []
     for key, item in value.items():
         if not key.isascii() or not key.isdigit():
@@ -709,11 +566,10 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(bias))
 
 
-def _chat_logprobs(body: dict) -> int | None:
+def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
     """Chat's ``logprobs`` (true: return them) and ``top_logprobs`` (alternatives per token,
     which OpenAI takes only beside ``logprobs: true``) as the engine's: None, or the alternatives."""
-    wanted = _take(body, "logprobs", (bool,), "true or false", False)
-    top = _take(body, "top_logprobs", (int,), "an integer", None)
+    wanted, top = body.logprobs, body.top_logprobs
     if top is not None and not wanted:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     return (top or 0) if wanted else None
@@ -965,7 +821,8 @@ class _Logprobs:
 
     A token's text is what it adds after the tokens emitted before it (a
     SentencePiece "▁the" after "of" is " the"), so the emitted tokens' texts
-    join into the completion; an alternative in ``top_logprobs`` is shown as
+    join into the completion (a special token, such as the EOS that ended
+    it, reads as ""); an alternative in ``top_logprobs`` is shown as
     it would have read in the same place. A piece of a character decodes as
     U+FFFD, as in vLLM."""
 
@@ -977,10 +834,13 @@ class _Logprobs:
         self.recent: list[int] = []
 
     def _text(self, token: int) -> str:
-        decode = self.tokenizer.decode
-        before = str(decode(self.recent)) if self.recent else ""
-        after = str(decode([*self.recent, token]))
-        return after[len(before) :] if after.startswith(before) else str(decode([token]))
+        # Special tokens (EOS) read as "", as the completion's text has them.
+        def decode(tokens: list[int]) -> str:
+            return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+        before = decode(self.recent) if self.recent else ""
+        after = decode([*self.recent, token])
+        return after[len(before) :] if after.startswith(before) else decode([token])
 
     def _emitted(self, item: TokenLogprob) -> tuple[str, list[tuple[str, float]]]:
         text, top = self._text(item.token), [(self._text(token), value) for token, value in item.top]

@@ -357,6 +357,27 @@ def test_the_start_up_log_says_no_api_keys_are_required(server):
     assert "no API keys configured: /v1 and gRPC Generate/GenerateStream are open" in server.process.log()
 
 
+def test_langchains_chat_openai_gets_grpcs_answer_and_a_named_refusal_for_tools(server):
+    """Once through LangChain, as agent frameworks call the API: the answer and its
+    log-probabilities are gRPC's; tools are refused by name instead of ignored."""
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(model=server.model, base_url=server.base + "/v1", api_key="not-checked", temperature=0, max_tokens=12, max_retries=0)
+    reference = server.generate(prompt=PROMPT, chat=True, max_new_tokens=12, logprobs=0)
+    answer = chat.bind(logprobs=True).invoke([("user", PROMPT)])
+    assert answer.content == reference.text
+    content = answer.response_metadata["logprobs"]["content"]
+    assert [entry["logprob"] for entry in content] == pytest.approx([entry.logprob for entry in reference.logprobs], abs=1e-5)
+    tool = {
+        "type": "function",
+        "function": {"name": "lookup", "description": "look up", "parameters": {"type": "object", "properties": {}}},
+    }
+    with pytest.raises(openai.BadRequestError) as raised:
+        chat.bind_tools([tool], tool_choice="required").invoke([("user", PROMPT)])
+    # LangChain sends tool_choice before tools; the first refused field is the one named.
+    assert raised.value.param in ("tools", "tool_choice") and "tool calling is not supported" in raised.value.message
+
+
 def test_sigterm_exits_without_waiting_on_idle_connections_or_health_watches(chat_model_dir):
     """Nothing running: an open health Watch, an idle keep-alive HTTP connection and an idle
     gRPC channel do not hold the exit for the grace period (600 s here; the wait allows 120)."""

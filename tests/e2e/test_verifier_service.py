@@ -805,7 +805,14 @@ def test_health_is_not_serving_and_calls_unavailable_until_the_model_is_loaded(t
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
             assert raised.value.details() == "the model is still loading; retry when health reports SERVING"
         # The HTTP API says the same: 503 in OpenAI's error shape.
-        for method, path, body in (("GET", "/health", None), ("POST", "/v1/completions", {"prompt": [5, 6], "max_tokens": 2})):
+        loading = (
+            ("GET", "/health", None),
+            ("GET", "/v1/models", None),
+            ("GET", f"/v1/models/{tiny_model_dir}", None),
+            ("POST", "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}),
+            ("POST", "/tokenize", {"prompt": "t5"}),
+        )
+        for method, path, body in loading:
             answer = httpx.request(method, base + path, json=body, timeout=CALL_TIMEOUT_S)
             assert answer.status_code == 503, path
             assert answer.json()["error"]["code"] == "loading", path
@@ -816,4 +823,5 @@ def test_health_is_not_serving_and_calls_unavailable_until_the_model_is_loaded(t
         response = stub.Generate(request(PROMPTS[1], 12, k=4), timeout=CALL_TIMEOUT_S)
         assert list(response.token_ids) == expected(PROMPTS[1], 12)
         assert httpx.get(base + "/health", timeout=CALL_TIMEOUT_S).status_code == 200
+        assert httpx.get(base + "/v1/models", timeout=CALL_TIMEOUT_S).json()["data"][0]["id"] == str(tiny_model_dir)
         assert process.terminate() == 0

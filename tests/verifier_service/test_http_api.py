@@ -12,11 +12,15 @@ import asyncio
 import collections
 import copy
 import hmac
+import inspect
 import json
 import logging
 
+import openai
 import pytest
 import torch
+from openai.types import completion_create_params as openai_completion_params
+from openai.types.chat import completion_create_params as openai_chat_params
 from starlette.testclient import TestClient
 
 from specdec import telemetry
@@ -29,6 +33,7 @@ from verifier_service.engine import EngineConfig, SpeculativeEngine
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model_loading import chat_ids
 from verifier_service.openai_api import OpenAIApi
+from verifier_service.openai_protocol import ChatCompletionRequest, CompletionRequest
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import Scheduler, SchedulerConfig
 from verifier_service.server import VerifierConfig, VerifierServicer
@@ -482,6 +487,7 @@ NOT_HONOURED_CHAT = NOT_HONOURED | {
     "reasoning_effort": ([None], ["low"]),
     "verbosity": ([None], ["high"]),
     "web_search_options": ([None], [{}]),
+    "moderation": ([None], [{"policy": {"output": {"mode": "block"}}}]),
 }
 NOT_HONOURED_COMPLETIONS = NOT_HONOURED | {
     "best_of": ([1], [3]),
@@ -514,6 +520,33 @@ def test_a_field_not_honoured_is_taken_only_at_its_no_op(client, path, body, nam
     error = assert_openai_error(response, 400)
     assert (error["param"], error["code"]) == (name, "unsupported_field")
     assert error["message"].startswith(f"{name} is not supported here (") and "leave it out or set it to" in error["message"]
+
+
+@pytest.fixture(scope="module")
+def sdk(client):
+    """The official ``openai`` client, in-process: its HTTP client is the app's TestClient."""
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="not-checked", http_client=client, max_retries=0)
+
+
+def sdk_call(sdk, path: str, body: dict):
+    """``body`` sent by the SDK's own create(): its keyword arguments where it has them, extra_body for the rest."""
+    create = sdk.chat.completions.create if path == "/v1/chat/completions" else sdk.completions.create
+    known = inspect.signature(create).parameters
+    return create(
+        **{name: value for name, value in body.items() if name in known},
+        extra_body={name: value for name, value in body.items() if name not in known} or None,
+    )
+
+
+@pytest.mark.parametrize(("path", "body", "name", "value", "taken"), field_cases())
+def test_the_openai_client_gets_each_refusal_as_a_bad_request_naming_the_field(sdk, path, body, name, value, taken):
+    request = body(**{name: value}) | {"model": MODEL}
+    if taken:
+        assert sdk_call(sdk, path, request).choices
+        return
+    with pytest.raises(openai.BadRequestError) as raised:
+        sdk_call(sdk, path, request)
+    assert (raised.value.param, raised.value.code) == (name, "unsupported_field")
 
 
 @pytest.mark.parametrize(
@@ -837,3 +870,41 @@ def test_n_over_the_limit_or_the_callers_places_is_refused(roomy, client, open_s
     assert "--max-requests-per-caller 1" in error["message"] and "n=2 takes 2" in error["message"]
     assert open_service.callers.in_flight("testclient") == 0
     assert client.post("/v1/completions", json=completion()).status_code == 200
+
+
+# -- the declared bodies against OpenAI's own request types ----------------------------------
+
+
+def sdk_fields(module) -> set[str]:
+    """Every key of the ``openai`` package's request TypedDicts in ``module`` (streamed or not)."""
+    return {
+        name
+        for kind in (module.CompletionCreateParamsStreaming, module.CompletionCreateParamsNonStreaming)
+        for name in kind.__annotations__
+    }
+
+
+@pytest.mark.parametrize(
+    ("module", "declared"),
+    [(openai_completion_params, CompletionRequest), (openai_chat_params, ChatCompletionRequest)],
+    ids=["completions", "chat"],
+)
+def test_every_field_the_openai_client_can_send_is_declared(module, declared):
+    """Honoured or refused by name, never unknown: a new field in the SDK fails this test until declared."""
+    assert sdk_fields(module) - set(declared.model_fields) == set()
+
+
+@pytest.mark.parametrize("name", ["prompt_cache_retention", "prompt_cache_options", "user", "metadata"])
+def test_labels_and_cache_hints_are_taken_whatever_they_hold(client, name):
+    value = {"prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "1h"}, "user": "u-1", "metadata": {"a": "b"}}[name]
+    assert client.post("/v1/chat/completions", json=chat_body(**{name: value})).status_code == 200
+
+
+def test_the_eos_that_ends_a_completion_has_its_logprob_and_no_text(client):
+    """min_tokens 2, then EOS (token 1, special) made certain by logit_bias: three entries, the last one ""."""
+    body = completion(max_tokens=6, logprobs=1, min_tokens=2, logit_bias={"1": 100})
+    answer = client.post("/v1/completions", json=body).json()["choices"][0]
+    logprobs = answer["logprobs"]
+    assert answer["finish_reason"] == "stop" and len(logprobs["tokens"]) == 3
+    assert logprobs["tokens"][-1] == "" and "".join(logprobs["tokens"]) == answer["text"] != ""
+    assert logprobs["token_logprobs"][-1] < 0  # the raw log-probability, before the bias

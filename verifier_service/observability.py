@@ -1,7 +1,8 @@
 """What the verifier reports about its steps: tracing spans and Prometheus metrics.
 
-Trace shape, per ``Generate`` request (root span ``specdec.generate``, a child
-of the caller's span when it sent a W3C ``traceparent``):
+Trace shape, per request (root span ``{operation} {model}``, as OpenTelemetry's
+GenAI conventions name it: ``service.VerifierService.request_span``; a child of
+the caller's span when it sent a W3C ``traceparent``):
 
 * ``specdec.step``, one per step the request took part in, with this
   request's share (``specdec.k``: drafts verified, ``specdec.accepted``,

@@ -84,7 +84,7 @@ from verifier_service.openai_protocol import shown as _shown
 from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import QueueFull, RequestHandle, ShuttingDown, TokenChunk, interleave
-from verifier_service.service import RequestStats, VerifierService
+from verifier_service.service import CHAT, TEXT_COMPLETION, RequestStats, VerifierService
 from verifier_service.text import IncrementalDecoder, IncrementalText
 
 log = logging.getLogger(__name__)
@@ -332,7 +332,7 @@ class OpenAIApi:
                     code="too_many_requests_per_caller",
                 )
             places.append(place)
-        span_context = self.service.request_span(propagate.extract(dict(request.headers)))
+        span_context = self.service.request_span(propagate.extract(dict(request.headers)), CHAT if chat else TEXT_COMPLETION)
         span = span_context.__enter__()
         span.set_attribute("http.request.id", request.scope["state"]["request_id"])  # _RequestIds'
         try:
@@ -743,7 +743,9 @@ class _Reply:
                 sum(self.tokens_sent),
             )
         elif None not in self.stats:
-            self.api.service.annotate(self.span, RequestStats.combined(self.stats), self.results[0].finish_reason)
+            self.api.service.annotate(
+                self.span, RequestStats.combined(self.stats), [result.finish_reason for result in self.results], self.id
+            )
         if error is None or gone:
             self._span_context.__exit__(None, None, None)
         else:

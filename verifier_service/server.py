@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import ssl
 import time
 from collections.abc import Iterable
@@ -66,7 +67,7 @@ from verifier_service.openai_api import HttpLimits, HttpServer, OpenAIApi, beare
 from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import Cancelled, QueueFull, RequestHandle, Scheduler, SchedulerConfig, ShuttingDown
-from verifier_service.service import RequestStats, VerifierService
+from verifier_service.service import CHAT, TEXT_COMPLETION, RequestStats, VerifierService
 from verifier_service.text import IncrementalText
 
 log = logging.getLogger(__name__)
@@ -234,7 +235,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def Generate(self, request, context):
         self._admit(context)
-        with self.service.request_span(telemetry.incoming_context(context)) as span:
+        with self.service.request_span(telemetry.incoming_context(context), CHAT if request.chat else TEXT_COMPLETION) as span:
             handle = self._submit(request, context, span)
             result = self._result(handle, context)
             stats = self.service.finished(handle, result, span)
@@ -248,7 +249,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def GenerateStream(self, request, context):
         self._admit(context)
-        with self.service.request_span(telemetry.incoming_context(context)) as span:
+        with self.service.request_span(telemetry.incoming_context(context), CHAT if request.chat else TEXT_COMPLETION) as span:
             handle = self._submit(request, context, span)
             assert self.service.engine is not None  # submitted: ready
             text = IncrementalText(self.service.engine.tokenizer, handle.request.stop)
@@ -349,7 +350,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         )
         k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else None
         logprobs = request.logprobs if request.HasField("logprobs") else None
-        return GenerationRequest(prompt_ids, request.max_new_tokens, sampling, tuple(request.stop), k, logprobs=logprobs)
+        request_id = f"grpc-{secrets.token_hex(6)}"  # for logs and the span's gen_ai.response.id, as HTTP's "http-..."
+        return GenerationRequest(
+            prompt_ids, request.max_new_tokens, sampling, tuple(request.stop), k, request_id=request_id, logprobs=logprobs
+        )
 
 
 @dataclass

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
+from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdec import telemetry
@@ -34,6 +35,11 @@ from verifier_service.scheduler import RequestHandle, Scheduler
 
 if TYPE_CHECKING:
     from verifier_service.server import VerifierConfig
+
+# OpenTelemetry's GenAI operation names: a chat (a chat template applied) or a plain completion.
+CHAT = gen_ai.GenAiOperationNameValues.CHAT.value
+TEXT_COMPLETION = gen_ai.GenAiOperationNameValues.TEXT_COMPLETION.value
+PROVIDER = "specdec"  # gen_ai.provider.name: this server, not a vendor's API
 
 
 @dataclass(frozen=True)
@@ -189,11 +195,15 @@ class VerifierService:
             )
 
     @contextlib.contextmanager
-    def request_span(self, parent):
-        """The request's root span, a child of ``parent`` (the caller's trace context, when it sent one).
-        Not made current: the work runs on the scheduler thread (it gets the
-        context through the handle), and a stream's generator may be resumed elsewhere."""
-        span = self.tracing.tracer.start_span("specdec.generate", context=parent, kind=SpanKind.SERVER)
+    def request_span(self, parent, operation: str):
+        """The request's root span, a child of ``parent`` (the caller's trace context, when it
+        sent one), named and described by OpenTelemetry's GenAI conventions ("chat MODEL",
+        ``gen_ai.*``) beside our ``specdec.*`` attributes. Not made current: the work runs on
+        the scheduler thread (it gets the context through the handle), and a stream's
+        generator may be resumed elsewhere."""
+        model = self.config.model
+        attributes = {gen_ai.GEN_AI_OPERATION_NAME: operation, gen_ai.GEN_AI_REQUEST_MODEL: model, gen_ai.GEN_AI_PROVIDER_NAME: PROVIDER}
+        span = self.tracing.tracer.start_span(f"{operation} {model}", context=parent, kind=SpanKind.SERVER, attributes=attributes)
         try:
             yield span
         except BaseException as error:
@@ -207,7 +217,7 @@ class VerifierService:
     def finished(self, handle: RequestHandle, result: GenerationResult, span) -> RequestStats:
         """Record a finished request in its span and the metrics; its stats."""
         stats = self.recorded(handle, result)
-        self.annotate(span, stats, result.finish_reason)
+        self.annotate(span, stats, [result.finish_reason], handle.request.request_id)
         return stats
 
     def recorded(self, handle: RequestHandle, result: GenerationResult) -> RequestStats:
@@ -217,8 +227,8 @@ class VerifierService:
         self.metrics.record_request(result.finish_reason, stats.total_ms / 1000, first)
         return stats
 
-    @staticmethod
-    def annotate(span, stats: RequestStats, finish_reason: str) -> None:
+    def annotate(self, span, stats: RequestStats, finish_reasons: Sequence[str], response_id: str) -> None:
+        """How a request ended, in its span: ours and the GenAI conventions' (one finish reason a choice)."""
         span.set_attributes(
             {
                 "specdec.prompt_tokens": stats.prompt_tokens,
@@ -226,7 +236,12 @@ class VerifierService:
                 "specdec.forward_passes": stats.target_forward_passes,
                 "specdec.draft_tokens": stats.draft_tokens,
                 "specdec.accepted": stats.accepted_tokens,
-                "specdec.finish_reason": finish_reason,
+                "specdec.finish_reason": finish_reasons[0],
+                gen_ai.GEN_AI_RESPONSE_ID: response_id,
+                gen_ai.GEN_AI_RESPONSE_MODEL: self.config.model,
+                gen_ai.GEN_AI_RESPONSE_FINISH_REASONS: list(finish_reasons),
+                gen_ai.GEN_AI_USAGE_INPUT_TOKENS: stats.prompt_tokens,
+                gen_ai.GEN_AI_USAGE_OUTPUT_TOKENS: stats.generated_tokens,
             }
         )
 
@@ -241,20 +256,28 @@ class VerifierService:
         """``submit`` for requests that make one answer (HTTP's ``n`` choices): all queued or none."""
         for generation in generations:
             self._check(generation, span)
-        span.set_attribute("specdec.choices", len(generations))
+        span.set_attributes({"specdec.choices": len(generations), gen_ai.GEN_AI_REQUEST_CHOICE_COUNT: len(generations)})
         assert self.scheduler is not None  # ready: attach set it
         return self.scheduler.submit_group(generations, trace.set_span_in_context(span))
 
     def _check(self, generation: GenerationRequest, span) -> None:
         assert self.engine is not None  # ready: attach set it
         self.engine.validate(generation)
-        span.set_attributes(
-            {
-                "specdec.max_new_tokens": generation.max_new_tokens,
-                "specdec.greedy": generation.sampling.greedy,
-                "specdec.k_requested": -1 if generation.num_speculative_tokens is None else generation.num_speculative_tokens,
-            }
-        )
+        sampling = generation.sampling
+        attributes = {
+            "specdec.max_new_tokens": generation.max_new_tokens,
+            "specdec.greedy": sampling.greedy,
+            "specdec.k_requested": -1 if generation.num_speculative_tokens is None else generation.num_speculative_tokens,
+            gen_ai.GEN_AI_REQUEST_MAX_TOKENS: generation.max_new_tokens,
+            gen_ai.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature,
+            gen_ai.GEN_AI_REQUEST_TOP_P: sampling.top_p or 1.0,
+            gen_ai.GEN_AI_REQUEST_TOP_K: sampling.top_k,
+            gen_ai.GEN_AI_REQUEST_FREQUENCY_PENALTY: sampling.frequency_penalty,
+            gen_ai.GEN_AI_REQUEST_PRESENCE_PENALTY: sampling.presence_penalty,
+        }
+        if sampling.seed is not None and sampling.seed < 1 << 63:  # an attribute is a signed 64-bit integer
+            attributes[gen_ai.GEN_AI_REQUEST_SEED] = sampling.seed
+        span.set_attributes(attributes)
 
     # What the front doors read of the loaded model (call once ``ready`` is set).
 

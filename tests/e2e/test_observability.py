@@ -122,7 +122,9 @@ def test_one_generate_is_one_trace_across_both_services(tiny_model_dir):
             traceparent = f"00-{TRACE_ID}-{CLIENT_SPAN_ID}-01"  # W3C: the client's own span
             request = pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 5, 6, 7, 5, 6], max_new_tokens=12)
             rpc.VerifierStub(verifier.channel).Generate(request, timeout=60, metadata=[("traceparent", traceparent)])
-            [root] = wait_for(lambda: collector.named("specdec.generate"), "the verifier's root span")
+            # Named as OpenTelemetry's GenAI conventions name it: "{operation} {model}".
+            generate = f"text_completion {tiny_model_dir}"
+            [root] = wait_for(lambda: collector.named(generate), "the verifier's root span")
             wait_for(lambda: collector.named("specdec.drafter.propose"), "the drafter's propose span")
             wait_for(lambda: len(collector.named("specdec.step")) == root_steps(root), "every step span")
 
@@ -136,9 +138,9 @@ def test_one_generate_is_one_trace_across_both_services(tiny_model_dir):
     parent = {span.name: set() for _, span in spans}
     for _, span in spans:
         parent[span.name].add(by_id[span.parent_span_id].name if span.parent_span_id in by_id else span.parent_span_id.hex())
-    assert parent["specdec.generate"] == {CLIENT_SPAN_ID}
-    assert parent["specdec.batch_step"] == {"specdec.generate"}
-    assert parent["specdec.step"] == {"specdec.generate"}
+    assert parent[generate] == {CLIENT_SPAN_ID}
+    assert parent["specdec.batch_step"] == {generate}
+    assert parent["specdec.step"] == {generate}
     assert parent["specdec.propose"] == parent["specdec.score"] == parent["specdec.accept"] == {"specdec.batch_step"}
     assert parent["specdec.drafter.propose"] == {"specdec.propose"}  # across the process boundary
     # Each request step span links to its batch step; attributes are namespaced scalars, no text.
@@ -147,11 +149,22 @@ def test_one_generate_is_one_trace_across_both_services(tiny_model_dir):
         if span.name == "specdec.step":
             assert [link.span_id for link in span.links] and all(link.span_id in batch_ids for link in span.links)
         for attribute in span.attributes:
-            assert attribute.key.startswith("specdec.") or attribute.key.startswith("exception."), attribute.key
-            assert attribute.value.WhichOneof("value") in ("int_value", "string_value", "bool_value", "double_value")
-    [root] = [span for _, span in spans if span.name == "specdec.generate"]
+            assert attribute.key.startswith(("specdec.", "exception.", "gen_ai.")), attribute.key
+            kinds = ("int_value", "string_value", "bool_value", "double_value")
+            if attribute.key == "gen_ai.response.finish_reasons":
+                kinds = ("array_value",)
+            assert attribute.value.WhichOneof("value") in kinds, attribute.key
+    [root] = [span for _, span in spans if span.name == generate]
     attributes = {a.key: a.value for a in root.attributes}
     assert attributes["specdec.generated_tokens"].int_value == 12
+    # The GenAI conventions' attributes, beside ours.
+    assert attributes["gen_ai.operation.name"].string_value == "text_completion"
+    assert attributes["gen_ai.request.model"].string_value == attributes["gen_ai.response.model"].string_value == str(tiny_model_dir)
+    assert attributes["gen_ai.request.max_tokens"].int_value == 12
+    assert attributes["gen_ai.request.temperature"].double_value == 0.0
+    assert (attributes["gen_ai.usage.input_tokens"].int_value, attributes["gen_ai.usage.output_tokens"].int_value) == (8, 12)
+    assert [value.string_value for value in attributes["gen_ai.response.finish_reasons"].array_value.values] == ["length"]
+    assert attributes["gen_ai.response.id"].string_value
 
 
 def root_steps(root) -> int:

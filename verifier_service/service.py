@@ -254,7 +254,7 @@ class VerifierService:
 
     def submit_group(self, generations: list[GenerationRequest], span) -> list[RequestHandle]:
         """``submit`` for requests that make one answer (HTTP's ``n`` choices): all queued or none."""
-        for generation in generations:
+        for generation in reversed(generations):  # the first, the request's own seed, annotates the span last
             self._check(generation, span)
         span.set_attributes({"specdec.choices": len(generations), gen_ai.GEN_AI_REQUEST_CHOICE_COUNT: len(generations)})
         assert self.scheduler is not None  # ready: attach set it

@@ -21,6 +21,9 @@ import pytest
 import torch
 from openai.types import completion_create_params as openai_completion_params
 from openai.types.chat import completion_create_params as openai_chat_params
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from starlette.testclient import TestClient
 
 from specdec import telemetry
@@ -813,11 +816,16 @@ def test_completion_logprobs_in_openais_legacy_shape(client):
 
 
 @pytest.fixture(scope="module")
-def roomy(tiny_model, chat_tokenizer):
+def roomy_service(tiny_model, chat_tokenizer):
     """Room for a caller's several choices: 4 places, at most 3 choices a request, a batch of 2 (so choices queue)."""
     service = started(tiny_model, chat_tokenizer, max_requests_per_caller=4, max_choices=3)
-    yield TestClient(OpenAIApi(service, MODEL).app)
+    yield service
     service.scheduler.stop(1.0)
+
+
+@pytest.fixture(scope="module")
+def roomy(roomy_service):
+    return TestClient(OpenAIApi(roomy_service, MODEL).app)
 
 
 def sampled(**fields) -> dict:
@@ -908,3 +916,28 @@ def test_the_eos_that_ends_a_completion_has_its_logprob_and_no_text(client):
     assert answer["finish_reason"] == "stop" and len(logprobs["tokens"]) == 3
     assert logprobs["tokens"][-1] == "" and "".join(logprobs["tokens"]) == answer["text"] != ""
     assert logprobs["token_logprobs"][-1] < 0  # the raw log-probability, before the bias
+
+
+# -- the request span, in OpenTelemetry's GenAI conventions --------------------------------
+
+
+def test_an_http_request_span_follows_the_genai_conventions(roomy_service, monkeypatch):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(roomy_service.tracing, "tracer", provider.get_tracer("test"))
+    client = TestClient(OpenAIApi(roomy_service, MODEL).app)
+    answer = client.post("/v1/chat/completions", json=chat_body(n=2, max_tokens=5, temperature=0.7, seed=3)).json()
+    [span] = exporter.get_finished_spans()
+    attributes = dict(span.attributes)
+    assert span.name == f"chat {roomy_service.config.model}"
+    assert attributes["gen_ai.operation.name"] == "chat" and attributes["gen_ai.request.model"] == roomy_service.config.model
+    assert (attributes["gen_ai.request.max_tokens"], attributes["gen_ai.request.temperature"]) == (5, 0.7)
+    assert (attributes["gen_ai.request.seed"], attributes["gen_ai.request.choice.count"]) == (3, 2)  # the request's seed
+    assert attributes["gen_ai.response.id"] == answer["id"]
+    assert list(attributes["gen_ai.response.finish_reasons"]) == [choice["finish_reason"] for choice in answer["choices"]]
+    usage = answer["usage"]
+    assert (attributes["gen_ai.usage.input_tokens"], attributes["gen_ai.usage.output_tokens"]) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )

@@ -707,7 +707,6 @@ class _Reply:
         self.echo = echo  # completions' echo: the prompt's text, sent before each completion's
         self._span_context = span_context  # service.request_span's, entered
         self._closed = False
-        self._answered = False  # the last chunk, or the whole answer, was made
         self._left = False  # the client disconnected first
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.object = "chat.completion.chunk" if chat else "text_completion"
@@ -718,6 +717,11 @@ class _Reply:
         self.tokens_sent = [0] * len(handles)
         self.stats: list[Any] = [None] * len(handles)  # each choice's RequestStats, once it ended
         self.results: list[Any] = [None] * len(handles)
+
+    @property
+    def _answered(self) -> bool:
+        """Every choice's last chunk, or the whole answer, was made."""
+        return None not in self.stats
 
     def client_left(self) -> None:
         """The client disconnected before its answer: cancel the request (freeing its slots at the next step)."""
@@ -742,7 +746,7 @@ class _Reply:
                 self.id,
                 sum(self.tokens_sent),
             )
-        elif None not in self.stats:
+        elif self._answered:
             self.api.service.annotate(
                 self.span, RequestStats.combined(self.stats), [result.finish_reason for result in self.results], self.id
             )
@@ -786,7 +790,6 @@ class _Reply:
 
     def final_chunk(self, index: int, result, stats, usage: bool) -> dict:
         self.stats[index] = stats
-        self._answered = None not in self.stats
         out = self._envelope(self.object, [self._choice(index, self.texts[index].finish(result.text), _finish(result))])
         out["specdec"] = stats.as_dict()
         if usage:
@@ -801,7 +804,7 @@ class _Reply:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def whole(self, results: list, stats: list) -> dict:
-        self.results, self.stats, self._answered = results, stats, True
+        self.results, self.stats = results, stats
         choices = []
         for index, result in enumerate(results):
             shown = self.logprobs[index]

@@ -233,12 +233,3 @@ def parse(body: dict, model: type[_Body]) -> Any:
         name = str(first["loc"][0])
         what = model.WHAT.get(name) or _KINDS.get(first["type"], "of another type")
         raise ApiError(400, f"{name} must be {what}, got {shown(body.get(name))}", param=name) from None
-
-
-def known_fields(model: type[_Body]) -> set[str]:
-    """Every field the endpoint declares, honoured or refused."""
-    return set(model.model_fields)
-
-
-def honoured_fields(model: type[_Body]) -> set[str]:
-    return set(model.model_fields) - set(model.REFUSED)

@@ -154,13 +154,14 @@ class RequestHandle:
         if outcome.tokens:
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
-            self._events.put(TokenChunk(list(outcome.tokens), list(outcome.sources), outcome.verified, outcome.logprobs))
-            if self._feed is not None:
-                self._feed.put(self)
+            self._post(TokenChunk(list(outcome.tokens), list(outcome.sources), outcome.verified, outcome.logprobs))
 
     def _end(self, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
-        self._events.put(_End(result, error))
-        if self._feed is not None:
+        self._post(_End(result, error))
+
+    def _post(self, event: TokenChunk | _End) -> None:
+        self._events.put(event)
+        if self._feed is not None:  # after the event: interleave() takes one event per feed entry
             self._feed.put(self)
 
 

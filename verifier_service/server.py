@@ -251,8 +251,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._admit(context)
         with self.service.request_span(telemetry.incoming_context(context), CHAT if request.chat else TEXT_COMPLETION) as span:
             handle = self._submit(request, context, span)
-            assert self.service.engine is not None  # submitted: ready
-            text = IncrementalText(self.service.engine.tokenizer, handle.request.stop)
+            text = IncrementalText(self.service.tokenizer, handle.request.stop)
             for chunk in handle.stream():
                 sources = [TOKEN_SOURCES[source] for source in chunk.sources]
                 yield verifier_pb2.GenerateChunk(
@@ -328,8 +327,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise InvalidRequest("prompt_ids", "prompt is empty: set prompt (text) or prompt_token_ids")
         if has_ids and request.chat:
             raise InvalidRequest("prompt_ids", "chat applies to a text prompt; prompt_token_ids are used as given")
-        assert self.service.engine is not None  # ready
-        tokenizer = self.service.engine.tokenizer
+        tokenizer = self.service.tokenizer
         self.service.check_prompt_chars(len(request.prompt))
         if has_ids:
             prompt_ids = list(request.prompt_token_ids)

@@ -187,11 +187,10 @@ class VerifierService:
     def check_prompt_chars(self, chars: int) -> None:
         """``InvalidRequest`` for prompt text longer than --max-prompt-chars, before it costs any tokenizing."""
         if chars > self.max_prompt_chars:
-            assert self.engine is not None
             raise InvalidRequest(
                 "prompt_ids",
                 f"prompt is {chars} characters; at most {self.max_prompt_chars} fit a request's "
-                f"{self.engine.cache.capacity} cache positions (--max-prompt-chars)",
+                f"{self.capacity} cache positions (--max-prompt-chars)",
             )
 
     @contextlib.contextmanager
@@ -248,21 +247,26 @@ class VerifierService:
     def submit(self, generation: GenerationRequest, span) -> RequestHandle:
         """Validate and queue a request from any front door (gRPC, HTTP): raises InvalidRequest
         (the client's to fix), QueueFull or ShuttingDown. Call only once ``ready`` is set."""
-        self._check(generation, span)
+        self._validate(generation)
+        self._annotate_request(generation, span)
         assert self.scheduler is not None  # ready: attach set it
         return self.scheduler.submit(generation, trace.set_span_in_context(span))
 
     def submit_group(self, generations: list[GenerationRequest], span) -> list[RequestHandle]:
         """``submit`` for requests that make one answer (HTTP's ``n`` choices): all queued or none."""
-        for generation in reversed(generations):  # the first, the request's own seed, annotates the span last
-            self._check(generation, span)
+        for generation in generations:
+            self._validate(generation)
+        self._annotate_request(generations[0], span)  # the request as sent: choice 0 has its own seed
         span.set_attributes({"specdec.choices": len(generations), gen_ai.GEN_AI_REQUEST_CHOICE_COUNT: len(generations)})
         assert self.scheduler is not None  # ready: attach set it
         return self.scheduler.submit_group(generations, trace.set_span_in_context(span))
 
-    def _check(self, generation: GenerationRequest, span) -> None:
+    def _validate(self, generation: GenerationRequest) -> None:
         assert self.engine is not None  # ready: attach set it
         self.engine.validate(generation)
+
+    @staticmethod
+    def _annotate_request(generation: GenerationRequest, span) -> None:
         sampling = generation.sampling
         attributes = {
             "specdec.max_new_tokens": generation.max_new_tokens,

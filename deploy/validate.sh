@@ -24,7 +24,9 @@
 #   prometheus        deploy/prometheus.yml parses as YAML and passes
 #                     promtool check config
 #   grafana           the dashboard parses as JSON and every query parses as
-#                     PromQL (promtool check rules)
+#                     PromQL (promtool check rules); the provisioning files
+#                     (deploy/grafana/provisioning) hold only the fields
+#                     Grafana's provisioning documents, of the right types
 #   dockerfiles       deploy/*.Dockerfile parse with BuildKit's parser and use
 #                     only known instructions
 #
@@ -232,7 +234,51 @@ with open(rules_path, "w") as f:
     yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}, f)
 print(f"{len(queries)} queries")
 PY
-    promtool check rules "$scratch/dashboard-rules.yml"
+    local status=0
+    promtool check rules "$scratch/dashboard-rules.yml" || status=1
+    "$PYTHON" - "$ROOT/deploy/grafana/provisioning" <<'PY' || status=1
+import sys
+from pathlib import Path
+import jsonschema, yaml
+
+# Grafana's provisioning files (grafana.com/docs/grafana/latest/administration/provisioning),
+# the fields this stack may use, closed so a misspelt one fails here instead of being ignored.
+def closed(properties, required=()):
+    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
+
+text, flag = {"type": "string"}, {"type": "boolean"}
+datasource = closed(
+    {"name": text, "uid": text, "type": text, "access": {"enum": ["proxy", "direct"]}, "url": text, "orgId": {"type": "integer"},
+     "isDefault": flag, "editable": flag, "version": {"type": "integer"}, "jsonData": {"type": "object"}},
+    ["name", "type", "access", "url"],
+)
+provider = closed(
+    {"name": text, "orgId": {"type": "integer"}, "folder": text, "folderUid": text, "type": {"const": "file"}, "disableDeletion": flag,
+     "allowUiUpdates": flag, "updateIntervalSeconds": {"type": "integer"},
+     "options": closed({"path": text, "foldersFromFilesStructure": flag}, ["path"])},
+    ["name", "type", "options"],
+)
+kinds = {
+    "datasources": closed({"apiVersion": {"const": 1}, "datasources": {"type": "array", "items": datasource, "minItems": 1}}, ["apiVersion", "datasources"]),
+    "dashboards": closed({"apiVersion": {"const": 1}, "providers": {"type": "array", "items": provider, "minItems": 1}}, ["apiVersion", "providers"]),
+}
+root, bad = Path(sys.argv[1]), 0
+for kind, schema in kinds.items():
+    files = sorted((root / kind).glob("*.y*ml"))
+    if not files:
+        print(f"{root / kind}: no provisioning file")
+        bad += 1
+    for path in files:
+        try:
+            errors = [error.message for error in jsonschema.Draft202012Validator(schema).iter_errors(yaml.safe_load(path.read_text()))]
+        except yaml.YAMLError as error:
+            errors = [f"not YAML: {error}"]
+        for message in errors:
+            print(f"{path}: {message}")
+        bad += len(errors)
+sys.exit(1 if bad else 0)
+PY
+    return $status
 }
 
 check_dockerfiles() {

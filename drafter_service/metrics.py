@@ -3,13 +3,24 @@ own locks make them safe from any worker thread), and gauges read at scrape time
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR
+
 PREFIX = "specdec_drafter_"
-SOURCES = ("context", "global")  # where a draft token came from: the request's own context, or the global table
+# Where a draft token came from: the request's own context, the global n-gram table, or
+# the successor table (the target's own earlier predictions).
+SOURCES = (SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR)
+# Each table's stats (LMDBNGramStore.stats) exported as a gauge: (stat, metric, help).
+TABLE_GAUGES = (
+    ("entries", "table_entries", "n-grams in the global table"),
+    ("bytes", "table_bytes", "Tracked size of the global table (what --max-bytes bounds)"),
+    ("file_bytes", "table_file_bytes", "Size of the table's LMDB file on disk"),
+    ("successor_entries", "table_successor_entries", "Keys in the successor table (the target's own predictions)"),
+)
 
 
 class DrafterMetrics:
@@ -58,23 +69,28 @@ class DrafterMetrics:
             family = CounterMetricFamily(PREFIX + name, help_text)
             family.add_metric([], read())
             yield family
-        entries = GaugeMetricFamily(PREFIX + "table_entries", "n-grams in the global table", labels=["vocabulary"])
-        size = GaugeMetricFamily(PREFIX + "table_bytes", "Tracked size of the global table", labels=["vocabulary"])
-        for vocabulary, stats in self._tables().items():
-            entries.add_metric([vocabulary], stats.get("entries", 0))
-            size.add_metric([vocabulary], stats.get("bytes", 0))
-        yield entries
-        yield size
+        tables = self._tables()
+        for stat, name, help_text in TABLE_GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, help_text, labels=["vocabulary"])
+            for vocabulary, stats in tables.items():
+                family.add_metric([vocabulary], stats.get(stat, 0))
+            yield family
+        evictions = CounterMetricFamily(
+            PREFIX + "table_evictions", "n-grams evicted to keep the table under --max-bytes", labels=["vocabulary"]
+        )
+        for vocabulary, stats in tables.items():
+            evictions.add_metric([vocabulary], stats.get("evictions", 0))
+        yield evictions
 
     def describe(self):
         return []  # dynamic: skip the registry's duplicate-name check at registration
 
-    def proposed_call(self, drafts: list[tuple[int, int]], misses: int) -> None:
-        """One Propose call: (context, global) token counts of each draft, and the sequences that wanted one and got none."""
+    def proposed_call(self, drafts: Sequence[Mapping[str, int]], misses: int) -> None:
+        """One Propose call: each draft's token count by source, and the sequences that wanted one and got none."""
         self.propose_calls.inc()
         self.misses.inc(misses)
-        self.proposed.labels("context").inc(sum(context for context, _ in drafts))
-        self.proposed.labels("global").inc(sum(other for _, other in drafts))
+        for source in SOURCES:
+            self.proposed.labels(source).inc(sum(draft.get(source, 0) for draft in drafts))
 
     def stats(self) -> dict[str, int]:
         """The counter fields of StatsResponse, read from the counters themselves (not a scrape
@@ -87,9 +103,8 @@ class DrafterMetrics:
                         totals[sample.name.removeprefix(PREFIX).removesuffix("_total"), sample.labels.get("source")] = int(sample.value)
         return {
             "propose_calls": totals["propose_calls", None],
-            "proposed_tokens": totals["proposed_tokens", "context"] + totals["proposed_tokens", "global"],
-            "context_hits": totals["proposed_tokens", "context"],
-            "global_hits": totals["proposed_tokens", "global"],
+            "proposed_tokens": sum(totals["proposed_tokens", source] for source in SOURCES),
+            **{f"{source}_hits": totals["proposed_tokens", source] for source in SOURCES},
             "misses": totals["misses", None],
             "observed_tokens": totals["observed_tokens", None],
             **{f"{source}_{verdict}": totals[f"{verdict}_tokens", source] for source in SOURCES for verdict in ("verified", "accepted")},

@@ -20,6 +20,7 @@ import re
 import shutil
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -328,10 +329,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _count(self, sources: list[list[str]], asked: list[bool]) -> None:
         """Counters for one call; ``sources``: each draft's per-token sources."""
-        drafts = []
-        for draft_sources in sources:
-            context_hits = draft_sources.count(SOURCE_CONTEXT)
-            drafts.append((context_hits, len(draft_sources) - context_hits))
+        drafts = [Counter(draft_sources) for draft_sources in sources]
         self.metrics.proposed_call(drafts, misses=sum(wanted and not draft for draft, wanted in zip(sources, asked)))
 
     def _credit_feedback(self, verdicts: list[tuple[str, bool]]) -> None:
@@ -514,7 +512,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         tables = self.stores.table_stats()
         if request.vocabulary:
             tables = {request.vocabulary: tables[request.vocabulary]} if request.vocabulary in tables else {}
-        totals = {"entries": 0, "bytes": 0, "file_bytes": 0, "evictions": 0}
+        totals = {"entries": 0, "bytes": 0, "file_bytes": 0, "evictions": 0, "successor_entries": 0}
         for stats in tables.values():
             for name in totals:
                 totals[name] += stats.get(name, 0)

@@ -319,6 +319,12 @@ class SpeculativeEngine:
     def free_slots(self) -> int:
         return self._slots.count(None)
 
+    def cache_usage(self) -> tuple[float, float]:
+        """(share of the cache's token positions held, share of its slots in use), 0 to 1.
+        Safe from any thread (for metrics): it reads a copy, so it may be a step old."""
+        held = [sequence for sequence in list(self._slots) if sequence is not None]
+        return sum(sequence.cached for sequence in held) / (self.cache.slots * self.cache.capacity), len(held) / self.cache.slots
+
     def validate(self, request: GenerationRequest) -> None:
         """Every rule a request must meet, in one place: an ``InvalidRequest`` naming the
         field (and the flag that sets its limit), fit to show the client."""

@@ -4,6 +4,8 @@ Trace shape, per request (root span ``{operation} {model}``, as OpenTelemetry's
 GenAI conventions name it: ``service.VerifierService.request_span``; a child of
 the caller's span when it sent a W3C ``traceparent``):
 
+* ``specdec.queue`` (arrival to a cache slot) and ``specdec.prefill`` (the slot
+  to the first token, its prompt chunked among steps), once each;
 * ``specdec.step``, one per step the request took part in, with this
   request's share (``specdec.k``: drafts verified, ``specdec.accepted``,
   ``specdec.tokens``), linked to the step's batch span;
@@ -26,6 +28,7 @@ score and accept spans are written after the step from the engine's
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 from opentelemetry import trace
@@ -101,7 +104,21 @@ class ServiceObserver:
             span.end(end_time=end)
 
     def prefilled(self, handle: RequestHandle, emitted: int) -> None:
-        self.metrics.record_prefill(emitted)
+        """A request's prompt is in the cache and its first token out: how long it queued and
+        prefilled, in the metrics and as the request's ``specdec.queue`` and ``specdec.prefill`` spans."""
+        now = time.perf_counter()
+        admitted = handle.admitted_at if handle.admitted_at is not None else now
+        self.metrics.record_prefill(len(handle.request.prompt_ids), emitted, admitted - handle.arrived, now - admitted)
+        if not self.tracing.enabled:
+            return
+        wall_ns = time.time_ns()
+
+        def wall(moment: float) -> int:  # a perf_counter() moment as the epoch nanoseconds spans take
+            return wall_ns - int((now - moment) * 1e9)
+
+        for name, start, end in (("specdec.queue", handle.arrived, admitted), ("specdec.prefill", admitted, now)):
+            span = self.tracer.start_span(name, context=handle.trace_context, start_time=wall(start))
+            span.end(end_time=wall(end))
 
 
 class _TracedProposer:

@@ -84,7 +84,7 @@ from verifier_service.openai_protocol import shown as _shown
 from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import QueueFull, RequestHandle, ShuttingDown, TokenChunk, interleave
-from verifier_service.service import CHAT, TEXT_COMPLETION, RequestStats, VerifierService
+from verifier_service.service import CHAT, TEXT_COMPLETION, RequestStats, TracedRequest, VerifierService
 from verifier_service.text import IncrementalDecoder, IncrementalText
 
 log = logging.getLogger(__name__)
@@ -332,15 +332,15 @@ class OpenAIApi:
                     code="too_many_requests_per_caller",
                 )
             places.append(place)
-        span_context = self.service.request_span(propagate.extract(dict(request.headers)), CHAT if chat else TEXT_COMPLETION)
-        span = span_context.__enter__()
-        span.set_attribute("http.request.id", request.scope["state"]["request_id"])  # _RequestIds'
+        span_context = self.service.request_span(propagate.extract(dict(request.headers)), CHAT if chat else TEXT_COMPLETION, _error_type)
+        traced = span_context.__enter__()
+        traced.span.set_attribute("http.request.id", request.scope["state"]["request_id"])  # _RequestIds'
         try:
-            handles = self._submit(generations, span, chat)
+            handles = self._submit(generations, traced.span, chat)
         except BaseException as error:
             span_context.__exit__(type(error), error, error.__traceback__)
             raise
-        reply = _Reply(self, handles, chat, span, span_context, echo)
+        reply = _Reply(self, handles, chat, traced, span_context, echo)
         if stream:
             return _EventStream(self._events(reply, include_usage), reply.close, release)
         try:
@@ -575,6 +575,11 @@ def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
     return (top or 0) if wanted else None
 
 
+def _error_type(error: BaseException) -> str:
+    """A failed request's error.type: its HTTP status, as OpenTelemetry's HTTP conventions name one."""
+    return str(error.status) if isinstance(error, ApiError) else "500"
+
+
 def _log_unexpected(what: str, error: BaseException) -> None:
     """One line for a failure nobody foresaw: what failed, the exception, and where it was raised."""
     frames = traceback.extract_tb(error.__traceback__)
@@ -702,8 +707,10 @@ class _Reply:
     """One request's answer as OpenAI objects, a choice per handle (``n``): chunks while it
     streams, or the whole."""
 
-    def __init__(self, api: OpenAIApi, handles: list[RequestHandle], chat: bool, span, span_context, echo: str = "") -> None:
-        self.api, self.handles, self.chat, self.span = api, handles, chat, span
+    def __init__(
+        self, api: OpenAIApi, handles: list[RequestHandle], chat: bool, traced: TracedRequest, span_context, echo: str = ""
+    ) -> None:
+        self.api, self.handles, self.chat, self.traced = api, handles, chat, traced
         self.echo = echo  # completions' echo: the prompt's text, sent before each completion's
         self._span_context = span_context  # service.request_span's, entered
         self._closed = False
@@ -748,7 +755,7 @@ class _Reply:
             )
         elif self._answered:
             self.api.service.annotate(
-                self.span, RequestStats.combined(self.stats), [result.finish_reason for result in self.results], self.id
+                self.traced, RequestStats.combined(self.stats), [result.finish_reason for result in self.results], self.id
             )
         if error is None or gone:
             self._span_context.__exit__(None, None, None)

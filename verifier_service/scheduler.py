@@ -117,6 +117,7 @@ class RequestHandle:
 
     request: GenerationRequest
     arrived: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None  # when it got a cache slot
     first_token_at: float | None = None
     cancelled: bool = False
     trace_context: Any = None  # the request's tracing context, for the observer
@@ -296,6 +297,7 @@ class Scheduler:
                 continue
             try:
                 handle._sequence = self.engine.add(handle.request)
+                handle.admitted_at = time.perf_counter()
             except Exception as error:  # a bad request (ValueError, validated by the service already) or a bug: this request only
                 if not isinstance(error, ValueError):
                     log.exception("admitting a request failed")

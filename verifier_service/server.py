@@ -235,10 +235,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def Generate(self, request, context):
         self._admit(context)
-        with self.service.request_span(telemetry.incoming_context(context), CHAT if request.chat else TEXT_COMPLETION) as span:
-            handle = self._submit(request, context, span)
+        with self._request_span(request, context) as traced:
+            handle = self._submit(request, context, traced.span)
             result = self._result(handle, context)
-            stats = self.service.finished(handle, result, span)
+            stats = self.service.finished(handle, result, traced)
             return verifier_pb2.GenerateResponse(
                 text=result.text,
                 token_ids=result.token_ids,
@@ -249,8 +249,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def GenerateStream(self, request, context):
         self._admit(context)
-        with self.service.request_span(telemetry.incoming_context(context), CHAT if request.chat else TEXT_COMPLETION) as span:
-            handle = self._submit(request, context, span)
+        with self._request_span(request, context) as traced:
+            handle = self._submit(request, context, traced.span)
             text = IncrementalText(self.service.tokenizer, handle.request.stop)
             for chunk in handle.stream():
                 sources = [TOKEN_SOURCES[source] for source in chunk.sources]
@@ -258,10 +258,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     text=text.push(chunk.tokens), token_ids=chunk.tokens, token_sources=sources, logprobs=proto_logprobs(chunk.logprobs)
                 )
             result = self._result(handle, context)
-            stats = proto_stats(self.service.finished(handle, result, span))
+            stats = proto_stats(self.service.finished(handle, result, traced))
             yield verifier_pb2.GenerateChunk(text=text.finish(result.text), finish_reason=FINISH_REASONS[result.finish_reason], stats=stats)
 
     # -- helpers --------------------------------------------------------------------
+
+    def _request_span(self, request, context):
+        """The service's request span; a request that fails is measured by its status code's name."""
+
+        def error_type(error: BaseException) -> str:
+            code = context.code()  # set by abort; None when something else raised
+            return code.name if isinstance(code, grpc.StatusCode) else type(error).__qualname__
+
+        return self.service.request_span(telemetry.incoming_context(context), CHAT if request.chat else TEXT_COMPLETION, error_type)
 
     def _admit(self, context) -> None:
         """The call's caller, checked (UNAUTHENTICATED without a valid key when keys are
@@ -399,6 +408,8 @@ class VerifierServer:
         scheduler = Scheduler(engine, config.scheduler, observer)
         self.service.metrics.queue_depth.set_function(lambda: scheduler.queue_depth)
         self.service.metrics.active_sequences.set_function(lambda: scheduler.batch_size)
+        self.service.metrics.kv_cache_usage.set_function(lambda: engine.cache_usage()[0])
+        self.service.metrics.kv_cache_slot_usage.set_function(lambda: engine.cache_usage()[1])
         scheduler.start()
         self.service.attach(engine, scheduler)
         serving.set_serving(self.health, SERVICE_NAME, True)
@@ -456,7 +467,7 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     server, guard = serving.grpc_server(config.connections, workers, workers, config.max_message_bytes)
     health_servicer = serving.add_health_and_reflection(server, SERVICE_NAME)
     tracing = telemetry.Tracing("specdec-verifier")
-    metrics = VerifierMetrics()
+    metrics = VerifierMetrics(config.model)
     metrics.watch("dropped_spans", "Trace spans dropped (collector down or queue full)", lambda: tracing.dropped_spans)
     service = VerifierService(config, tracing, metrics)
     verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(service), server)

@@ -19,18 +19,19 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
+from opentelemetry.semconv.attributes import error_attributes
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdec import telemetry
 from verifier_service.engine import SpeculativeEngine
 from verifier_service.errors import InvalidRequest
-from verifier_service.generation import GenerationRequest, GenerationResult
-from verifier_service.metrics import VerifierMetrics
+from verifier_service.generation import FINISH_CANCELLED, GenerationRequest, GenerationResult
+from verifier_service.metrics import PROVIDER, VerifierMetrics
 from verifier_service.scheduler import RequestHandle, Scheduler
 
 if TYPE_CHECKING:
@@ -39,7 +40,10 @@ if TYPE_CHECKING:
 # OpenTelemetry's GenAI operation names: a chat (a chat template applied) or a plain completion.
 CHAT = gen_ai.GenAiOperationNameValues.CHAT.value
 TEXT_COMPLETION = gen_ai.GenAiOperationNameValues.TEXT_COMPLETION.value
-PROVIDER = "specdec"  # gen_ai.provider.name: this server, not a vendor's API
+
+
+def _class_name(error: BaseException) -> str:
+    return type(error).__qualname__
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,18 @@ class CallerLimit:
         )
 
 
+@dataclass
+class TracedRequest:
+    """A request as traced and measured: its root span and GenAI operation name, when the
+    service took it, and its stats once it was answered (``VerifierService.annotate``)."""
+
+    span: Any
+    operation: str  # CHAT or TEXT_COMPLETION
+    started: float = field(default_factory=time.perf_counter)
+    stats: RequestStats | None = None
+    finish_reasons: tuple[str, ...] = ()
+
+
 def longest_token_chars(tokenizer) -> int:
     """Characters of the vocabulary's longest token as the tokenizer spells it, which is at
     least what it stands for: byte-level BPE spells a byte per character ("Ġthe"),
@@ -194,41 +210,63 @@ class VerifierService:
             )
 
     @contextlib.contextmanager
-    def request_span(self, parent, operation: str):
+    def request_span(self, parent, operation: str, error_type: Callable[[BaseException], str] = _class_name):
         """The request's root span, a child of ``parent`` (the caller's trace context, when it
         sent one), named and described by OpenTelemetry's GenAI conventions ("chat MODEL",
-        ``gen_ai.*``) beside our ``specdec.*`` attributes. Not made current: the work runs on
-        the scheduler thread (it gets the context through the handle), and a stream's
-        generator may be resumed elsewhere."""
+        ``gen_ai.*``) beside our ``specdec.*`` attributes, in a ``TracedRequest``. Not made
+        current: the work runs on the scheduler thread (it gets the context through the
+        handle), and a stream's generator may be resumed elsewhere.
+
+        On exit the request's GenAI metrics are recorded: its duration, with the
+        ``error_type`` of the exception that ended it (each front door names its own:
+        a gRPC status, an HTTP status), or "cancelled" when it ended unanswered (the
+        client left); and for an answered request its time to first token and per token."""
         model = self.config.model
         attributes = {gen_ai.GEN_AI_OPERATION_NAME: operation, gen_ai.GEN_AI_REQUEST_MODEL: model, gen_ai.GEN_AI_PROVIDER_NAME: PROVIDER}
         span = self.tracing.tracer.start_span(f"{operation} {model}", context=parent, kind=SpanKind.SERVER, attributes=attributes)
+        traced = TracedRequest(span, operation)
+        failure = ""
         try:
-            yield span
+            yield traced
         except BaseException as error:
-            if not isinstance(error, GeneratorExit):  # a stream the client stopped reading is not an error
+            if isinstance(error, GeneratorExit):  # a stream the client stopped reading is not an error
+                failure = FINISH_CANCELLED
+            else:
+                failure = error_type(error)
                 span.record_exception(error)
                 span.set_status(Status(StatusCode.ERROR, str(error)))
+                span.set_attribute(error_attributes.ERROR_TYPE, failure)
             raise
         finally:
             span.end()
+            self._measure(traced, failure)
 
-    def finished(self, handle: RequestHandle, result: GenerationResult, span) -> RequestStats:
+    def _measure(self, traced: TracedRequest, failure: str) -> None:
+        stats = traced.stats
+        if not failure and (stats is None or FINISH_CANCELLED in traced.finish_reasons):
+            failure = FINISH_CANCELLED
+        if failure or stats is None:
+            self.metrics.record_request(traced.operation, time.perf_counter() - traced.started, failure)
+            return
+        first = stats.time_to_first_token_ms / 1000 if stats.generated_tokens else None
+        self.metrics.record_request(traced.operation, stats.total_ms / 1000, first_token_s=first, output_tokens=stats.generated_tokens)
+
+    def finished(self, handle: RequestHandle, result: GenerationResult, traced: TracedRequest) -> RequestStats:
         """Record a finished request in its span and the metrics; its stats."""
         stats = self.recorded(handle, result)
-        self.annotate(span, stats, [result.finish_reason], handle.request.request_id)
+        self.annotate(traced, stats, [result.finish_reason], handle.request.request_id)
         return stats
 
     def recorded(self, handle: RequestHandle, result: GenerationResult) -> RequestStats:
-        """Record a finished request in the metrics; its stats."""
-        stats = self._stats(handle, result)
-        first = None if handle.first_token_at is None else handle.first_token_at - handle.arrived
-        self.metrics.record_request(result.finish_reason, stats.total_ms / 1000, first)
-        return stats
+        """Record a finished sequence (one choice) in the metrics; its stats."""
+        self.metrics.record_sequence(result.finish_reason)
+        return self._stats(handle, result)
 
-    def annotate(self, span, stats: RequestStats, finish_reasons: Sequence[str], response_id: str) -> None:
-        """How a request ended, in its span: ours and the GenAI conventions' (one finish reason a choice)."""
-        span.set_attributes(
+    def annotate(self, traced: TracedRequest, stats: RequestStats, finish_reasons: Sequence[str], response_id: str) -> None:
+        """How an answered request ended, in its span (ours and the GenAI conventions'
+        attributes, one finish reason a choice) and for its metrics."""
+        traced.stats, traced.finish_reasons = stats, tuple(finish_reasons)
+        traced.span.set_attributes(
             {
                 "specdec.prompt_tokens": stats.prompt_tokens,
                 "specdec.generated_tokens": stats.generated_tokens,

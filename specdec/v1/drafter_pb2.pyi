@@ -133,7 +133,7 @@ class StatsRequest(_message.Message):
     def __init__(self, vocabulary: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("entries", "bytes", "file_bytes", "max_bytes", "evictions", "open_sessions", "propose_calls", "proposed_tokens", "context_hits", "global_hits", "misses", "observed_tokens", "context_verified", "context_accepted", "global_verified", "global_accepted")
+    __slots__ = ("entries", "bytes", "file_bytes", "max_bytes", "evictions", "open_sessions", "propose_calls", "proposed_tokens", "context_hits", "global_hits", "misses", "observed_tokens", "context_verified", "context_accepted", "global_verified", "global_accepted", "successor_entries", "successor_hits", "successor_verified", "successor_accepted")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,10 @@ class StatsResponse(_message.Message):
     CONTEXT_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSOR_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSOR_HITS_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSOR_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSOR_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     entries: int
     bytes: int
     file_bytes: int
@@ -166,7 +170,11 @@ class StatsResponse(_message.Message):
     context_accepted: int
     global_verified: int
     global_accepted: int
-    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., propose_calls: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., context_hits: _Optional[int] = ..., global_hits: _Optional[int] = ..., misses: _Optional[int] = ..., observed_tokens: _Optional[int] = ..., context_verified: _Optional[int] = ..., context_accepted: _Optional[int] = ..., global_verified: _Optional[int] = ..., global_accepted: _Optional[int] = ...) -> None: ...
+    successor_entries: int
+    successor_hits: int
+    successor_verified: int
+    successor_accepted: int
+    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., propose_calls: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., context_hits: _Optional[int] = ..., global_hits: _Optional[int] = ..., misses: _Optional[int] = ..., observed_tokens: _Optional[int] = ..., context_verified: _Optional[int] = ..., context_accepted: _Optional[int] = ..., global_verified: _Optional[int] = ..., global_accepted: _Optional[int] = ..., successor_entries: _Optional[int] = ..., successor_hits: _Optional[int] = ..., successor_verified: _Optional[int] = ..., successor_accepted: _Optional[int] = ...) -> None: ...
 
 class BackupRequest(_message.Message):
     __slots__ = ("vocabulary", "destination")

@@ -31,11 +31,13 @@ VALIDATE = DEPLOY / "validate.sh"
 INSTALL_HINT = "install the validators with: deploy/install-validators.sh (as root)"
 
 # The metric names the services export (verifier_service/metrics.py,
-# drafter_service/server.py); the dashboard may use these and no others.
+# drafter_service/metrics.py); the dashboard may use these and no others.
 VERIFIER_METRICS = {
     "specdec_verifier_requests_total": "counter",
+    "specdec_verifier_prompt_tokens_total": "counter",
     "specdec_verifier_generated_tokens_total": "counter",
     "specdec_verifier_forward_passes_total": "counter",
+    "specdec_verifier_drafts_total": "counter",
     "specdec_verifier_draft_tokens_total": "counter",
     "specdec_verifier_accepted_tokens_total": "counter",
     "specdec_verifier_accepted_by_position_total": "counter",
@@ -43,15 +45,24 @@ VERIFIER_METRICS = {
     "specdec_verifier_verified_k": "histogram",
     "specdec_verifier_batch_size": "histogram",
     "specdec_verifier_step_seconds": "histogram",
+    "specdec_verifier_request_queue_seconds": "histogram",
+    "specdec_verifier_request_prefill_seconds": "histogram",
     "specdec_verifier_queue_depth": "gauge",
     "specdec_verifier_active_sequences": "gauge",
+    "specdec_verifier_kv_cache_usage_perc": "gauge",
+    "specdec_verifier_kv_cache_slot_usage_perc": "gauge",
     "specdec_verifier_drafter_fallbacks_total": "counter",
-    "specdec_verifier_request_seconds": "histogram",
-    "specdec_verifier_time_to_first_token_seconds": "histogram",
+    # OpenTelemetry's GenAI server metrics, as its Prometheus exporter names them.
+    "gen_ai_server_time_to_first_token_seconds": "histogram",
+    "gen_ai_server_time_per_output_token_seconds": "histogram",
+    "gen_ai_server_request_duration_seconds": "histogram",
 }
 DRAFTER_METRICS = {
     "specdec_drafter_table_entries": "gauge",
+    "specdec_drafter_table_successor_entries": "gauge",
     "specdec_drafter_table_bytes": "gauge",
+    "specdec_drafter_table_file_bytes": "gauge",
+    "specdec_drafter_table_evictions_total": "counter",
     "specdec_drafter_propose_calls_total": "counter",
     "specdec_drafter_proposed_tokens_total": "counter",
     "specdec_drafter_misses_total": "counter",
@@ -145,11 +156,19 @@ CORRUPTIONS = [
     ),
     (
         "deploy/grafana/specdec-dashboard.json",
-        "sum(rate(specdec_verifier_generated_tokens_total[$__rate_interval]))",
-        "sum(rate(specdec_verifier_generated_tokens_total[$__rate_interval])",
+        'sum(rate(specdec_drafter_propose_calls_total{instance=~\\"$drafter\\"}[$__rate_interval]))"',
+        'sum(rate(specdec_drafter_propose_calls_total{instance=~\\"$drafter\\"}[$__rate_interval])"',
         "grafana",
         "unclosed left parenthesis",
     ),
+    (
+        "deploy/grafana/provisioning/datasources/prometheus.yml",
+        "    access: proxy\n",
+        "    acess: proxy\n",
+        "grafana",
+        "'acess' was unexpected",
+    ),
+    ("deploy/grafana/provisioning/dashboards/specdec.yml", "      path: /var", "      paths: /var", "grafana", "'paths' was unexpected"),
     ("deploy/drafter.Dockerfile", "EXPOSE 50051 9101", "EXPOS 50051 9101", "dockerfiles", "unknown instruction EXPOS"),
 ]
 
@@ -259,6 +278,7 @@ def test_compose_publishes_no_drafter_or_trace_input_port_and_the_rest_on_localh
         "verifier": {50052: "127.0.0.1", 8000: "127.0.0.1"},  # gRPC and the OpenAI-compatible HTTP API
         "jaeger": {16686: "127.0.0.1"},
         "prometheus": {9090: "127.0.0.1"},
+        "grafana": {3000: "127.0.0.1"},
     }
 
 
@@ -272,7 +292,7 @@ def test_compose_health_checks_ask_grpc_health_on_each_health_port(validated):
 
 def test_compose_third_party_images_are_pinned(validated):
     services = resolved(validated)["services"]
-    for name in ("jaeger", "prometheus"):
+    for name in ("jaeger", "prometheus", "grafana"):
         image = services[name]["image"]
         assert ":" in image and not image.endswith(":latest"), image
     assert services["prometheus"]["volumes"][0]["source"] == str(REPO / "deploy" / "prometheus.yml")
@@ -624,6 +644,32 @@ def test_prometheus_scrapes_both_services_every_5s():
     assert all(job.get("scrape_interval", config["global"]["scrape_interval"]) == "5s" for job in jobs.values())
 
 
+# A metric in a query: a name followed by its selector or range (a label name is not).
+METRIC_REFERENCE = r"\b((?:specdec|gen_ai)_[a-z0-9_]+)(?=[{\[])"
+
+
+def test_compose_grafana_provisions_the_prometheus_datasource_and_the_dashboard(validated):
+    yaml = require_module("yaml", "PyYAML")
+    services = resolved(validated)["services"]
+    grafana = services["grafana"]
+    mounts = {volume["target"]: volume for volume in grafana["volumes"]}
+    provisioning = DEPLOY / "grafana" / "provisioning"
+    assert mounts["/etc/grafana/provisioning"]["source"] == str(provisioning) and mounts["/etc/grafana/provisioning"]["read_only"]
+    # The datasource is the compose stack's Prometheus, at the port it listens on.
+    [source] = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    prometheus_port = services["prometheus"]["ports"][0]["target"]
+    assert (source["type"], source["url"], source["isDefault"]) == ("prometheus", f"http://prometheus:{prometheus_port}", True)
+    # The provider reads the folder the dashboard is mounted in, and that file is the home dashboard.
+    [provider] = yaml.safe_load((provisioning / "dashboards" / "specdec.yml").read_text())["providers"]
+    [dashboard_target] = [
+        target for target, volume in mounts.items() if volume["source"] == str(DEPLOY / "grafana" / "specdec-dashboard.json")
+    ]
+    assert Path(dashboard_target).parent == Path(provider["options"]["path"]) and mounts[dashboard_target]["read_only"]
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == dashboard_target
+    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"  # looking needs no login; editing does
+    assert "prometheus" in grafana["depends_on"]
+
+
 def dashboard() -> dict:
     return json.loads((DEPLOY / "grafana" / "specdec-dashboard.json").read_text())
 
@@ -632,7 +678,7 @@ def dashboard_metric_names() -> set[str]:
     names = set()
     for panel in dashboard()["panels"]:
         for target in panel.get("targets", []):
-            for name in re.findall(r"\bspecdec_[a-z0-9_]+", target["expr"]):
+            for name in re.findall(METRIC_REFERENCE, target["expr"]):
                 # A histogram is queried through its series; count it by its family name.
                 family = re.sub(r"_(bucket|sum|count)$", "", name)
                 names.add(family if KNOWN_METRICS.get(family) == "histogram" else name)
@@ -661,15 +707,34 @@ def test_dashboard_queries_a_templated_prometheus_datasource():
         "Acceptance rate",
         "Tokens per forward pass",
         "Acceptance by draft position",
+        "Requests/s by finish reason",
+        "Time to first token",
+        "Time per output token",
+        "Queueing and prefill",
         "Step latency",
         "Batch size",
-        "Time to first token",
+        "KV cache usage",
         "Drafter fallbacks",
+        "Drafter Propose latency (server side)",
         "Drafter table size",
         "Drafter hit rate by source",
         "Drafter acceptance by source",
     ):
         assert wanted in titles
+
+
+def test_dashboard_selects_a_model_and_instances():
+    board = dashboard()
+    variables = {variable["name"]: variable for variable in board["templating"]["list"] if variable["type"] == "query"}
+    assert set(variables) == {"model", "instance", "drafter"}
+    assert "model_name" in variables["model"]["query"]["query"] and "$model" in variables["instance"]["query"]["query"]
+    for panel in board["panels"]:
+        for target in panel.get("targets", []):
+            for name, selector in re.findall(METRIC_REFERENCE + r"(\{[^}]*\})?", target["expr"]):
+                if "specdec_drafter_" in target["expr"]:
+                    assert selector == '{instance=~"$drafter"}', (panel["title"], target["expr"])
+                else:  # a verifier's series: the selected model on the selected verifiers
+                    assert selector.startswith('{model_name=~"$model", instance=~"$instance"'), (panel["title"], target["expr"])
 
 
 def exported_families(registry) -> dict[str, str]:
@@ -686,7 +751,7 @@ def test_the_known_metrics_are_what_the_services_export(tmp_path):
     from drafter_service.server import DrafterConfig, create_server
     from verifier_service.metrics import VerifierMetrics
 
-    verifier = VerifierMetrics()
+    verifier = VerifierMetrics("a-model")
     # Counters kept elsewhere are added by the server through watch(); the names it watches:
     source = "\n".join(path.read_text() for path in (REPO / "verifier_service").glob("*.py"))
     for name in re.findall(r"\.watch\(\s*\"(\w+)\"", source):

@@ -141,6 +141,13 @@ def test_one_generate_is_one_trace_across_both_services(tiny_model_dir):
     assert parent[generate] == {CLIENT_SPAN_ID}
     assert parent["specdec.batch_step"] == {generate}
     assert parent["specdec.step"] == {generate}
+    # Where the time before the first token went: queueing for a slot, then the prefill.
+    assert parent["specdec.queue"] == parent["specdec.prefill"] == {generate}
+    [queue] = [span for _, span in spans if span.name == "specdec.queue"]
+    [prefill] = [span for _, span in spans if span.name == "specdec.prefill"]
+    [request_span] = [span for _, span in spans if span.name == generate]
+    assert request_span.start_time_unix_nano <= queue.start_time_unix_nano <= queue.end_time_unix_nano <= prefill.start_time_unix_nano
+    assert prefill.start_time_unix_nano < prefill.end_time_unix_nano <= request_span.end_time_unix_nano
     assert parent["specdec.propose"] == parent["specdec.score"] == parent["specdec.accept"] == {"specdec.batch_step"}
     assert parent["specdec.drafter.propose"] == {"specdec.propose"}  # across the process boundary
     # Each request step span links to its batch step; attributes are namespaced scalars, no text.
@@ -208,6 +215,9 @@ def test_prometheus_scrapes_both_services(tiny_model_dir, tmp_path):
             stub = rpc.VerifierStub(verifier.channel)
             for prompt in ([5, 6, 7, 5, 6, 7, 5], [9, 9, 9, 9], [1, 2, 3]):
                 stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=10, num_speculative_tokens=4), timeout=60)
+            with pytest.raises(grpc.RpcError) as refused:  # a token outside the vocabulary
+                stub.Generate(pb.GenerateRequest(prompt_token_ids=[10**6], max_new_tokens=10), timeout=60)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
             def query(expression: str) -> float | None:
                 url = f"http://127.0.0.1:{web}/api/v1/query?query={urllib.parse.quote(expression)}"
@@ -224,11 +234,24 @@ def test_prometheus_scrapes_both_services(tiny_model_dir, tmp_path):
             drafted = query("specdec_verifier_draft_tokens_total")
             accepted = query("specdec_verifier_accepted_tokens_total")
             assert drafted is not None and accepted is not None and 0 <= accepted <= drafted
+            # Every verifier series names its model; the prompts' 14 tokens were prefilled.
+            assert query(f'sum(specdec_verifier_generated_tokens_total{{model_name="{tiny_model_dir}"}})') == 30
+            assert query(f'sum(specdec_verifier_prompt_tokens_total{{model_name="{tiny_model_dir}"}})') == 14
+            # vLLM's acceptance by position counts from 0: position 0 is scored once per draft.
+            assert query('sum(specdec_verifier_drafted_by_position_total{position="0"})') == query("sum(specdec_verifier_drafts_total)")
+            # The GenAI server metrics: three answered requests and one refused, by its status.
+            answered = '{gen_ai_operation_name="text_completion", error_type=""}'
+            assert query(f"sum(gen_ai_server_request_duration_seconds_count{answered})") == 3
+            assert query(f"sum(gen_ai_server_time_to_first_token_seconds_count{answered})") == 3
+            assert query(f"sum(gen_ai_server_time_per_output_token_seconds_count{answered})") == 3
+            assert query('sum(gen_ai_server_request_duration_seconds_count{error_type="INVALID_ARGUMENT"})') == 1
+            assert query("sum(specdec_verifier_kv_cache_usage_perc)") == 0  # nothing running
             # Targets are scraped at staggered offsets: the drafter's first scrape may come later.
             wait_for(lambda: query('up{job="specdec-drafter"}') == 1, "a scrape of the drafter")
             wait_for(lambda: query("specdec_drafter_propose_calls_total"), "the drafter's propose calls")
             # The three finished requests reach the drafter's table in the background.
             wait_for(lambda: query("sum(specdec_drafter_table_entries)"), "observed n-grams in the drafter's table")
+            assert query("sum(specdec_drafter_table_successor_entries)") is not None
         finally:
             server.terminate()
             server.wait(timeout=30)

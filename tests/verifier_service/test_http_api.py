@@ -57,7 +57,7 @@ def chat_tokenizer(tiny_tokenizer):
 
 def started(tiny_model, tokenizer, **fields) -> VerifierService:
     config = VerifierConfig(engine=EngineConfig(max_batch_size=2, max_sequence_tokens=CAPACITY), **fields)
-    service = VerifierService(config, telemetry.Tracing("test"), VerifierMetrics())
+    service = VerifierService(config, telemetry.Tracing("test"), VerifierMetrics(config.model))
     engine = SpeculativeEngine(tiny_model, tokenizer, None, config.engine)
     scheduler = Scheduler(engine, SchedulerConfig())
     scheduler.start()
@@ -655,7 +655,7 @@ def test_metrics_are_served_on_the_api_port_too(open_service, client):
     response = client.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     assert "specdec_verifier_generated_tokens_total" in response.text
-    assert 'specdec_verifier_requests_total{finish_reason="length"}' in response.text
+    assert 'specdec_verifier_requests_total{finish_reason="length",model_name="smollm2-135m-instruct"}' in response.text
 
 
 def test_cors_answers_only_the_allowed_origins(tiny_model, chat_tokenizer, client):

@@ -185,6 +185,15 @@ def test_predictions_sent_by_one_caller_draft_for_another(running):  # noqa: F81
     wait_for(lambda: stores.find(VOCABULARY) is not None and stores.find(VOCABULARY).successors((41, 42)) == (43, 51))
     draft = propose(servicer, update_with_predictions("b", [7, 40, 41], None), certificate="two").drafts[0]
     assert list(draft.tokens[:2]) == [42, 43] and list(draft.sources[:2]) == [pb.DRAFT_SOURCE_SUCCESSOR] * 2
+    # Counted as the successor table's, in Stats and in the metrics, not as the global table's.
+    successor_tokens = list(draft.sources).count(pb.DRAFT_SOURCE_SUCCESSOR)
+    stats = servicer.Stats(pb.StatsRequest(), FakeContext())
+    # Two positions, each keyed by (current,) and (previous, current): (41,), (40, 41), (42,), (41, 42).
+    assert (stats.successor_hits, stats.successor_entries) == (successor_tokens, 4)
+    assert stats.global_hits == list(draft.sources).count(pb.DRAFT_SOURCE_GLOBAL)
+    registry = servicer.registry
+    assert registry.get_sample_value("specdec_drafter_proposed_tokens_total", {"source": "successor"}) == successor_tokens
+    assert registry.get_sample_value("specdec_drafter_table_successor_entries", {"vocabulary": VOCABULARY}) == 4
 
 
 @pytest.mark.parametrize(

@@ -65,6 +65,7 @@ from verifier_service.generation import (
     GenerationRequest,
     GenerationResult,
     GenerationStats,
+    RejectedDraft,
     SequenceHandle,
     StepOutcome,
     StepReport,
@@ -192,6 +193,7 @@ class _Row:
     draft: list[int]  # what the proposer offered (the nodes the engine can use: _usable)
     buckets: list[tuple]  # adaptive.evidence_bucket of each draft token
     asked: bool  # the proposer was asked this step (feedback goes back next time)
+    evidence: list[DraftEvidence | None] = field(default_factory=list)  # the drafter's, per draft token (None: none given)
     parents: list[int] = field(default_factory=list)  # each draft token's parent (-1: the last token); a chain's [-1, 0, 1, ...]
     tree: bool = False  # the draft branches
     chain: int = 0  # its first tokens that are the drafter's chain (parents -1, 0, 1, ...): what feedback is about
@@ -221,7 +223,25 @@ class _Row:
         self.parents = [-1 if self.parents[node] < 0 else position[self.parents[node]] for node in chosen]
         self.draft = [self.draft[node] for node in chosen]
         self.buckets = [self.buckets[node] for node in chosen]
+        self.evidence = [self.evidence[node] for node in chosen]
         self.verify = len(chosen)
+
+
+def rejected_line(parents: list[int], verified: int, path: list[int]) -> list[int]:
+    """The verified draft nodes the target turned down where the accepted ``path`` ends: the
+    first child of its last node (of the root when nothing was accepted), that node's first
+    child, and so on; the drafter's best guess from there on, which the step's own token
+    replaced. ``parents`` as ``_Row.parents``; only the first ``verified`` nodes were scored.
+
+    Chain [-1, 0, 1, 2], 4 verified, path [0] -> [1, 2, 3]. Tree [-1, -1, 0, 0, 2], 5
+    verified, path [0] -> [2, 4] (node 3, 0's second child, is another branch; node 1 is
+    the root's). Everything verified accepted -> [].
+    """
+    line, parent = [], path[-1] if path else -1
+    while (child := next((node for node in range(verified) if parents[node] == parent), None)) is not None:
+        line.append(child)
+        parent = child
+    return line
 
 
 class EngineFull(Exception):
@@ -472,10 +492,10 @@ class SpeculativeEngine:
             row.tree = not is_chain(row.parents)
             row.chain = next((node for node, parent in enumerate(row.parents) if parent != node - 1), len(row.parents))
             # None given: each token's bucket is its depth's.
-            evidence: list[DraftEvidence | None] = [draft.evidence[node] if node < len(draft.evidence) else None for node in nodes]
+            row.evidence = [draft.evidence[node] if node < len(draft.evidence) else None for node in nodes]
             firsts: set[int] = set()  # parents whose first child has been seen
             row.buckets = []
-            for item, parent, depth in zip(evidence, row.parents, tree_depths(row.parents)):
+            for item, parent, depth in zip(row.evidence, row.parents, tree_depths(row.parents)):
                 row.buckets.append(evidence_bucket(item, depth, branch=parent in firsts))
                 firsts.add(parent)
         return rows
@@ -721,9 +741,23 @@ class SpeculativeEngine:
             self.cache.compact(sequence.slot, sequence.cached + 1, path)
         emitted = self._emit(sequence, [row.draft[node] for node in path] + [token])
         sources = [row.buckets[node][0] or SOURCE_DRAFT for node in path] + [SOURCE_TARGET]
+        evidence = [row.evidence[node] for node in path] + [None]
         logprobs = tuple((row.logprobs or [])[: len(emitted)])
         sequence.logprobs += logprobs
-        return StepOutcome(sequence.handle, emitted, row.verify, count, sources=tuple(sources[: len(emitted)]), logprobs=logprobs)
+        rejected = tuple(
+            RejectedDraft(row.draft[node], row.buckets[node][0] or SOURCE_DRAFT, row.evidence[node])
+            for node in rejected_line(row.parents, row.verify, path)
+        )
+        return StepOutcome(
+            sequence.handle,
+            emitted,
+            row.verify,
+            count,
+            sources=tuple(sources[: len(emitted)]),
+            logprobs=logprobs,
+            evidence=tuple(evidence[: len(emitted)]),
+            rejected=rejected if len(emitted) > count else (),  # cut at a stop before the step's own token: nothing was turned down
+        )
 
     def _finish_prefills(self, chunks, logits: torch.Tensor) -> list[StepOutcome]:
         """Advance prefill progress; a completed prompt samples its first token and starts decoding."""

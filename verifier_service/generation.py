@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from verifier_service.drafting import DraftEvidence
 from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
 
@@ -93,6 +94,18 @@ class StepOutcome:
     result: GenerationResult | None = None  # set when the sequence finished
     error: Exception | None = None  # set instead when it failed (tokens streamed before stay valid)
     logprobs: tuple[TokenLogprob, ...] = ()  # per token of ``tokens``, when the request asked
+    # Why each token of ``tokens`` was drafted (None: the target's own, or no evidence given).
+    evidence: tuple[DraftEvidence | None, ...] = ()
+    rejected: tuple[RejectedDraft, ...] = ()  # the draft the target turned down (engine.rejected_line)
+
+
+@dataclass(frozen=True)
+class RejectedDraft:
+    """A draft token the target scored and turned down, proposed where the step's own token went."""
+
+    token: int
+    source: str  # the drafter's source, or SOURCE_DRAFT when it gave none
+    evidence: DraftEvidence | None
 
 
 @dataclass(frozen=True)

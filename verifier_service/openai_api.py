@@ -789,8 +789,20 @@ class _Reply:
 
     def token_chunk(self, index: int, chunk: TokenChunk) -> dict:
         self.tokens_sent[index] += len(chunk.tokens)
-        delta, pieces = self.texts[index].push(chunk.tokens)
-        extra = {"token_ids": chunk.tokens, "token_texts": pieces, "sources": chunk.sources, "verified": chunk.verified}
+        rejected = [draft.token for draft in chunk.rejected]
+        delta, pieces, rejected_texts = self.texts[index].push(chunk.tokens, rejected)
+        extra = {
+            "token_ids": chunk.tokens,
+            "token_texts": pieces,
+            "sources": chunk.sources,
+            "verified": chunk.verified,
+            "evidence": [_evidence(item) for item in chunk.evidence] if chunk.evidence else [None] * len(chunk.tokens),
+            # The draft the target turned down, proposed where the last token of this chunk went.
+            "rejected_token_ids": rejected,
+            "rejected_token_texts": rejected_texts,
+            "rejected_sources": [draft.source for draft in chunk.rejected],
+            "rejected_evidence": [_evidence(draft.evidence) for draft in chunk.rejected],
+        }
         shown = self.logprobs[index]
         logprobs = shown.shown(chunk.logprobs) if shown is not None else None
         return self._envelope(self.object, [self._choice(index, delta, None, logprobs=logprobs)]) | {"specdec": extra}
@@ -892,11 +904,24 @@ class _StreamText:
         self.text = IncrementalText(tokenizer, stop)
         self.pieces = IncrementalDecoder(tokenizer)
 
-    def push(self, tokens: list[int]) -> tuple[str, list[str]]:
-        return self.text.push(tokens), [self.pieces.push([token]) for token in tokens]
+    def push(self, tokens: list[int], rejected: list[int] | None = None) -> tuple[str, list[str], list[str]]:
+        """(the delta, each token's text, each ``rejected`` token's text had it come before the last token)."""
+        pieces, previews = [], []
+        for index, token in enumerate(tokens):
+            if rejected and index == len(tokens) - 1:
+                previews = self.pieces.peek(rejected)
+            pieces.append(self.pieces.push([token]))
+        return self.text.push(tokens), pieces, previews
 
     def finish(self, final_text: str) -> str:
         return self.text.finish(final_text)
+
+
+def _evidence(evidence) -> dict | None:
+    """Why the drafter proposed a token (``DraftEvidence``), for the live view; None: the target's own."""
+    if evidence is None:
+        return None
+    return {"match_length": evidence.match_length, "count": evidence.count, "total": evidence.total}
 
 
 def _finish(result) -> str:

@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specdec.flags import setting
+from verifier_service.drafting import DraftEvidence
 from verifier_service.engine import SpeculativeEngine
-from verifier_service.generation import GenerationRequest, GenerationResult, SequenceHandle, StepOutcome, StepReport
+from verifier_service.generation import GenerationRequest, GenerationResult, RejectedDraft, SequenceHandle, StepOutcome, StepReport
 from verifier_service.processing import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class TokenChunk:
     sources: list[str]  # per token: engine.SOURCE_TARGET, or the accepted draft's source ("context", "global")
     verified: int  # draft tokens the step scored for this request (accepted ones are among ``tokens``)
     logprobs: tuple[TokenLogprob, ...] = ()  # per token, when the request asked
+    evidence: tuple[DraftEvidence | None, ...] = ()  # per token: why it was drafted (None: the target's own)
+    rejected: tuple[RejectedDraft, ...] = ()  # the draft the step turned down, where its own token went
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,11 @@ class RequestHandle:
         if outcome.tokens:
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
-            self._post(TokenChunk(list(outcome.tokens), list(outcome.sources), outcome.verified, outcome.logprobs))
+            self._post(
+                TokenChunk(
+                    list(outcome.tokens), list(outcome.sources), outcome.verified, outcome.logprobs, outcome.evidence, outcome.rejected
+                )
+            )
 
     def _end(self, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
         self._post(_End(result, error))

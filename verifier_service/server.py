@@ -255,7 +255,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             for chunk in handle.stream():
                 sources = [TOKEN_SOURCES[source] for source in chunk.sources]
                 yield verifier_pb2.GenerateChunk(
-                    text=text.push(chunk.tokens), token_ids=chunk.tokens, token_sources=sources, logprobs=proto_logprobs(chunk.logprobs)
+                    text=text.push(chunk.tokens),
+                    token_ids=chunk.tokens,
+                    token_sources=sources,
+                    logprobs=proto_logprobs(chunk.logprobs),
+                    rejected_token_ids=[draft.token for draft in chunk.rejected],
+                    rejected_token_sources=[TOKEN_SOURCES[draft.source] for draft in chunk.rejected],
                 )
             result = self._result(handle, context)
             stats = proto_stats(self.service.finished(handle, result, traced))

@@ -37,6 +37,16 @@ class IncrementalDecoder:
         self._prefix_offset, self._read_offset = self._read_offset, len(self.tokens)
         return after[len(before) :]
 
+    def peek(self, tokens: list[int]) -> list[str]:
+        """What pushing ``tokens`` one at a time would add, each, leaving the decoder as it was
+        (the text of a draft the target turned down, where it was proposed)."""
+        kept, prefix, read = len(self.tokens), self._prefix_offset, self._read_offset
+        try:
+            return [self.push([token]) for token in tokens]
+        finally:
+            del self.tokens[kept:]
+            self._prefix_offset, self._read_offset = prefix, read
+
 
 class StopStringMatcher:
     """The output text up to the first stop string, checked token by token.

@@ -229,6 +229,9 @@ def test_prometheus_scrapes_both_services(tiny_model_dir, tmp_path):
 
             # The counters as Prometheus scraped them, once a scrape after the requests came in.
             wait_for(lambda: query("sum(specdec_verifier_requests_total)") == 3, "3 requests in Prometheus")
+            # The refused request came last: once a scrape holds it, it holds everything before.
+            refused_duration = 'sum(gen_ai_server_request_duration_seconds_count{error_type="INVALID_ARGUMENT"})'
+            wait_for(lambda: query(refused_duration) == 1, "the refused request's duration in Prometheus")
             assert query("sum(specdec_verifier_generated_tokens_total)") == 30
             assert query('specdec_verifier_requests_total{finish_reason="length"}') == 3
             drafted = query("specdec_verifier_draft_tokens_total")
@@ -244,7 +247,6 @@ def test_prometheus_scrapes_both_services(tiny_model_dir, tmp_path):
             assert query(f"sum(gen_ai_server_request_duration_seconds_count{answered})") == 3
             assert query(f"sum(gen_ai_server_time_to_first_token_seconds_count{answered})") == 3
             assert query(f"sum(gen_ai_server_time_per_output_token_seconds_count{answered})") == 3
-            assert query('sum(gen_ai_server_request_duration_seconds_count{error_type="INVALID_ARGUMENT"})') == 1
             assert query("sum(specdec_verifier_kv_cache_usage_perc)") == 0  # nothing running
             # Targets are scraped at staggered offsets: the drafter's first scrape may come later.
             wait_for(lambda: query('up{job="specdec-drafter"}') == 1, "a scrape of the drafter")

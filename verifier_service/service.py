@@ -42,10 +42,6 @@ CHAT = gen_ai.GenAiOperationNameValues.CHAT.value
 TEXT_COMPLETION = gen_ai.GenAiOperationNameValues.TEXT_COMPLETION.value
 
 
-def _class_name(error: BaseException) -> str:
-    return type(error).__qualname__
-
-
 @dataclass(frozen=True)
 class RequestStats:
     """How a finished request went: the engine's counts and the times the service saw
@@ -210,7 +206,7 @@ class VerifierService:
             )
 
     @contextlib.contextmanager
-    def request_span(self, parent, operation: str, error_type: Callable[[BaseException], str] = _class_name):
+    def request_span(self, parent, operation: str, error_type: Callable[[BaseException], str]):
         """The request's root span, a child of ``parent`` (the caller's trace context, when it
         sent one), named and described by OpenTelemetry's GenAI conventions ("chat MODEL",
         ``gen_ai.*``) beside our ``specdec.*`` attributes, in a ``TracedRequest``. Not made

@@ -113,6 +113,9 @@ MATCH_LENGTH_BUCKETS = 4
 SOURCE_CONTEXT = "context"  # the request's own prompt and output (the drafter's names for its sources)
 SOURCE_GLOBAL = "global"  # the table learned across requests
 SOURCE_SUCCESSOR = "successor"  # the target's own earlier predictions (the drafter's successor table)
+SOURCE_HEAD = "head"  # the verifier's trained draft head (draft_head)
+# A head token's bucket is its probability under the head, in this many equal bands.
+HEAD_PROBABILITY_BUCKETS = 5
 
 
 def evidence_bucket(evidence, position: int, branch: bool = False) -> tuple:
@@ -122,7 +125,9 @@ def evidence_bucket(evidence, position: int, branch: bool = False) -> tuple:
 
     Confidence: 0 when other continuations also followed the suffix, 1 when
     this one alone followed it once, 2 when it alone followed it twice or more.
-    Position is the token's depth in its draft (a chain's index).
+    Position is the token's depth in its draft (a chain's index). A draft head's
+    token (SOURCE_HEAD) is bucketed by its probability under the head instead:
+    ("head", band of HEAD_PROBABILITY_BUCKETS, 0, position).
     A context token matched on 4 tokens, seen 3 times out of 3, at position 0:
     ("context", 4, 2, 0). Drafts without evidence share one bucket per position.
     """
@@ -130,6 +135,9 @@ def evidence_bucket(evidence, position: int, branch: bool = False) -> tuple:
         return (*evidence_bucket(evidence, position), 1)
     if evidence is None:
         return ("", 0, 0, min(position, POSITION_BUCKETS - 1))
+    if evidence.source == SOURCE_HEAD:  # count / total is the head's probability of the token
+        band = min(HEAD_PROBABILITY_BUCKETS * evidence.count // max(evidence.total, 1), HEAD_PROBABILITY_BUCKETS - 1)
+        return (SOURCE_HEAD, band, 0, min(position, POSITION_BUCKETS - 1))
     if evidence.count < evidence.total:
         confidence = 0
     else:

@@ -51,8 +51,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.flags import setting
-from verifier_service.adaptive import Planner, SequenceCalibration, evidence_bucket
+from verifier_service.adaptive import SOURCE_HEAD, Planner, SequenceCalibration, evidence_bucket
 from verifier_service.calibration import StepCostModel, calibrated_step_cost
+from verifier_service.draft_head import FeatureCapture, HeadDraft, HeadDrafter
 from verifier_service.drafting import DraftEvidence, DraftProposer, DraftRequest, Predictions, ProposedDraft
 from verifier_service.errors import InvalidRequest
 from verifier_service.generation import (
@@ -90,6 +91,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_SEQUENCE_TOKENS = 4096
 # The most predictions per position the drafter keeps (its successor table's bound).
 MAX_PREDICTIONS = 16
+# A head token's probability, as the evidence's count out of this total.
+HEAD_EVIDENCE_TOTAL = 1000
 # RoPE variants whose frequencies depend on the longest position in the
 # batch: a row's result would depend on its batch-mates.
 BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -139,6 +142,10 @@ class EngineConfig:
         8, minimum=0, help="the target's top predictions per scored position sent to the drafter (0: none; at most 16)"
     )
 
+    # Each level is one small batched matmul chain; the planner verifies only the
+    # head tokens whose measured acceptance pays for their place in the pass.
+    head_depth: int = setting(4, minimum=0, help="tokens deep the trained draft head (--draft-head) drafts per step (0: none)")
+
     # Each entry costs a column write at every verified position of the request.
     logit_bias_limit: int = setting(300, minimum=0, help="logit_bias entries one request may give")
     # Each asked-for alternative costs a top-k per emitted token; OpenAI allows 20.
@@ -164,6 +171,7 @@ class _Sequence:
     verified: int = 0
     accepted: int = 0
     predictions: Predictions | None = None  # the target's at the positions the previous step scored, for the drafter
+    head_draft: tuple[list[int], list[float], int, float] | None = None  # the head's for the next step (HeadDraft's row)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when the request asks
     proposed: bool = False  # the proposer has a session for it
     stops: StopStringMatcher | None = None
@@ -257,6 +265,7 @@ class SpeculativeEngine:
         config: EngineConfig | None = None,
         step_cost: StepCostModel | None = None,
         calibration_folder: Path | None = None,
+        head: HeadDrafter | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -279,6 +288,14 @@ class SpeculativeEngine:
         self._session_ids = (f"seq-{n}" for n in itertools.count())
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.last_step: StepReport | None = None  # the latest step that ran a forward pass
+        # The draft head drafts from the features of each pass (the input of the output layer).
+        self.head = head
+        if head is not None and not self._keeps_logits:
+            raise ValueError(f"a draft head needs a model whose forward takes logits_to_keep; {type(model).__name__}'s does not")
+        self._capture = FeatureCapture(model) if head is not None else None
+        # Called after each step with (handle, features, tokens) per sequence that got tokens:
+        # features[i] is the target's feature at the position that produced tokens[i] (train_head).
+        self.feature_listener: Callable[[SequenceHandle, torch.Tensor, list[int]], None] | None = None
         self._check_slot_attention()
         # Measured here unless given (kept in calibration_folder across starts, when set).
         self.step_cost = step_cost or calibrated_step_cost(self, calibration_folder)
@@ -330,6 +347,14 @@ class SpeculativeEngine:
     @property
     def _active(self) -> list[_Sequence]:
         return cast(list[_Sequence], self._slots[: self._decoding])  # slots below _decoding are never empty
+
+    def listen_features(self, listener: Callable[[SequenceHandle, torch.Tensor, list[int]], None] | None) -> None:
+        """Hand every step's features to ``listener`` (see ``feature_listener``); None stops."""
+        if listener is not None and not self._keeps_logits:
+            raise ValueError(f"features need a model whose forward takes logits_to_keep; {type(self.model).__name__}'s does not")
+        self.feature_listener = listener
+        if listener is not None and self._capture is None:
+            self._capture = FeatureCapture(self.model)
 
     @property
     def busy(self) -> bool:
@@ -480,25 +505,59 @@ class SpeculativeEngine:
                 )
             )
             sequence.predictions = None
-        assert self.proposer is not None  # _speculates: no sequence asks without one
-        try:
-            drafts = self.proposer.propose(requests)
-        except Exception:  # drafts are an optimisation: the step goes on without them
-            log.exception("the proposer failed; this step verifies no drafts")
-            return rows
+        drafts = [ProposedDraft([]) for _ in requests]
+        if self.proposer is not None:
+            try:
+                drafts = self.proposer.propose(requests)
+            except Exception:  # drafts are an optimisation: the step goes on without them
+                log.exception("the proposer failed; this step verifies no drafts from it")
         for row, request, draft in zip(asking, requests, drafts):
             nodes, row.parents = self._usable(draft, request.k, request.max_nodes)
             row.draft = [draft.tokens[node] for node in nodes]
-            row.tree = not is_chain(row.parents)
             row.chain = next((node for node, parent in enumerate(row.parents) if parent != node - 1), len(row.parents))
             # None given: each token's bucket is its depth's.
             row.evidence = [draft.evidence[node] if node < len(draft.evidence) else None for node in nodes]
+            head_draft, row.sequence.head_draft = row.sequence.head_draft, None
+            if head_draft is not None:
+                self._add_head_draft(row, head_draft, min(request.k, self.config.head_depth), tree=bool(request.max_nodes))
+            row.tree = not is_chain(row.parents)
             firsts: set[int] = set()  # parents whose first child has been seen
             row.buckets = []
             for item, parent, depth in zip(row.evidence, row.parents, tree_depths(row.parents)):
                 row.buckets.append(evidence_bucket(item, depth, branch=parent in firsts))
                 firsts.add(parent)
         return rows
+
+    def _add_head_draft(self, row: _Row, head_draft: tuple[list[int], list[float], int, float], depth: int, tree: bool) -> None:
+        """Merge the head's chain (and its second guess for the first token, on a tree) into the
+        row's draft: where a node already holds the head's token the head's chain follows it,
+        elsewhere it adds nodes. A chain request takes the head's chain only when the drafter
+        offered nothing (a chain cannot branch)."""
+        tokens, probabilities, second, second_probability = head_draft
+        if not tree and row.draft:
+            return
+
+        def evidence(probability: float) -> DraftEvidence:
+            return DraftEvidence(SOURCE_HEAD, 0, round(probability * HEAD_EVIDENCE_TOTAL), HEAD_EVIDENCE_TOTAL)
+
+        parent = -1
+        for token, probability in zip(tokens[:depth], probabilities):
+            child = next((node for node, (up, held) in enumerate(zip(row.parents, row.draft)) if up == parent and held == token), None)
+            if child is None:
+                child = len(row.draft)
+                row.draft.append(token)
+                row.parents.append(parent)
+                row.evidence.append(evidence(probability))
+            parent = child
+        if (
+            tree
+            and depth
+            and 0 <= second < self.vocab_size
+            and not any(up == -1 and held == second for up, held in zip(row.parents, row.draft))
+        ):
+            row.draft.append(second)
+            row.parents.append(-1)
+            row.evidence.append(evidence(second_probability))
 
     def _plan_prefill(self) -> list[tuple[_Sequence, int, int]]:
         """(sequence, first position, length) chunks for this step, oldest prompt first."""
@@ -615,6 +674,9 @@ class SpeculativeEngine:
         decoding = len(rows)
         scoring, started = time.time_ns(), time.perf_counter()
         rows, chunks, logits, packed = self._score(rows, chunks)
+        features = self._capture.take() if self._capture is not None else None
+        if not packed:  # scored piecemeal: the last pass's features alone, not the step's
+            features = None
         accepting = time.time_ns()
         decoded = sum(row.verify + 1 for row in rows)
         decisions = self.accept(rows, logits[:decoded])
@@ -628,6 +690,15 @@ class SpeculativeEngine:
         accepted = sum(len(decision[0]) for decision in decisions if decision is not None)
         width = 1 + max((row.verify for row in rows), default=0)
         self.last_step = StepReport(decoding, verified, accepted, width, tokens, scoring, accepting, done)
+        # Where each sequence's emitted tokens came from in the pass: the feature rows for the head.
+        produced: dict[_Sequence, list[int]] = {}
+        start = 0
+        for row, decision in zip(rows, decisions):
+            if decision is not None:
+                produced[row.sequence] = [start, *(start + 1 + node for node in decision[0])]
+            start += row.verify + 1
+        completing = [sequence for sequence, first, length in chunks if first + length == len(sequence.request.prompt_ids)]
+        produced.update((sequence, [decoded + index]) for index, sequence in enumerate(completing))
         for row, decision in zip(rows, decisions):
             if decision is None:  # its sampling failed
                 continue
@@ -635,8 +706,40 @@ class SpeculativeEngine:
             if outcome is not None:
                 outcomes.append(outcome)
         outcomes += self._finish_prefills(chunks, logits[decoded:])
+        if features is not None:
+            self._use_features(features, produced, outcomes)
         self.planner.age()
         return outcomes + self._retire()
+
+    def _use_features(self, features: torch.Tensor, produced: dict[_Sequence, list[int]], outcomes: list[StepOutcome]) -> None:
+        """The step's features [kept, hidden]: to the listener, with the tokens they produced,
+        and to the head, which drafts each still-decoding sequence's next tokens from the
+        feature that produced its last token (the head drafts fail alone: never the step)."""
+        if self.feature_listener is not None:
+            by_handle = {sequence.handle: sequence for sequence in produced}
+            for outcome in outcomes:
+                sequence = by_handle.get(outcome.sequence)
+                if sequence is not None and outcome.tokens:
+                    rows = produced[sequence][: len(outcome.tokens)]
+                    self.feature_listener(outcome.sequence, features[rows], list(outcome.tokens))
+        if self.head is None or not self.config.head_depth:
+            return
+        drafting = [
+            sequence for sequence in self._active if sequence in produced and sequence.finish_reason is None and self._speculates(sequence)
+        ]
+        if not drafting:
+            return
+        try:
+            draft: HeadDraft = self.head.draft(
+                features[[produced[sequence][-1] for sequence in drafting]],
+                [sequence.tokens[-1] for sequence in drafting],
+                self.config.head_depth,
+            )
+        except Exception:
+            log.exception("the draft head failed; the next step goes on without its drafts")
+            return
+        for index, sequence in enumerate(drafting):
+            sequence.head_draft = (draft.tokens[index], draft.probabilities[index], draft.second[index], draft.second_probability[index])
 
     def _keep_logprobs(self, rows: list[_Row], logits: torch.Tensor, decisions: list[tuple[list[int], int] | None]) -> None:
         """For the rows whose requests ask, the target's log-probabilities of the tokens each
@@ -824,7 +927,7 @@ class SpeculativeEngine:
         ]
 
     def _speculates(self, sequence: _Sequence) -> bool:
-        return self.proposer is not None and sequence.request.num_speculative_tokens != 0
+        return (self.proposer is not None or self.head is not None) and sequence.request.num_speculative_tokens != 0
 
     def _draft_budget(self, sequence: _Sequence) -> int:
         # Never draft past max_new_tokens: the step always adds one token of

@@ -45,8 +45,9 @@ from specdec.flags import nested, setting
 from specdec.limits import ConnectionLimits
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from specdec.vocabulary import tokenizer_fingerprint
-from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR
+from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_HEAD, SOURCE_SUCCESSOR
 from verifier_service.calibration import StepCostModel
+from verifier_service.draft_head import find_head
 from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
 from verifier_service.engine import EngineConfig, SpeculativeEngine
 from verifier_service.errors import InvalidRequest
@@ -85,6 +86,7 @@ TOKEN_SOURCES = {
     SOURCE_GLOBAL: verifier_pb2.TOKEN_SOURCE_GLOBAL,
     SOURCE_DRAFT: verifier_pb2.TOKEN_SOURCE_DRAFT,
     SOURCE_SUCCESSOR: verifier_pb2.TOKEN_SOURCE_SUCCESSOR,
+    SOURCE_HEAD: verifier_pb2.TOKEN_SOURCE_HEAD,
 }
 
 
@@ -102,6 +104,12 @@ class VerifierConfig:
         "float32",
         choices=["float32", "bfloat16", "auto"],
         help="weights and activations (auto: bfloat16 where the hardware has native bf16: GPUs, AMX or AVX512-BF16 CPUs)",
+    )
+    # Trained by python -m verifier_service.train_head; refused when trained on another model.
+    draft_head: str = setting(
+        "auto",
+        help="a trained draft head's folder; auto: the one trained for this model in the cache folder "
+        "($SPECDEC_CACHE_DIR/draft-heads), if there is one; none: no head",
     )
     # How the verifier reaches the drafter: --drafter HOST:PORT and the --drafter-* flags.
     drafter: DrafterClientConfig = nested(DrafterClientConfig, prefix="drafter-")
@@ -408,7 +416,8 @@ class VerifierServer:
         observer = ServiceObserver(self.service.tracing, self.service.metrics)
         proposer = observer.traced(self.drafter) if self.drafter is not None else None
         folder = cache_root() / "calibration" if config.calibration_cache else None
-        engine = SpeculativeEngine(loaded.model, loaded.tokenizer, proposer, config.engine, step_cost, folder)
+        head = find_head(config.draft_head, loaded.model, loaded.tokenizer)
+        engine = SpeculativeEngine(loaded.model, loaded.tokenizer, proposer, config.engine, step_cost, folder, head)
         engine.generate([GenerationRequest([0, 1, 2, 3], 4, num_speculative_tokens=0)])  # warm-up
         scheduler = Scheduler(engine, config.scheduler, observer)
         self.service.metrics.queue_depth.set_function(lambda: scheduler.queue_depth)

@@ -22,6 +22,7 @@ class TokenSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOKEN_SOURCE_GLOBAL: _ClassVar[TokenSource]
     TOKEN_SOURCE_DRAFT: _ClassVar[TokenSource]
     TOKEN_SOURCE_SUCCESSOR: _ClassVar[TokenSource]
+    TOKEN_SOURCE_HEAD: _ClassVar[TokenSource]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -32,6 +33,7 @@ TOKEN_SOURCE_CONTEXT: TokenSource
 TOKEN_SOURCE_GLOBAL: TokenSource
 TOKEN_SOURCE_DRAFT: TokenSource
 TOKEN_SOURCE_SUCCESSOR: TokenSource
+TOKEN_SOURCE_HEAD: TokenSource
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "chat", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_speculative_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs")

@@ -1,0 +1,209 @@
+"""The trained draft head: training a tiny one, its folder and manifest, the features it
+reads, and exactness with it drafting (greedy and sampled), on the tiny seeded Llama."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.conftest import build_tiny_model
+from tests.verifier_service.test_engine_adaptive import FrozenStepCost
+from tests.verifier_service.test_trees import FLAT, NO_EOS, PROMPTS, TreeProposer, branch_tree, engine_for
+from verifier_service import train_head
+from verifier_service.adaptive import SOURCE_HEAD
+from verifier_service.calibration import StepCostModel
+from verifier_service.draft_head import (
+    MANIFEST,
+    WEIGHTS,
+    DraftHead,
+    HeadDrafter,
+    HeadManifest,
+    HeadMismatch,
+    load_head,
+    save_head,
+    target_fingerprint,
+)
+from verifier_service.drafting import DraftEvidence
+from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine, _Row, reference_greedy
+from verifier_service.rejection import SamplingParams
+
+
+def texts(seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(f"t{rng.randrange(2, 64)}" for _ in range(6)) for _ in range(count)]
+
+
+TRAIN_TEXTS = texts(0, 48)
+HELD_OUT_TEXTS = texts(1, 8)
+
+
+def collected(model, tokenizer, texts):
+    engine = SpeculativeEngine(
+        model, tokenizer, None, EngineConfig(max_batch_size=8, successor_top_k=0), step_cost=StepCostModel.linear(0.01, 0.001)
+    )
+    engine.eos_token_ids = NO_EOS
+    return train_head.collect(engine, tokenizer, texts, 24, 600.0, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, tiny_tokenizer, tmp_path_factory):
+    """A tiny head trained for a fixed number of steps, saved, with its accuracy before and after."""
+    traces = collected(tiny_model, tiny_tokenizer, TRAIN_TEXTS)
+    held = collected(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS)
+    torch.manual_seed(0)
+    head = DraftHead(32, 32, 64, 48)
+    head.vocab.copy_(train_head.draft_vocabulary(traces, 48, 64))
+    drafter = HeadDrafter(head, tiny_model)
+    head.requires_grad_(True)
+    examples, held_out = train_head.Examples(traces, len(train_head.UNROLL_WEIGHTS)), train_head.Examples(held, 1)
+    before = train_head.evaluate(head, drafter, examples)
+    train_head.train(head, drafter, examples, held_out, 600.0, 64, 3e-3, steps=300)
+    after = train_head.evaluate(head, drafter, examples)
+    folder = tmp_path_factory.mktemp("head") / "tiny"
+    manifest = HeadManifest(1, target_fingerprint(tiny_model, tiny_tokenizer), "v", 32, 32, 64, 48, len(examples), after[0])
+    save_head(folder, head.eval(), manifest)
+    return folder, before, after, traces
+
+
+def test_collect_hands_over_the_feature_that_produced_each_token(tiny_model, tiny_tokenizer):
+    """Each answer token comes with the target's last hidden state at the position before it,
+    as full recomputation gives it (the output layer's input), and the tokens are greedy's."""
+    traces = collected(tiny_model, tiny_tokenizer, TRAIN_TEXTS[:3])
+    assert len(traces) == 3
+    for text, (features, tokens) in zip(TRAIN_TEXTS[:3], traces):
+        prompt = tiny_tokenizer(text).input_ids
+        assert tokens.tolist() == reference_greedy(tiny_model, prompt, 24, NO_EOS)
+        with torch.inference_mode():
+            hidden = tiny_model(torch.tensor([prompt + tokens.tolist()]), output_hidden_states=True).hidden_states[-1][0]
+        assert torch.allclose(features, hidden[len(prompt) - 1 : len(prompt) - 1 + len(tokens)], atol=1e-4)
+
+
+def test_training_a_tiny_head_makes_its_first_guess_the_targets(trained):
+    _, (first_before, _), (first_after, chain_after), _ = trained
+    assert first_after > max(0.5, first_before + 0.3), (first_before, first_after)
+    assert chain_after > first_after  # deeper guesses are right too, sometimes
+
+
+def test_a_saved_head_loads_onto_its_target_only(trained, tiny_model, tiny_tokenizer, tmp_path):
+    folder, *_ = trained
+    drafter = load_head(folder, tiny_model, tiny_tokenizer)
+    assert drafter.manifest is not None and drafter.manifest.draft_vocabulary == 48
+    assert drafter.readout.shape == (48, 32)
+    other = build_tiny_model(seed=1)
+    with pytest.raises(HeadMismatch, match="trained on another target"):
+        load_head(folder, other, tiny_tokenizer)
+    with pytest.raises(HeadMismatch, match="not a draft head folder"):
+        load_head(tmp_path, tiny_model, tiny_tokenizer)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / MANIFEST).write_text((folder / MANIFEST).read_text())
+    (broken / WEIGHTS).write_bytes(b"not a checkpoint")
+    with pytest.raises(HeadMismatch, match="does not hold the head"):
+        load_head(broken, tiny_model, tiny_tokenizer)
+    (broken / MANIFEST).write_text('{"format": 1}')
+    with pytest.raises(HeadMismatch, match="not a draft head manifest"):
+        load_head(broken, tiny_model, tiny_tokenizer)
+
+
+def test_the_fingerprint_tells_a_fine_tune_from_its_base(tiny_model, tiny_tokenizer):
+    tuned = build_tiny_model(seed=0)
+    assert target_fingerprint(tuned, tiny_tokenizer) == target_fingerprint(tiny_model, tiny_tokenizer)
+    with torch.no_grad():
+        tuned.model.layers[1].mlp.down_proj.weight.reshape(-1)[0] += 1e-3
+    assert target_fingerprint(tuned, tiny_tokenizer) != target_fingerprint(tiny_model, tiny_tokenizer)
+
+
+def head_engine(trained, model, tokenizer, proposer=None, **config) -> SpeculativeEngine:
+    folder, *_ = trained
+    engine = SpeculativeEngine(
+        model, tokenizer, proposer, EngineConfig(**config), step_cost=FrozenStepCost(FLAT), head=load_head(folder, model, tokenizer)
+    )
+    engine.eos_token_ids = NO_EOS
+    return engine
+
+
+@pytest.mark.parametrize("k", [3, None])
+def test_greedy_output_with_the_head_drafting_equals_plain_decoding(trained, tiny_model, tiny_tokenizer, k):
+    """The head alone (no drafter service): chains for a fixed K, its chain and second guess
+    for adaptive K; what it gets right is accepted, and the output is plain greedy's."""
+    prompts = [tiny_tokenizer(text).input_ids for text in HELD_OUT_TEXTS[:4]]
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, adaptive_max_k=4, head_depth=3)
+    outcomes_sources = []
+    handles = [engine.add(GenerationRequest(p, 30, num_speculative_tokens=k)) for p in prompts]
+    results = {}
+    while engine.busy:
+        for outcome in engine.step():
+            outcomes_sources += outcome.sources
+            if outcome.result is not None:
+                results[outcome.sequence] = outcome.result
+    for prompt, handle in zip(prompts, handles):
+        assert results[handle].token_ids == reference_greedy(tiny_model, prompt, 30, NO_EOS)
+    assert sum(results[h].stats.accepted_tokens for h in handles) > 10
+    assert SOURCE_HEAD in outcomes_sources
+
+
+def test_greedy_with_the_head_and_a_drafter_tree_stays_exact(trained, tiny_model, tiny_tokenizer):
+    """Head nodes merged into a drafter's trees (whose true path hides in second children)."""
+    from tests.verifier_service.test_engine_adaptive import truth
+
+    proposer = TreeProposer(lambda prompt: truth(tiny_model, prompt), shape=lambda path, depth: branch_tree(path, min(depth, 2)))
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, proposer, adaptive_max_k=4, adaptive_max_nodes=12)
+    results = engine.generate([GenerationRequest(p, 31, num_speculative_tokens=None) for p in PROMPTS])
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == truth(tiny_model, prompt)[:31]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sampled_output_with_the_head_is_plain_samplings(trained, tiny_model, tiny_tokenizer, seed):
+    """Head drafts are points, verified by the rule every draft is: with a seed, the same
+    tokens as plain sampling, whatever the head guessed."""
+    sampling = SamplingParams(temperature=0.8, top_k=20, seed=seed)
+    prompts = [tiny_tokenizer(text).input_ids for text in HELD_OUT_TEXTS[:4]]
+    plain = engine_for(tiny_model, tiny_tokenizer, None)
+    expected = [r.token_ids for r in plain.generate([GenerationRequest(p, 30, sampling, num_speculative_tokens=0) for p in prompts])]
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, adaptive_max_k=4)
+    results = engine.generate([GenerationRequest(p, 30, sampling, num_speculative_tokens=None) for p in prompts])
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.stats.draft_tokens for r in results) > 0
+
+
+def test_no_head_drafts_for_requests_without_speculation_or_with_depth_0(trained, tiny_model, tiny_tokenizer):
+    prompt = tiny_tokenizer(HELD_OUT_TEXTS[0]).input_ids
+    for engine, k in (
+        (head_engine(trained, tiny_model, tiny_tokenizer), 0),
+        (head_engine(trained, tiny_model, tiny_tokenizer, head_depth=0), None),
+    ):
+        [result] = engine.generate([GenerationRequest(prompt, 12, num_speculative_tokens=k)])
+        assert result.stats.draft_tokens == 0
+        assert result.token_ids == reference_greedy(tiny_model, prompt, 12, NO_EOS)
+
+
+def evidence(probability: float) -> DraftEvidence:
+    return DraftEvidence(SOURCE_HEAD, 0, round(probability * 1000), 1000)
+
+
+def test_the_heads_chain_joins_the_drafters_tree_where_they_agree(trained, tiny_model, tiny_tokenizer):
+    engine = head_engine(trained, tiny_model, tiny_tokenizer)
+    context = DraftEvidence("context", 3, 2, 2)
+    row = _Row(None, [10, 11, 20], [], True, [context] * 3, [-1, 0, -1])
+    engine._add_head_draft(row, ([10, 12, 13], [0.9, 0.5, 0.4], 30, 0.05), depth=3, tree=True)
+    # 10 is the drafter's first node: the head follows it, adds 12 under it, 13 under 12, and 30 at the root.
+    assert row.draft == [10, 11, 20, 12, 13, 30]
+    assert row.parents == [-1, 0, -1, 0, 3, -1]
+    assert row.evidence[3:] == [evidence(0.5), evidence(0.4), evidence(0.05)]
+    # A second guess the tree already holds at the root is not repeated; depth cuts the chain.
+    row = _Row(None, [20], [], True, [context], [-1])
+    engine._add_head_draft(row, ([10, 12, 13], [0.9, 0.5, 0.4], 20, 0.05), depth=2, tree=True)
+    assert (row.draft, row.parents) == ([20, 10, 12], [-1, -1, 1])
+
+
+def test_a_chain_request_takes_the_heads_chain_only_where_the_drafter_had_none(trained, tiny_model, tiny_tokenizer):
+    engine = head_engine(trained, tiny_model, tiny_tokenizer)
+    row = _Row(None, [7, 8], [], True, [None, None], [-1, 0])
+    engine._add_head_draft(row, ([10, 12], [0.9, 0.5], 30, 0.05), depth=2, tree=False)
+    assert (row.draft, row.parents) == ([7, 8], [-1, 0])
+    row = _Row(None, [], [], True, [], [])
+    engine._add_head_draft(row, ([10, 12, 13], [0.9, 0.5, 0.4], 30, 0.05), depth=2, tree=False)
+    assert (row.draft, row.parents) == ([10, 12], [-1, 0])  # no branch on a chain

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import copy
 import json
+from concurrent import futures
 
+import grpc
 import pytest
 from starlette.testclient import TestClient
 
 from specdec import telemetry
+from specdec.v1 import verifier_pb2 as pb
+from specdec.v1 import verifier_pb2_grpc as rpc
 from tests.verifier_service.test_engine_adaptive import FrozenStepCost, truth
 from tests.verifier_service.test_http_api import CAPACITY, completion
 from tests.verifier_service.test_trees import FLAT, PROMPTS, engine_for, wrong
@@ -20,7 +24,7 @@ from verifier_service.generation import SOURCE_DRAFT, SOURCE_TARGET, RejectedDra
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.openai_api import OpenAIApi
 from verifier_service.scheduler import Scheduler, SchedulerConfig
-from verifier_service.server import VerifierConfig
+from verifier_service.server import VerifierConfig, VerifierServicer
 from verifier_service.service import VerifierService
 
 
@@ -149,3 +153,40 @@ def test_the_http_stream_carries_each_steps_rejected_draft_and_evidence(tiny_mod
         before = decode(context)
         assert "".join(step["rejected_token_texts"]) == decode(context + step["rejected_token_ids"])[len(before) :]
         done += 2
+
+
+def test_the_grpc_stream_carries_each_steps_rejected_draft(tiny_model, tiny_tokenizer):
+    def shape(path):
+        return [path[0], wrong(path[1]), wrong(path[2])], [-1, 0, 1]
+
+    config = VerifierConfig(engine=EngineConfig(max_batch_size=2, max_sequence_tokens=CAPACITY))
+    service = VerifierService(config, telemetry.Tracing("test"), VerifierMetrics(config.model))
+    engine = SpeculativeEngine(tiny_model, copy.deepcopy(tiny_tokenizer), ScriptedTrees(tiny_model, shape), config.engine)
+    engine.eos_token_ids = frozenset()
+    scheduler = Scheduler(engine, SchedulerConfig())
+    scheduler.start()
+    service.attach(engine, scheduler)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    rpc.add_VerifierServicer_to_server(VerifierServicer(service), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            request = pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=13, num_speculative_tokens=3)
+            chunks = list(rpc.VerifierStub(channel).GenerateStream(request, timeout=60))
+    finally:
+        server.stop(grace=None)
+        scheduler.stop(1.0)
+    truth_path = truth(tiny_model, PROMPTS[0])
+    assert [token for chunk in chunks for token in chunk.token_ids] == truth_path[:13]
+    steps = [chunk for chunk in chunks if len(chunk.token_ids) == 2]
+    assert len(steps) == 6  # 1 token at prefill, then 2 a step
+    done = 1
+    for chunk in steps[:4]:  # while the whole draft fits in what is left to generate
+        path = truth_path[done:]
+        assert list(chunk.token_sources) == [pb.TOKEN_SOURCE_CONTEXT, pb.TOKEN_SOURCE_TARGET]
+        assert list(chunk.rejected_token_ids) == [wrong(path[1]), wrong(path[2])]
+        assert chunk.rejected_token_ids[0] != chunk.token_ids[-1]  # turned down for the target's own token
+        assert list(chunk.rejected_token_sources) == [pb.TOKEN_SOURCE_CONTEXT] * 2
+        done += 2
+    assert not chunks[0].rejected_token_ids  # the prefill's token: no draft

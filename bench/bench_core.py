@@ -306,7 +306,7 @@ def decode_batch(engine: SpeculativeEngine, prompts, max_new_tokens: int, k) -> 
     while any(not tokens[id(s)] for s in sequences):
         for outcome in engine.step():
             tokens[id(outcome.sequence)] += outcome.tokens
-    started, passes, row_passes, decoded = time.perf_counter(), 0, 0, 0
+    started, passes, row_passes, decoded, accepting = time.perf_counter(), 0, 0, 0, 0
     while engine.busy:
         outcomes = engine.step()
         passes += 1
@@ -315,8 +315,10 @@ def decode_batch(engine: SpeculativeEngine, prompts, max_new_tokens: int, k) -> 
             if outcome.tokens:
                 row_passes += 1
                 decoded += len(outcome.tokens)
+                accepting += outcome.accepted > 0
     seconds = time.perf_counter() - started
-    return [tokens[id(s)] for s in sequences], seconds, {"passes": passes, "row_passes": row_passes, "tokens": decoded}
+    counts = {"passes": passes, "row_passes": row_passes, "tokens": decoded, "accepting": accepting}
+    return [tokens[id(s)] for s in sequences], seconds, counts
 
 
 def batch_table(report, batch: int) -> str:

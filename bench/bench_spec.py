@@ -16,6 +16,9 @@ prompt (so the machine's drift hits them alike), whole requests timed
 * ``chain``: adaptive K over n-gram chains (``--adaptive-max-nodes 0``), the
   default before draft trees;
 * ``default``: the engine's defaults, what users get;
+* ``head``: the defaults plus the trained draft head (``--draft-head``; auto:
+  the one ``python -m verifier_service.train_head`` stored for this model),
+  when there is one;
 * ``hf-pld-3``, ``hf-pld-10``: transformers' prompt lookup; the faster of the
   two per group is the baseline ``×PLD`` compares against.
 
@@ -47,12 +50,19 @@ import torch
 from bench.bench_core import decode_batch, run_hf
 from bench.spec_bench import geometric_mean, load_groups
 from drafter_service.sessions import NGramDrafter
+from verifier_service.draft_head import HeadDrafter, find_head
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
 
-OURS = {"plain": (EngineConfig(), 0), "chain": (EngineConfig(adaptive_max_nodes=0), None), "default": (EngineConfig(), None)}
+OURS = {
+    "plain": (EngineConfig(), 0),
+    "chain": (EngineConfig(adaptive_max_nodes=0), None),
+    "default": (EngineConfig(), None),
+    "head": (EngineConfig(), None),  # with the draft head, when one is found
+}
 PLD_KS = (3, 10)
+ALL_METHODS = (*OURS, *(f"hf-pld-{k}" for k in PLD_KS))
 
 
 def run_ours(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int, k: int | None):
@@ -62,19 +72,25 @@ def run_ours(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int, k: 
     return result.token_ids, result.stats, time.perf_counter() - started
 
 
-def measure_single(model, tokenizer, groups: dict[str, list[str]], max_new_tokens: int, rounds: int) -> dict:
+def engine_for(model, tokenizer, name: str, head: HeadDrafter | None, proposer=None) -> SpeculativeEngine:
+    return SpeculativeEngine(model, tokenizer, proposer, OURS[name][0], head=head if name == "head" else None)
+
+
+def measure_single(
+    model, tokenizer, groups: dict[str, list[str]], max_new_tokens: int, rounds: int, methods: list[str], head: HeadDrafter | None
+) -> dict:
     """Per group, ``rounds`` passes over its prompts, every method in turn per prompt; a
     method's speedup is the median over rounds of its tokens/s over plain's in the same
     round (this machine's speed drifts by tens of percent within minutes)."""
-    engines = {name: SpeculativeEngine(model, tokenizer, None, config) for name, (config, _) in OURS.items()}
-    names = [*OURS, *(f"hf-pld-{k}" for k in PLD_KS)]
+    engines = {name: engine_for(model, tokenizer, name, head) for name in OURS if name in methods}
+    names = [name for name in [*OURS, *(f"hf-pld-{k}" for k in PLD_KS)] if name in methods]
     report = {}
     for group, prompts in groups.items():
         ids_list = [chat_prompt_ids(tokenizer, prompt) for prompt in prompts]
         per_round = []
         mismatches = set()
         for _ in range(rounds):
-            totals = {name: {"tokens": 0, "seconds": 0.0, "passes": 0, "drafted": 0, "accepted": 0} for name in names}
+            totals = {name: {"tokens": 0, "seconds": 0.0, "passes": 0, "drafted": 0, "accepted": 0, "accepting": 0} for name in names}
             for ids in ids_list:
                 reference = None
                 for name in names:
@@ -92,6 +108,7 @@ def measure_single(model, tokenizer, groups: dict[str, list[str]], max_new_token
                         total["passes"] += stats.target_forward_passes
                         total["drafted"] += stats.draft_tokens
                         total["accepted"] += stats.accepted_tokens
+                        total["accepting"] += stats.steps_with_accepted_drafts
             per_round.append(totals)
         rows: dict[str, dict] = {}
         for name in names:
@@ -107,25 +124,31 @@ def measure_single(model, tokenizer, groups: dict[str, list[str]], max_new_token
             if first["passes"]:
                 rows[name]["tokens_per_pass"] = round(first["tokens"] / first["passes"], 3)
                 rows[name]["acceptance_rate"] = round(first["accepted"] / first["drafted"], 3) if first["drafted"] else 0.0
-        pld = max((f"hf-pld-{k}" for k in PLD_KS), key=lambda name: rows[name]["speedup_vs_plain"])
+                # Decode passes (the prefill's excluded) that kept at least one draft token.
+                rows[name]["passes_with_accepted_draft"] = round(first["accepting"] / max(1, first["passes"] - len(ids_list)), 3)
+        plds = [name for name in names if name.startswith("hf-pld-")]
+        pld = max(plds, key=lambda name: rows[name]["speedup_vs_plain"]) if plds else None
         report[group] = {"prompts": len(prompts), "rounds": rounds, "mismatches": sorted(mismatches), "best_pld": pld, "methods": rows}
         print(f"{group}: " + ", ".join(f"{name} x{row['speedup_vs_plain']:.2f}" for name, row in rows.items()), flush=True)
     return report
 
 
-def measure_batch(model, tokenizer, groups: dict[str, list[str]], max_new_tokens: int) -> dict:
+def measure_batch(
+    model, tokenizer, groups: dict[str, list[str]], max_new_tokens: int, methods: list[str], head: HeadDrafter | None
+) -> dict:
     report = {}
     for group, prompts in groups.items():
         ids_list = [chat_prompt_ids(tokenizer, prompt) for prompt in prompts]
         cells, reference = {}, None
-        for name, (config, k) in OURS.items():
-            engine = SpeculativeEngine(model, tokenizer, SessionProposer(NGramDrafter()), config)
-            tokens, seconds, stats = decode_batch(engine, ids_list, max_new_tokens, k)
+        for name in [name for name in OURS if name in methods]:
+            engine = engine_for(model, tokenizer, name, head, SessionProposer(NGramDrafter()))
+            tokens, seconds, stats = decode_batch(engine, ids_list, max_new_tokens, OURS[name][1])
             reference = tokens if reference is None else reference
             decoded = sum(map(len, tokens)) - len(tokens)
             cells[name] = {
                 "tokens_per_s": round(decoded / seconds, 2),
                 "tokens_per_pass_per_sequence": round(stats["tokens"] / stats["row_passes"], 3),
+                "passes_with_accepted_draft": round(stats["accepting"] / stats["row_passes"], 3),
                 "identical_to_plain": tokens == reference,
             }
         for cell in cells.values():
@@ -173,6 +196,28 @@ def batch_table(report: dict, batch: int) -> str:
     return "\n".join(lines)
 
 
+def methods_table(report: dict[str, dict], methods: list[str]) -> str:
+    """Per group and method: ×plain, tokens per pass (per sequence in a batch) and the share of
+    decode passes that kept a draft token; then the geometric mean of ×plain."""
+    ours = [name for name in methods if name in OURS and name != "plain"]
+    lines = ["| group | plain tok/s | " + " | ".join(f"{name} ×plain" for name in methods if name != "plain") + " | "
+             + " | ".join(f"{name} tokens/pass, passes with an accepted draft" for name in ours) + " |"]  # fmt: skip
+    lines.append("|---|---|" + "---|" * (len(methods) - 1 + len(ours)))
+    speedups: dict[str, list[float]] = {name: [] for name in methods if name != "plain"}
+    for group, rows in report.items():
+        cells = [f"{rows['plain']['tokens_per_s']:.1f}"]
+        for name in speedups:
+            speedups[name].append(rows[name]["speedup_vs_plain"])
+            cells.append(f"{rows[name]['speedup_vs_plain']:.2f}")
+        for name in ours:
+            per_pass = rows[name].get("tokens_per_pass", rows[name].get("tokens_per_pass_per_sequence", 0.0))
+            cells.append(f"{per_pass:.2f}, {100 * rows[name].get('passes_with_accepted_draft', 0.0):.0f}%")
+        lines.append(f"| {group} | " + " | ".join(cells) + " |")
+    means = [f"**{geometric_mean(values):.2f}**" for values in speedups.values()]
+    lines.append("| **geometric mean** | | " + " | ".join(means) + " |" + " |" * len(ours))
+    return "\n".join(lines)
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -214,9 +259,16 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=16, help="prefilled sequences per group in the batch run (0: skip it)")
     parser.add_argument("--single", action=argparse.BooleanOptionalAction, default=True, help="run the single-stream part")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument(
+        "--methods", default=",".join(ALL_METHODS), help="comma-separated, from %(default)s (head: only when a head is found)"
+    )
+    parser.add_argument("--draft-head", default="auto", help="the head for the head method: a folder, auto (the cache's), none")
     args = parser.parse_args(argv)
     loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
+    head = find_head(args.draft_head, model, tokenizer)
+    methods = [name for name in args.methods.split(",") if name in ALL_METHODS and (name != "head" or head is not None)]
+    print(f"methods: {methods}" + (f"; head {head.manifest}" if head is not None else ""), flush=True)
     warm = SpeculativeEngine(model, tokenizer)  # measures the step cost, once per model
     run_ours(warm, chat_prompt_ids(tokenizer, "Say hello."), 8, None)
     run_hf(model, chat_prompt_ids(tokenizer, "Say hello."), 8)
@@ -231,15 +283,23 @@ def main(argv=None) -> None:
             "batch": args.batch,
             "torch_threads": torch.get_num_threads(),
             "machine": platform.platform(),
+            "methods": methods,
+            "head": None if head is None else str(head.manifest),
         }
     }
+    full = set(ALL_METHODS) - {"head"} <= set(methods)  # what the standing tables and the plot show
     if args.single:
-        result["single"] = measure_single(model, tokenizer, load_groups(args.questions, args.per_group), args.max_new_tokens, args.rounds)
-        plot(result["single"], args.out / "spec_bench.png")
-        print("\n" + single_table(result["single"]))
+        groups = load_groups(args.questions, args.per_group)
+        result["single"] = measure_single(model, tokenizer, groups, args.max_new_tokens, args.rounds, methods, head)
+        if full:
+            plot(result["single"], args.out / "spec_bench.png")
+            print("\n" + single_table(result["single"]))
+        print("\n" + methods_table({group: summary["methods"] for group, summary in result["single"].items()}, methods))
     if args.batch:
-        result["batch"] = measure_batch(model, tokenizer, load_groups(args.questions, args.batch), args.max_new_tokens)
-        print("\n" + batch_table(result["batch"], args.batch))
+        result["batch"] = measure_batch(model, tokenizer, load_groups(args.questions, args.batch), args.max_new_tokens, methods, head)
+        if full:
+            print("\n" + batch_table(result["batch"], args.batch))
+        print("\n" + methods_table(result["batch"], [name for name in methods if name in OURS]))
     (args.out / "spec_bench.json").write_text(json.dumps(result, indent=2) + "\n")
 
 

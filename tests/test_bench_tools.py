@@ -32,6 +32,8 @@ def test_oracle_at_fixed_k_is_accepted_whole_and_changes_nothing(tiny_model, tin
     assert tokens == plain
     # Each row pass after the first token yields k + 1 tokens but for each sequence's last.
     assert stats["row_passes"] == sum(math.ceil((len(output) - 1) / (k + 1)) for output in plain)
+    # Every pass kept its draft but each sequence's last (16 tokens in passes of 5: 1 left, no room for a draft).
+    assert stats["accepting"] == stats["row_passes"] - len(prompts)
 
 
 def test_replay_advances_by_the_accepted_prefix_plus_one():
@@ -133,3 +135,19 @@ def test_the_service_bench_counts_a_drafters_records_from_its_files(tmp_path):
         entries = store.stats()["entries"]
     assert entries > 0
     assert table_records(tmp_path / "db") == {"ngrams": entries, "successors": 3}
+
+
+def test_the_methods_table_shows_each_method_against_plain_and_its_accepted_pass_share():
+    from bench.bench_spec import methods_table
+
+    rows = {
+        "plain": {"tokens_per_s": 10.0, "speedup_vs_plain": 1.0, "tokens_per_pass": 1.0, "passes_with_accepted_draft": 0.0},
+        "default": {"tokens_per_s": 12.0, "speedup_vs_plain": 1.2, "tokens_per_pass": 1.4, "passes_with_accepted_draft": 0.25},
+        "head": {"tokens_per_s": 18.0, "speedup_vs_plain": 1.8, "tokens_per_pass": 2.1, "passes_with_accepted_draft": 0.6},
+    }
+    other = {name: {**row, "speedup_vs_plain": row["speedup_vs_plain"] * 2} for name, row in rows.items()}
+    table = methods_table({"qa": rows, "rag": other}, ["plain", "default", "head"]).splitlines()
+    share = "tokens/pass, passes with an accepted draft"
+    assert table[0] == f"| group | plain tok/s | default ×plain | head ×plain | default {share} | head {share} |"
+    assert table[2] == "| qa | 10.0 | 1.20 | 1.80 | 1.40, 25% | 2.10, 60% |"
+    assert table[-1].startswith(f"| **geometric mean** | | **{math.sqrt(1.2 * 2.4):.2f}** | **{math.sqrt(1.8 * 3.6):.2f}** |")

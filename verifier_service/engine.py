@@ -839,6 +839,7 @@ class SpeculativeEngine:
             stats.draft_tokens += row.verify
             stats.accepted_tokens += count
             stats.verify_steps_with_drafts += 1
+            stats.steps_with_accepted_drafts += count > 0
         self.planner.learn(row, path)
         if row.tree:  # the path's keys and values into the columns after the last token's
             self.cache.compact(sequence.slot, sequence.cached + 1, path)

@@ -48,6 +48,7 @@ class GenerationStats:
     accepted_tokens: int = 0
     generated_tokens: int = 0
     verify_steps_with_drafts: int = 0
+    steps_with_accepted_drafts: int = 0  # steps that kept at least one draft token
 
     @property
     def acceptance_rate(self) -> float:

@@ -38,7 +38,6 @@ import torch
 from torch import nn
 
 from specdec.vocabulary import tokenizer_fingerprint
-from verifier_service.calibration import StepCostModel
 from verifier_service.draft_head import (
     HEAD_FORMAT,
     DraftHead,
@@ -128,15 +127,15 @@ class Examples:
     """Training positions over concatenated traces: position i is usable when the next
     ``levels`` tokens belong to the same answer."""
 
-    def __init__(self, traces: list[tuple[torch.Tensor, torch.Tensor]], levels: int) -> None:
-        self.features = torch.cat([features for features, _ in traces]).float()
-        self.tokens = torch.cat([tokens for _, tokens in traces])
+    def __init__(self, traces: list[tuple[torch.Tensor, torch.Tensor]], levels: int, device: torch.device | str = "cpu") -> None:
+        self.features = torch.cat([features for features, _ in traces]).to(device, torch.float32)
+        self.tokens = torch.cat([tokens for _, tokens in traces]).to(device)
         starts, end = [], 0
         for features, _ in traces:
             n = len(features)
             starts.append(torch.arange(end, end + n - levels))
             end += n
-        self.usable = torch.cat(starts) if starts else torch.empty(0, dtype=torch.long)
+        self.usable = (torch.cat(starts) if starts else torch.empty(0, dtype=torch.long)).to(device)
 
     def __len__(self) -> int:
         return len(self.usable)
@@ -145,8 +144,8 @@ class Examples:
 def losses(head: DraftHead, drafter: HeadDrafter, examples: Examples, at: torch.Tensor, levels: int):
     """(loss, first-level accuracy) of a batch of positions ``at``, unrolled ``levels`` deep."""
     feature = examples.features[at]
-    total = torch.zeros(())
-    correct = torch.zeros(())
+    total = torch.zeros((), device=feature.device)
+    correct = torch.zeros((), device=feature.device)
     for level in range(levels):
         token = examples.tokens[at + level]  # emitted from the current feature
         predicted = head(feature, drafter.embeddings(token).float())
@@ -174,7 +173,7 @@ def evaluate(head: DraftHead, drafter: HeadDrafter, examples: Examples, depth: i
     hits = first = 0.0
     for batch in usable.split(2048):
         feature = examples.features[batch]
-        alive = torch.ones(len(batch), dtype=torch.bool)
+        alive = torch.ones(len(batch), dtype=torch.bool, device=batch.device)
         token = examples.tokens[batch]
         for level in range(depth):
             valid = batch + level + 1 < len(examples.tokens)
@@ -218,7 +217,7 @@ def train(
         warm = min(1.0, (step + 1) / 20)
         for group in optimiser.param_groups:
             group["lr"] = rate * warm * 0.5 * (1 + math.cos(math.pi * min(step, horizon) / horizon))
-        at = examples.usable[torch.randint(len(examples), (batch,), generator=generator)]
+        at = examples.usable[torch.randint(len(examples), (batch,), generator=generator).to(examples.usable.device)]
         loss, accuracy = losses(head, drafter, examples, at, levels)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
@@ -257,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     model.requires_grad_(False)
     fingerprint = target_fingerprint(model, tokenizer)
     config = EngineConfig(max_batch_size=args.batch_size, successor_top_k=0)
-    engine = SpeculativeEngine(model, tokenizer, None, config, step_cost=StepCostModel.linear(0.01, 0.001))
+    # Calibrated (or the stored calibration) as the service is: it also picks the fastest linear kernels.
+    engine = SpeculativeEngine(model, tokenizer, None, config, calibration_folder=cache_root() / "calibration")
     data_seconds = budget * args.data_share
     held_out_traces = collect(engine, tokenizer, prompts(HELD_OUT), args.max_new_tokens, data_seconds * args.held_out_share, torch.float32)
     traces = collect(engine, tokenizer, prompts(SUBJECTS), args.max_new_tokens, data_seconds * (1 - args.held_out_share), torch.float32)
@@ -268,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     head = DraftHead(hidden, embedding, args.width, min(args.draft_vocabulary, vocabulary))
     head.vocab.copy_(draft_vocabulary(traces, args.draft_vocabulary, vocabulary))
     drafter = HeadDrafter(head, model)
-    head.requires_grad_(True).float()  # HeadDrafter froze it for serving
-    examples, held_out = Examples(traces, len(UNROLL_WEIGHTS)), Examples(held_out_traces, 1)
+    head.requires_grad_(True).float()  # HeadDrafter froze it for serving (and moved it to the model's device)
+    device = next(model.parameters()).device
+    examples, held_out = Examples(traces, len(UNROLL_WEIGHTS), device), Examples(held_out_traces, 1, device)
     log.info("%d training positions, %d held out", len(examples), len(held_out))
     remaining = budget - (time.monotonic() - started) - 30  # saving and the last evaluation
     steps = train(head, drafter, examples, held_out, max(remaining, 10), args.train_batch, args.learning_rate)

@@ -141,6 +141,11 @@ def test_greedy_output_with_the_head_drafting_equals_plain_decoding(trained, tin
     for prompt, handle in zip(prompts, handles):
         assert results[handle].token_ids == reference_greedy(tiny_model, prompt, 30, NO_EOS)
     assert sum(results[h].stats.accepted_tokens for h in handles) > 10
+    for handle in handles:  # a step that kept a draft token kept at least one, at most all it verified
+        stats = results[handle].stats
+        assert stats.steps_with_accepted_drafts <= stats.verify_steps_with_drafts
+        assert stats.steps_with_accepted_drafts * 4 >= stats.accepted_tokens  # drafts are at most 4 deep here
+    assert sum(results[h].stats.steps_with_accepted_drafts for h in handles) > 0
     assert SOURCE_HEAD in outcomes_sources
 
 

@@ -53,7 +53,7 @@ def test_a_verifier_with_the_head_answers_exactly_and_drafts_with_it(tiny_model_
         args, env = ("--draft-head", str(head_for(model, tokenizer, tmp_path / "head", steps=300))), None
     else:  # where train_head stores it by default
         head_for(model, tokenizer, cached_head_folder(tmp_path / "cache", target_fingerprint(model, tokenizer)), steps=300)
-        args, env = (), {**os.environ, "SPECDEC_CACHE_DIR": str(tmp_path / "cache")}
+        args, env = ("--draft-head", "auto"), {**os.environ, "SPECDEC_CACHE_DIR": str(tmp_path / "cache")}
     with running_tiny_verifier(tiny_model_dir, *args, env=env) as verifier:
         verifier.wait_until_serving("specdec.v1.Verifier", START_TIMEOUT_S)
         assert "draft head from" in verifier.log()
@@ -69,6 +69,17 @@ def test_a_verifier_with_the_head_answers_exactly_and_drafts_with_it(tiny_model_
         assert [token for chunk in chunks for token in chunk.token_ids] == list(response.token_ids)
         sources = {source for chunk in chunks for source in chunk.token_sources}
         assert pb.TOKEN_SOURCE_HEAD in sources and sources <= {pb.TOKEN_SOURCE_HEAD, pb.TOKEN_SOURCE_TARGET}
+
+
+def test_without_the_flag_a_cached_head_is_left_alone(tiny_model_dir, loaded, tmp_path):
+    model, tokenizer = loaded
+    head_for(model, tokenizer, cached_head_folder(tmp_path / "cache", target_fingerprint(model, tokenizer)))
+    env = {**os.environ, "SPECDEC_CACHE_DIR": str(tmp_path / "cache")}
+    with running_tiny_verifier(tiny_model_dir, env=env) as verifier:
+        verifier.wait_until_serving("specdec.v1.Verifier", START_TIMEOUT_S)
+        request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=12)
+        assert rpc.VerifierStub(verifier.channel).Generate(request, timeout=START_TIMEOUT_S).stats.draft_tokens == 0
+        assert "draft head from" not in verifier.log()
 
 
 def test_a_head_trained_on_another_model_stops_the_start_with_one_clear_line(tiny_model_dir, tmp_path):

@@ -55,8 +55,8 @@ WEIGHTS = "head.safetensors"
 # Values of each parameter tensor the fingerprint reads: enough to tell a
 # fine-tune from its base (every tensor changes), cheap on any model size.
 FINGERPRINT_VALUES_PER_TENSOR = 4096
-# Config entries that say how a model was loaded, not which model it is.
-UNFINGERPRINTED_CONFIG = ("dtype", "torch_dtype", "transformers_version", "use_cache")
+# Config entries that say how a model was saved or loaded, not which model it is.
+UNFINGERPRINTED_CONFIG = ("architectures", "dtype", "torch_dtype", "transformers_version", "use_cache")
 
 
 class HeadMismatch(ValueError):

@@ -107,8 +107,9 @@ def test_a_saved_head_loads_onto_its_target_only(trained, tiny_model, tiny_token
         load_head(broken, tiny_model, tiny_tokenizer)
 
 
-def test_the_fingerprint_tells_a_fine_tune_from_its_base(tiny_model, tiny_tokenizer):
+def test_the_fingerprint_tells_a_fine_tune_from_its_base(tiny_model, tiny_tokenizer, tmp_path):
     tuned = build_tiny_model(seed=0)
+    tiny_model.save_pretrained(tmp_path)  # saving fills in config fields (architectures): not part of which model it is
     assert target_fingerprint(tuned, tiny_tokenizer) == target_fingerprint(tiny_model, tiny_tokenizer)
     with torch.no_grad():
         tuned.model.layers[1].mlp.down_proj.weight.reshape(-1)[0] += 1e-3

@@ -690,15 +690,6 @@ class SpeculativeEngine:
         accepted = sum(len(decision[0]) for decision in decisions if decision is not None)
         width = 1 + max((row.verify for row in rows), default=0)
         self.last_step = StepReport(decoding, verified, accepted, width, tokens, scoring, accepting, done)
-        # Where each sequence's emitted tokens came from in the pass: the feature rows for the head.
-        produced: dict[_Sequence, list[int]] = {}
-        start = 0
-        for row, decision in zip(rows, decisions):
-            if decision is not None:
-                produced[row.sequence] = [start, *(start + 1 + node for node in decision[0])]
-            start += row.verify + 1
-        completing = [sequence for sequence, first, length in chunks if first + length == len(sequence.request.prompt_ids)]
-        produced.update((sequence, [decoded + index]) for index, sequence in enumerate(completing))
         for row, decision in zip(rows, decisions):
             if decision is None:  # its sampling failed
                 continue
@@ -707,7 +698,7 @@ class SpeculativeEngine:
                 outcomes.append(outcome)
         outcomes += self._finish_prefills(chunks, logits[decoded:])
         if features is not None:
-            self._use_features(features, produced, outcomes)
+            self._use_features(features, _feature_rows(rows, decisions, chunks, decoded), outcomes)
         self.planner.age()
         return outcomes + self._retire()
 
@@ -1021,6 +1012,23 @@ class SpeculativeEngine:
         return GenerationResult(
             sequence.request.request_id, list(sequence.generated), text, sequence.finish_reason, sequence.stats, logprobs
         )
+
+
+def _feature_rows(
+    rows: list[_Row], decisions: list[tuple[list[int], int] | None], chunks: list[tuple[_Sequence, int, int]], decoded: int
+) -> dict[_Sequence, list[int]]:
+    """Per sequence that got tokens from a step, the rows of the step's kept positions (its
+    logits, its features) that produced them: a decode row's root and accepted nodes, a
+    completed prompt's last position (after the ``decoded`` decode positions)."""
+    produced: dict[_Sequence, list[int]] = {}
+    start = 0
+    for row, decision in zip(rows, decisions):
+        if decision is not None:
+            produced[row.sequence] = [start, *(start + 1 + node for node in decision[0])]
+        start += row.verify + 1
+    completing = [sequence for sequence, first, length in chunks if first + length == len(sequence.request.prompt_ids)]
+    produced.update((sequence, [decoded + index]) for index, sequence in enumerate(completing))
+    return produced
 
 
 def _cache_reads(rows: list[_Row], chunks: list[tuple[_Sequence, int, int]]) -> int:

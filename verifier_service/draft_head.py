@@ -31,9 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import cast
@@ -45,7 +42,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.vocabulary import tokenizer_fingerprint
-from verifier_service.model_loading import cache_root
+from verifier_service.model_loading import cache_root, staged_folder
 
 log = logging.getLogger(__name__)
 
@@ -224,18 +221,10 @@ def head_sizes(model: PreTrainedModel) -> tuple[int, int]:
 
 def save_head(folder: Path, head: DraftHead, manifest: HeadManifest) -> None:
     """Write the head and its manifest into ``folder``, whole or not at all."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-    try:
+    with staged_folder(folder, replace=True) as staging:
         state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in head.state_dict().items()}
         save_file(state, str(staging / WEIGHTS))
         (staging / MANIFEST).write_text(manifest.to_json())
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def read_manifest(folder: Path) -> HeadManifest:
@@ -245,13 +234,14 @@ def read_manifest(folder: Path) -> HeadManifest:
         raise HeadMismatch(f"{folder} is not a draft head folder: {error.strerror or error} ({folder / MANIFEST})") from None
 
 
-def load_head(folder: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> HeadDrafter:
-    """The head in ``folder``, bound to ``model``; ``HeadMismatch`` when it was trained on
+def load_head(folder: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fingerprint: str | None = None) -> HeadDrafter:
+    """The head in ``folder``, bound to ``model`` (whose ``target_fingerprint`` is
+    ``fingerprint``, computed when not given); ``HeadMismatch`` when it was trained on
     another target or its files do not match its manifest."""
     manifest = read_manifest(folder)
     if manifest.format != HEAD_FORMAT:
         raise HeadMismatch(f"{folder}: head format {manifest.format}, this verifier reads format {HEAD_FORMAT}")
-    fingerprint = target_fingerprint(model, tokenizer)
+    fingerprint = fingerprint or target_fingerprint(model, tokenizer)
     if manifest.target != fingerprint:
         raise HeadMismatch(
             f"{folder} was trained on another target (fingerprint {manifest.target}; this model's is {fingerprint}): "
@@ -286,12 +276,13 @@ def find_head(setting: str, model: PreTrainedModel, tokenizer: PreTrainedTokeniz
         drafter = load_head(Path(setting), model, tokenizer)
         log.info("draft head from %s (%s)", setting, drafter.manifest)
         return drafter
-    folder = cached_head_folder(cache_root(), target_fingerprint(model, tokenizer))
+    fingerprint = target_fingerprint(model, tokenizer)
+    folder = cached_head_folder(cache_root(), fingerprint)
     if not (folder / MANIFEST).exists():
         log.info("no draft head for this model in %s (train one: python -m verifier_service.train_head)", folder.parent)
         return None
     try:
-        drafter = load_head(folder, model, tokenizer)
+        drafter = load_head(folder, model, tokenizer, fingerprint)
     except HeadMismatch as error:
         log.warning("the cached draft head is not usable, serving without one: %s", error)
         return None

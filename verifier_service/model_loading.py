@@ -13,12 +13,14 @@ Nothing here downloads from a model hub.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,13 +130,23 @@ def convert_gguf(gguf_path: Path, destination: Path) -> None:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict(), strict=True)
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    # Write into a sibling temporary folder and rename, so a killed conversion
-    # never leaves a half-written cache entry that later loads would trust.
-    staging = Path(tempfile.mkdtemp(prefix=destination.name + ".", dir=destination.parent))
-    try:
+    with staged_folder(destination) as staging:
         plain.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+
+
+@contextlib.contextmanager
+def staged_folder(destination: Path, replace: bool = False) -> Iterator[Path]:
+    """A sibling temporary folder to write ``destination`` into, renamed to it when the block
+    ends and removed if it raises: a killed write never leaves a half-written cache entry
+    that later loads would trust. An existing ``destination`` is replaced only if ``replace``
+    (else the rename fails, and the staging folder is removed)."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=destination.name + ".", dir=destination.parent))
+    try:
+        yield staging
+        if replace and destination.exists():
+            shutil.rmtree(destination)
         os.replace(staging, destination)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

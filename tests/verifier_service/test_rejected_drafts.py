@@ -4,6 +4,7 @@ engine and in the HTTP stream's ``specdec`` extension."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from concurrent import futures
@@ -119,24 +120,33 @@ def test_drafts_without_evidence_are_reported_as_drafts_of_no_source(tiny_model,
     assert [(draft.source, draft.evidence) for draft in first.rejected] == [(SOURCE_DRAFT, None)]
 
 
-def test_the_http_stream_carries_each_steps_rejected_draft_and_evidence(tiny_model, tiny_tokenizer):
+@contextlib.contextmanager
+def serving_wrong_tails(model, tokenizer):
+    """A started service whose drafter offers, each step, the true next token and then two
+    wrong ones (context evidence), so every full step accepts one draft and turns down two."""
+
     def shape(path):
         return [path[0], wrong(path[1]), wrong(path[2])], [-1, 0, 1]
 
     config = VerifierConfig(engine=EngineConfig(max_batch_size=2, max_sequence_tokens=CAPACITY))
     service = VerifierService(config, telemetry.Tracing("test"), VerifierMetrics(config.model))
-    engine = SpeculativeEngine(tiny_model, copy.deepcopy(tiny_tokenizer), ScriptedTrees(tiny_model, shape), config.engine)
+    engine = SpeculativeEngine(model, copy.deepcopy(tokenizer), ScriptedTrees(model, shape), config.engine)
     engine.eos_token_ids = frozenset()
     scheduler = Scheduler(engine, SchedulerConfig())
     scheduler.start()
     service.attach(engine, scheduler)
     try:
-        client = TestClient(OpenAIApi(service, config.model).app)
+        yield service
+    finally:
+        scheduler.stop(1.0)
+
+
+def test_the_http_stream_carries_each_steps_rejected_draft_and_evidence(tiny_model, tiny_tokenizer):
+    with serving_wrong_tails(tiny_model, tiny_tokenizer) as service:
+        client = TestClient(OpenAIApi(service, service.config.model).app)
         body = completion(prompt=PROMPTS[0], max_tokens=13, stream=True, num_speculative_tokens=3)
         with client.stream("POST", "/v1/completions", json=body) as response:
             lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: {")]
-    finally:
-        scheduler.stop(1.0)
     steps = [chunk["specdec"] for chunk in map(json.loads, lines) if chunk.get("specdec", {}).get("verified")]
     assert len(steps) == 6  # 1 token at prefill, then 2 a step
     decode = tiny_tokenizer.decode
@@ -156,27 +166,17 @@ def test_the_http_stream_carries_each_steps_rejected_draft_and_evidence(tiny_mod
 
 
 def test_the_grpc_stream_carries_each_steps_rejected_draft(tiny_model, tiny_tokenizer):
-    def shape(path):
-        return [path[0], wrong(path[1]), wrong(path[2])], [-1, 0, 1]
-
-    config = VerifierConfig(engine=EngineConfig(max_batch_size=2, max_sequence_tokens=CAPACITY))
-    service = VerifierService(config, telemetry.Tracing("test"), VerifierMetrics(config.model))
-    engine = SpeculativeEngine(tiny_model, copy.deepcopy(tiny_tokenizer), ScriptedTrees(tiny_model, shape), config.engine)
-    engine.eos_token_ids = frozenset()
-    scheduler = Scheduler(engine, SchedulerConfig())
-    scheduler.start()
-    service.attach(engine, scheduler)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    rpc.add_VerifierServicer_to_server(VerifierServicer(service), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            request = pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=13, num_speculative_tokens=3)
-            chunks = list(rpc.VerifierStub(channel).GenerateStream(request, timeout=60))
-    finally:
-        server.stop(grace=None)
-        scheduler.stop(1.0)
+    with serving_wrong_tails(tiny_model, tiny_tokenizer) as service:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        rpc.add_VerifierServicer_to_server(VerifierServicer(service), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                request = pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=13, num_speculative_tokens=3)
+                chunks = list(rpc.VerifierStub(channel).GenerateStream(request, timeout=60))
+        finally:
+            server.stop(grace=None)
     truth_path = truth(tiny_model, PROMPTS[0])
     assert [token for chunk in chunks for token in chunk.token_ids] == truth_path[:13]
     steps = [chunk for chunk in chunks if len(chunk.token_ids) == 2]

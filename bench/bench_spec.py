@@ -50,7 +50,7 @@ import torch
 from bench.bench_core import decode_batch, run_hf
 from bench.spec_bench import geometric_mean, load_groups
 from drafter_service.sessions import NGramDrafter
-from verifier_service.draft_head import HeadDrafter, find_head
+from verifier_service.draft_head import DEFAULT_HEAD_VOCABULARY, HeadDrafter, find_head
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
@@ -263,10 +263,11 @@ def main(argv=None) -> None:
         "--methods", default=",".join(ALL_METHODS), help="comma-separated, from %(default)s (head: only when a head is found)"
     )
     parser.add_argument("--draft-head", default="auto", help="the head for the head method: a folder, auto (the cache's), none")
+    parser.add_argument("--head-vocabulary", type=int, default=DEFAULT_HEAD_VOCABULARY, help="draft tokens the head keeps (0: all)")
     args = parser.parse_args(argv)
     loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
-    head = find_head(args.draft_head, model, tokenizer)
+    head = find_head(args.draft_head, model, tokenizer, args.head_vocabulary)
     methods = [name for name in args.methods.split(",") if name in ALL_METHODS and (name != "head" or head is not None)]
     print(f"methods: {methods}" + (f"; head {head.manifest}" if head is not None else ""), flush=True)
     warm = SpeculativeEngine(model, tokenizer)  # measures the step cost, once per model

@@ -173,12 +173,20 @@ class AcceptanceModel:
 
         Nothing learned yet, optimism 1: 0.5 + sqrt(0.25 / 2) = 0.85 at every level.
         """
+        return self._estimate((_parent(bucket), bucket), optimism)
+
+    def source_hazard(self, source: str, position: int, optimism: float = 0.0) -> float:
+        """The estimate for ``source``'s tokens at ``position`` whatever their evidence
+        (the middle level): what a draft from that source can expect before it is seen."""
+        return self._estimate(((source, min(position, POSITION_BUCKETS - 1)),), optimism)
+
+    def _estimate(self, keys: tuple[tuple, ...], optimism: float) -> float:
         accepted, reached = self._counts.get(self.ROOT, (0.0, 0.0))
         weight = reached + PRIOR_WEIGHT
         estimate = (accepted + PRIOR_HAZARD * PRIOR_WEIGHT) / weight
         if reached < EXPLORE_BELOW:
             estimate += optimism * math.sqrt(estimate * (1.0 - estimate) / weight)
-        for key in (_parent(bucket), bucket):
+        for key in keys:
             accepted, reached = self._counts.get(key, (0.0, 0.0))
             estimate = (accepted + estimate * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
         return estimate
@@ -343,6 +351,23 @@ class Planner:
         accepted, expected = self._record
         return min(1.0, (accepted + REALISM_WEIGHT) / (expected + REALISM_WEIGHT))
 
+    def hazard(self, bucket: tuple, calibration: SequenceCalibration) -> float:
+        """What planning expects of a draft token in ``bucket`` whose parent was accepted,
+        for the sequence ``calibration`` belongs to."""
+        return min(MAX_HAZARD, self.acceptance.hazard(bucket, EXPLORATION) * calibration.factor_of(bucket[0]))
+
+    def source_hazard(self, source: str, calibration: SequenceCalibration) -> float:
+        """``hazard`` of a first draft token from ``source`` before its evidence is known."""
+        return min(MAX_HAZARD, self.acceptance.source_hazard(source, 0, EXPLORATION) * calibration.factor_of(source))
+
+    def floor(self, rows: int, context: int) -> float:
+        """The least survival a draft token needs for verifying it to pay, as plans scale
+        survivals (by ``realism``), in a decode step of ``rows`` rows that reads
+        ``context`` cached tokens: one more token in the pass costs that much of the
+        tokens the step yields without it."""
+        base = self.cost.cheapest(rows, context)
+        return max(0.0, rows * (self.cost.cheapest(rows + 1, context) - base) / (base * self.realism))
+
     def plan(self, rows: Sequence[PlannedRow], prefill_tokens: int, context: int) -> None:
         """Set what each row verifies: a fixed-K row its whole draft, adaptive rows the
         tokens whose survival pays for their cost in a step of ``prefill_tokens`` more
@@ -351,9 +376,7 @@ class Planner:
         base_tokens, base_expected = len(rows), float(len(rows))
         for row in rows:
             calibration = row.calibration
-            hazards = [
-                min(MAX_HAZARD, self.acceptance.hazard(bucket, EXPLORATION) * calibration.factor_of(bucket[0])) for bucket in row.buckets
-            ]
+            hazards = [self.hazard(bucket, calibration) for bucket in row.buckets]
             survivals_of_row = survival(hazards, row.parents if row.tree else None)
             if row.adaptive:
                 adaptive.append(row)

@@ -46,7 +46,10 @@ from verifier_service.model_loading import cache_root, staged_folder
 
 log = logging.getLogger(__name__)
 
-HEAD_FORMAT = 1
+# 2: the draft vocabulary is stored most frequent first (format 1's was by id).
+HEAD_FORMAT = 2
+# Draft-vocabulary entries a served head keeps (the most frequent first).
+DEFAULT_HEAD_VOCABULARY = 2048
 MANIFEST = "manifest.json"
 WEIGHTS = "head.safetensors"
 # Values of each parameter tensor the fingerprint reads: enough to tell a
@@ -135,31 +138,22 @@ class DraftHead(nn.Module):
         return self.out_norm(x + self.down(nn.functional.silu(gate) * up))
 
 
-@dataclass(frozen=True)
-class HeadDraft:
-    """A batch of head drafts: per row a chain (``tokens``, best guess each level) with the
-    head's probability of each, and the second guess at the first level (a one-node branch)."""
-
-    tokens: list[list[int]]
-    probabilities: list[list[float]]
-    second: list[int]
-    second_probability: list[float]
-
-
 class HeadDrafter:
     """A trained head bound to its target: the target's embeddings and the output rows of
-    the head's draft vocabulary, on the target's device and dtype."""
+    the head's draft vocabulary, on the target's device and dtype. ``vocabulary`` keeps
+    only the head's most frequent entries (its first rows): a level reads fewer weights
+    and misses the tokens cut."""
 
-    def __init__(self, head: DraftHead, model: PreTrainedModel, manifest: HeadManifest | None = None) -> None:
+    def __init__(self, head: DraftHead, model: PreTrainedModel, manifest: HeadManifest | None = None, vocabulary: int = 0) -> None:
         parameter = next(model.parameters())
         self.head = head.to(parameter.device, parameter.dtype).eval().requires_grad_(False)
         self.manifest = manifest
         self.embeddings = model.get_input_embeddings()
         output = model.get_output_embeddings()
-        vocab = self.head.vocab
-        self.readout = output.weight.detach()[vocab].contiguous()  # [draft vocabulary, hidden]
+        self.vocab = self.head.vocab[:vocabulary] if vocabulary > 0 else self.head.vocab
+        self.readout = output.weight.detach()[self.vocab].contiguous()  # [draft vocabulary, hidden]
         bias = getattr(output, "bias", None)
-        self.readout_bias = bias.detach()[vocab] if bias is not None else None
+        self.readout_bias = bias.detach()[self.vocab] if bias is not None else None
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of predicted features [..., hidden]."""
@@ -167,29 +161,16 @@ class HeadDrafter:
         return logits if self.readout_bias is None else logits + self.readout_bias
 
     @torch.inference_mode()
-    def draft(self, features: torch.Tensor, tokens: list[int], depth: int) -> HeadDraft:
-        """Chains ``depth`` deep for a batch: ``features`` [rows, hidden] is the target's feature
-        at each row's last verified position and ``tokens`` the token the target emitted there."""
-        rows = len(tokens)
-        chain: list[list[int]] = [[] for _ in range(rows)]
-        odds: list[list[float]] = [[] for _ in range(rows)]
-        second: list[int] = []
-        second_probability: list[float] = []
-        feature = features.to(self.readout.dtype)
-        current = torch.tensor(tokens, dtype=torch.long, device=feature.device)
-        for level in range(depth):
-            feature = self.head(feature, self.embeddings(current))
-            probabilities = self.logits(feature).float().softmax(dim=-1)
-            best, index = probabilities.topk(2 if level == 0 else 1, dim=-1)
-            ids = self.head.vocab[index]
-            current = ids[:, 0]
-            for row, (token, probability) in enumerate(zip(current.tolist(), best[:, 0].tolist())):
-                chain[row].append(token)
-                odds[row].append(probability)
-            if level == 0:
-                second = ids[:, 1].tolist() if ids.shape[1] > 1 else [-1] * rows
-                second_probability = best[:, 1].tolist() if best.shape[1] > 1 else [0.0] * rows
-        return HeadDraft(chain, odds, second, second_probability)
+    def level(self, features: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One level of drafting for a batch: ``features`` [rows, hidden] is the target's
+        (or the previous level's) feature at each row's last position and ``tokens`` [rows]
+        the token there. Returns the predicted features at those tokens, the head's two
+        best guesses for the token after each [rows, 2] (target ids), and their
+        probabilities [rows, 2] (no softmax over the whole vocabulary: two exps)."""
+        feature = self.head(features.to(self.readout.dtype), self.embeddings(tokens))
+        logits = self.logits(feature).float()
+        best, index = logits.topk(2, dim=-1)
+        return feature, self.vocab[index], (best - logits.logsumexp(dim=-1, keepdim=True)).exp()
 
 
 class FeatureCapture:
@@ -234,10 +215,13 @@ def read_manifest(folder: Path) -> HeadManifest:
         raise HeadMismatch(f"{folder} is not a draft head folder: {error.strerror or error} ({folder / MANIFEST})") from None
 
 
-def load_head(folder: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fingerprint: str | None = None) -> HeadDrafter:
+def load_head(
+    folder: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fingerprint: str | None = None, vocabulary: int = 0
+) -> HeadDrafter:
     """The head in ``folder``, bound to ``model`` (whose ``target_fingerprint`` is
-    ``fingerprint``, computed when not given); ``HeadMismatch`` when it was trained on
-    another target or its files do not match its manifest."""
+    ``fingerprint``, computed when not given) and cut to ``vocabulary`` draft tokens
+    (0: all); ``HeadMismatch`` when it was trained on another target or its files do
+    not match its manifest."""
     manifest = read_manifest(folder)
     if manifest.format != HEAD_FORMAT:
         raise HeadMismatch(f"{folder}: head format {manifest.format}, this verifier reads format {HEAD_FORMAT}")
@@ -255,10 +239,10 @@ def load_head(folder: Path, model: PreTrainedModel, tokenizer: PreTrainedTokeniz
         head.load_state_dict(load_file(str(folder / WEIGHTS)), strict=True)
     except (OSError, RuntimeError, KeyError, ValueError, SafetensorError) as error:
         raise HeadMismatch(f"{folder / WEIGHTS} does not hold the head its manifest describes: {error}") from None
-    vocabulary = model.get_output_embeddings().weight.shape[0]
-    if not bool(((head.vocab >= 0) & (head.vocab < vocabulary)).all()):
-        raise HeadMismatch(f"{folder}: its draft vocabulary names token ids outside the model's {vocabulary}")
-    return HeadDrafter(head, model, manifest)
+    tokens = model.get_output_embeddings().weight.shape[0]
+    if not bool(((head.vocab >= 0) & (head.vocab < tokens)).all()):
+        raise HeadMismatch(f"{folder}: its draft vocabulary names token ids outside the model's {tokens}")
+    return HeadDrafter(head, model, manifest, vocabulary)
 
 
 def cached_head_folder(root: Path, fingerprint: str) -> Path:
@@ -266,14 +250,14 @@ def cached_head_folder(root: Path, fingerprint: str) -> Path:
     return root / "draft-heads" / fingerprint
 
 
-def find_head(setting: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> HeadDrafter | None:
+def find_head(setting: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, vocabulary: int = 0) -> HeadDrafter | None:
     """The head ``--draft-head`` names: "none", a folder (``HeadMismatch`` when it does not
     fit: a start with the wrong head fails, it does not serve without one), or "auto":
     the cache folder's head for this target when there is one that loads."""
     if setting == "none":
         return None
     if setting != "auto":
-        drafter = load_head(Path(setting), model, tokenizer)
+        drafter = load_head(Path(setting), model, tokenizer, vocabulary=vocabulary)
         log.info("draft head from %s (%s)", setting, drafter.manifest)
         return drafter
     fingerprint = target_fingerprint(model, tokenizer)
@@ -282,7 +266,7 @@ def find_head(setting: str, model: PreTrainedModel, tokenizer: PreTrainedTokeniz
         log.info("no draft head for this model in %s (train one: python -m verifier_service.train_head)", folder.parent)
         return None
     try:
-        drafter = load_head(folder, model, tokenizer, fingerprint)
+        drafter = load_head(folder, model, tokenizer, fingerprint, vocabulary)
     except HeadMismatch as error:
         log.warning("the cached draft head is not usable, serving without one: %s", error)
         return None

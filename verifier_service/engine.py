@@ -53,7 +53,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from specdec.flags import setting
 from verifier_service.adaptive import SOURCE_HEAD, Planner, SequenceCalibration, evidence_bucket
 from verifier_service.calibration import StepCostModel, calibrated_step_cost
-from verifier_service.draft_head import FeatureCapture, HeadDraft, HeadDrafter
+from verifier_service.draft_head import FeatureCapture, HeadDrafter
 from verifier_service.drafting import DraftEvidence, DraftProposer, DraftRequest, Predictions, ProposedDraft
 from verifier_service.errors import InvalidRequest
 from verifier_service.generation import (
@@ -171,7 +171,7 @@ class _Sequence:
     verified: int = 0
     accepted: int = 0
     predictions: Predictions | None = None  # the target's at the positions the previous step scored, for the drafter
-    head_draft: tuple[list[int], list[float], int, float] | None = None  # the head's for the next step (HeadDraft's row)
+    head_feature: torch.Tensor | None = None  # the target's feature at its last token, for the draft head's next step
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when the request asks
     proposed: bool = False  # the proposer has a session for it
     stops: StopStringMatcher | None = None
@@ -293,6 +293,7 @@ class SpeculativeEngine:
         if head is not None and not self._keeps_logits:
             raise ValueError(f"a draft head needs a model whose forward takes logits_to_keep; {type(model).__name__}'s does not")
         self._capture = FeatureCapture(model) if head is not None else None
+        self._head_level_seconds: float | None = None  # a head level's time, faded (_head_drafts)
         # Called after each step with (handle, features, tokens) per sequence that got tokens:
         # features[i] is the target's feature at the position that produced tokens[i] (train_head).
         self.feature_listener: Callable[[SequenceHandle, torch.Tensor, list[int]], None] | None = None
@@ -517,9 +518,8 @@ class SpeculativeEngine:
             row.chain = next((node for node, parent in enumerate(row.parents) if parent != node - 1), len(row.parents))
             # None given: each token's bucket is its depth's.
             row.evidence = [draft.evidence[node] if node < len(draft.evidence) else None for node in nodes]
-            head_draft, row.sequence.head_draft = row.sequence.head_draft, None
-            if head_draft is not None:
-                self._add_head_draft(row, head_draft, min(request.k, self.config.head_depth), tree=bool(request.max_nodes))
+        self._head_drafts(rows, asking, requests)
+        for row in asking:
             row.tree = not is_chain(row.parents)
             firsts: set[int] = set()  # parents whose first child has been seen
             row.buckets = []
@@ -527,6 +527,86 @@ class SpeculativeEngine:
                 row.buckets.append(evidence_bucket(item, depth, branch=parent in firsts))
                 firsts.add(parent)
         return rows
+
+    def _head_drafts(self, rows: list[_Row], asking: list[_Row], requests: list[DraftRequest]) -> None:
+        """The draft head's chains, merged into the drafts of the rows that need them.
+
+        The head drafts, batched, only for the rows whose drafter draft is weak: a
+        chain request's when it is empty, a tree's when none of its first tokens is
+        expected to be accepted as often as the head's first tokens are (the planner's
+        measure of each). Each level, a row keeps the head's guess only while its
+        survival (the planner's hazard of each guess's probability band, multiplied
+        down the chain) could still pay for verifying it (``Planner.floor``: little
+        at one row, much at 16, where every verified token costs); the rows that stop
+        leave the batch, and the next level runs only while the survival it can add
+        is worth the measured time of a level. Fixed-K rows take the head's chain to
+        their K, as they verify every draft token.
+        """
+        if self.head is None or not self.config.head_depth:
+            return
+        chosen = []
+        for row, request in zip(asking, requests):
+            sequence = row.sequence
+            feature, sequence.head_feature = sequence.head_feature, None
+            depth, tree = min(request.k, self.config.head_depth), bool(request.max_nodes)
+            if feature is None or depth <= 0 or (row.draft and not tree):
+                continue
+            if row.draft and self._drafter_hazard(row) >= self.planner.source_hazard(SOURCE_HEAD, sequence.calibration):
+                continue
+            chosen.append((row, feature, depth, tree))
+        if not chosen:
+            return
+        planner = self.planner
+        floor, realism = planner.floor(len(rows), _cache_reads(rows, [])), planner.realism
+        rate = len(rows) / planner.cost.cheapest(len(rows), _cache_reads(rows, []))  # tokens a second without drafts
+        chains: list[tuple[list[int], list[float], int, float]] = [([], [], -1, 0.0) for _ in chosen]
+        survival = [1.0] * len(chosen)
+        alive = list(range(len(chosen)))
+        features = torch.stack([feature for _, feature, _, _ in chosen])
+        tokens = torch.tensor([row.sequence.tokens[-1] for row, _, _, _ in chosen], device=features.device)
+        for level in range(max(depth for _, _, depth, _ in chosen)):
+            started = time.perf_counter()
+            try:
+                features, guesses, probabilities = self.head.level(features, tokens)
+                ids, odds = guesses.tolist(), probabilities.tolist()
+            except Exception:  # drafts are an optimisation: the step goes on with what it has
+                log.exception("the draft head failed; this step goes on without its drafts")
+                break
+            seconds = time.perf_counter() - started
+            self._head_level_seconds = seconds if self._head_level_seconds is None else 0.8 * self._head_level_seconds + 0.2 * seconds
+            going, gain = [], 0.0
+            for batch_row, index in enumerate(alive):
+                row, _, depth, tree = chosen[index]
+                calibration = row.sequence.calibration
+                tokens_so_far, probabilities_so_far, second, second_probability = chains[index]
+                if level == 0 and tree and row.adaptive:
+                    bucket = evidence_bucket(head_evidence(odds[batch_row][1]), 0, branch=True)
+                    if planner.hazard(bucket, calibration) * realism >= floor:
+                        chains[index] = (tokens_so_far, probabilities_so_far, ids[batch_row][1], odds[batch_row][1])
+                survival[index] *= planner.hazard(evidence_bucket(head_evidence(odds[batch_row][0]), level), calibration)
+                if row.adaptive and survival[index] * realism < floor:
+                    continue  # this guess would not be verified; deeper ones even less
+                tokens_so_far.append(ids[batch_row][0])
+                probabilities_so_far.append(odds[batch_row][0])
+                if level + 1 < depth:
+                    going.append(batch_row)
+                    gain += survival[index] * realism if row.adaptive else 1.0
+            if not going or gain < rate * self._head_level_seconds:
+                break
+            keep = torch.tensor(going, device=features.device)
+            features, tokens = features[keep], guesses[keep, 0]
+            alive = [alive[batch_row] for batch_row in going]
+        for (row, _, _, tree), chain in zip(chosen, chains):
+            self._add_head_draft(row, chain, len(chain[0]), tree)
+
+    def _drafter_hazard(self, row: _Row) -> float:
+        """The best planning hazard among the first tokens of the drafter's draft (0: none)."""
+        best, seen_first = 0.0, False
+        for parent, evidence in zip(row.parents, row.evidence):
+            if parent < 0:
+                bucket = evidence_bucket(evidence, 0, branch=seen_first)
+                best, seen_first = max(best, self.planner.hazard(bucket, row.sequence.calibration)), True
+        return best
 
     def _add_head_draft(self, row: _Row, head_draft: tuple[list[int], list[float], int, float], depth: int, tree: bool) -> None:
         """Merge the head's chain (and its second guess for the first token, on a tree) into the
@@ -537,9 +617,6 @@ class SpeculativeEngine:
         if not tree and row.draft:
             return
 
-        def evidence(probability: float) -> DraftEvidence:
-            return DraftEvidence(SOURCE_HEAD, 0, round(probability * HEAD_EVIDENCE_TOTAL), HEAD_EVIDENCE_TOTAL)
-
         parent = -1
         for token, probability in zip(tokens[:depth], probabilities):
             child = next((node for node, (up, held) in enumerate(zip(row.parents, row.draft)) if up == parent and held == token), None)
@@ -547,7 +624,7 @@ class SpeculativeEngine:
                 child = len(row.draft)
                 row.draft.append(token)
                 row.parents.append(parent)
-                row.evidence.append(evidence(probability))
+                row.evidence.append(head_evidence(probability))
             parent = child
         if (
             tree
@@ -557,7 +634,7 @@ class SpeculativeEngine:
         ):
             row.draft.append(second)
             row.parents.append(-1)
-            row.evidence.append(evidence(second_probability))
+            row.evidence.append(head_evidence(second_probability))
 
     def _plan_prefill(self) -> list[tuple[_Sequence, int, int]]:
         """(sequence, first position, length) chunks for this step, oldest prompt first."""
@@ -704,8 +781,8 @@ class SpeculativeEngine:
 
     def _use_features(self, features: torch.Tensor, produced: dict[_Sequence, list[int]], outcomes: list[StepOutcome]) -> None:
         """The step's features [kept, hidden]: to the listener, with the tokens they produced,
-        and to the head, which drafts each still-decoding sequence's next tokens from the
-        feature that produced its last token (the head drafts fail alone: never the step)."""
+        and, for the head to draft from at the next propose, the feature that produced each
+        still-decoding sequence's last token."""
         if self.feature_listener is not None:
             by_handle = {sequence.handle: sequence for sequence in produced}
             for outcome in outcomes:
@@ -715,22 +792,9 @@ class SpeculativeEngine:
                     self.feature_listener(outcome.sequence, features[rows], list(outcome.tokens))
         if self.head is None or not self.config.head_depth:
             return
-        drafting = [
-            sequence for sequence in self._active if sequence in produced and sequence.finish_reason is None and self._speculates(sequence)
-        ]
-        if not drafting:
-            return
-        try:
-            draft: HeadDraft = self.head.draft(
-                features[[produced[sequence][-1] for sequence in drafting]],
-                [sequence.tokens[-1] for sequence in drafting],
-                self.config.head_depth,
-            )
-        except Exception:
-            log.exception("the draft head failed; the next step goes on without its drafts")
-            return
-        for index, sequence in enumerate(drafting):
-            sequence.head_draft = (draft.tokens[index], draft.probabilities[index], draft.second[index], draft.second_probability[index])
+        for sequence in self._active:
+            if sequence in produced and sequence.finish_reason is None and self._speculates(sequence):
+                sequence.head_feature = features[produced[sequence][-1]]
 
     def _keep_logprobs(self, rows: list[_Row], logits: torch.Tensor, decisions: list[tuple[list[int], int] | None]) -> None:
         """For the rows whose requests ask, the target's log-probabilities of the tokens each
@@ -1029,6 +1093,11 @@ def _feature_rows(
     completing = [sequence for sequence, first, length in chunks if first + length == len(sequence.request.prompt_ids)]
     produced.update((sequence, [decoded + index]) for index, sequence in enumerate(completing))
     return produced
+
+
+def head_evidence(probability: float) -> DraftEvidence:
+    """A draft head token's evidence: its probability under the head, as a count out of HEAD_EVIDENCE_TOTAL."""
+    return DraftEvidence(SOURCE_HEAD, 0, round(probability * HEAD_EVIDENCE_TOTAL), HEAD_EVIDENCE_TOTAL)
 
 
 def _cache_reads(rows: list[_Row], chunks: list[tuple[_Sequence, int, int]]) -> int:

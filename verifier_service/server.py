@@ -47,7 +47,7 @@ from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from specdec.vocabulary import tokenizer_fingerprint
 from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_HEAD, SOURCE_SUCCESSOR
 from verifier_service.calibration import StepCostModel
-from verifier_service.draft_head import find_head
+from verifier_service.draft_head import DEFAULT_HEAD_VOCABULARY, find_head
 from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
 from verifier_service.engine import EngineConfig, SpeculativeEngine
 from verifier_service.errors import InvalidRequest
@@ -112,6 +112,11 @@ class VerifierConfig:
         "none",
         help="a trained draft head's folder; auto: the one trained for this model in the cache folder "
         "($SPECDEC_CACHE_DIR/draft-heads), if there is one; none: no head",
+    )
+    head_vocabulary: int = setting(
+        DEFAULT_HEAD_VOCABULARY,
+        minimum=0,
+        help="the draft head drafts only its this many most frequent tokens (0: all it was trained on): fewer weights read a level",
     )
     # How the verifier reaches the drafter: --drafter HOST:PORT and the --drafter-* flags.
     drafter: DrafterClientConfig = nested(DrafterClientConfig, prefix="drafter-")
@@ -418,7 +423,7 @@ class VerifierServer:
         observer = ServiceObserver(self.service.tracing, self.service.metrics)
         proposer = observer.traced(self.drafter) if self.drafter is not None else None
         folder = cache_root() / "calibration" if config.calibration_cache else None
-        head = find_head(config.draft_head, loaded.model, loaded.tokenizer)
+        head = find_head(config.draft_head, loaded.model, loaded.tokenizer, config.head_vocabulary)
         engine = SpeculativeEngine(loaded.model, loaded.tokenizer, proposer, config.engine, step_cost, folder, head)
         engine.generate([GenerationRequest([0, 1, 2, 3], 4, num_speculative_tokens=0)])  # warm-up
         scheduler = Scheduler(engine, config.scheduler, observer)

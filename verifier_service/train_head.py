@@ -158,7 +158,7 @@ def losses(head: DraftHead, drafter: HeadDrafter, examples: Examples, at: torch.
         total = total + UNROLL_WEIGHTS[level] * cross_entropy
         if level == 0:
             total = total + FEATURE_LOSS_WEIGHT * nn.functional.smooth_l1_loss(predicted, truth)
-            guess = head.vocab[logits.argmax(dim=-1)]
+            guess = drafter.vocab[logits.argmax(dim=-1)]
             correct = (guess == examples.tokens[at + 1]).float().mean()
         feature = predicted
     return total, correct
@@ -179,7 +179,7 @@ def evaluate(head: DraftHead, drafter: HeadDrafter, examples: Examples, depth: i
         for level in range(depth):
             valid = batch + level + 1 < len(examples.tokens)
             feature = head(feature, drafter.embeddings(token).float())
-            guess = head.vocab[drafter.logits(feature).argmax(dim=-1)]
+            guess = drafter.vocab[drafter.logits(feature).argmax(dim=-1)]
             truth = examples.tokens[(batch + level + 1).clamp(max=len(examples.tokens) - 1)]
             alive &= (guess == truth) & valid
             if level == 0:

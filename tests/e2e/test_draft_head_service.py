@@ -16,7 +16,7 @@ from specdec.v1 import verifier_pb2_grpc as rpc
 from tests.conftest import build_tiny_model
 from tests.verifier_service.test_draft_head import TRAIN_TEXTS, collected
 from verifier_service import train_head
-from verifier_service.draft_head import DraftHead, HeadDrafter, HeadManifest, cached_head_folder, save_head, target_fingerprint
+from verifier_service.draft_head import HEAD_FORMAT, DraftHead, HeadDrafter, HeadManifest, cached_head_folder, save_head, target_fingerprint
 from verifier_service.engine import reference_greedy
 
 from processes import running_tiny_verifier
@@ -37,7 +37,7 @@ def head_for(model, tokenizer, folder, steps: int = 0):
         head.requires_grad_(True)
         examples = train_head.Examples(traces, len(train_head.UNROLL_WEIGHTS))
         train_head.train(head, drafter, examples, train_head.Examples(traces[:2], 1), 600.0, 64, 3e-3, steps=steps)
-    save_head(folder, head.eval(), HeadManifest(1, target_fingerprint(model, tokenizer), "", 32, 32, 64, 64))
+    save_head(folder, head.eval(), HeadManifest(HEAD_FORMAT, target_fingerprint(model, tokenizer), "", 32, 32, 64, 64))
     return folder
 
 

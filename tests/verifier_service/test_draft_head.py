@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from tests.conftest import build_tiny_model
-from tests.verifier_service.test_engine_adaptive import FrozenStepCost
+from tests.verifier_service.test_engine_adaptive import CPU_COST, FrozenStepCost
 from tests.verifier_service.test_trees import FLAT, NO_EOS, PROMPTS, TreeProposer, branch_tree, engine_for
 from verifier_service import train_head
 from verifier_service.adaptive import SOURCE_HEAD
 from verifier_service.calibration import StepCostModel
 from verifier_service.draft_head import (
+    HEAD_FORMAT,
     MANIFEST,
     WEIGHTS,
     DraftHead,
@@ -25,8 +26,8 @@ from verifier_service.draft_head import (
     save_head,
     target_fingerprint,
 )
-from verifier_service.drafting import DraftEvidence
-from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine, _Row, reference_greedy
+from verifier_service.drafting import DraftEvidence, DraftRequest
+from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine, _Row, _Sequence, reference_greedy
 from verifier_service.rejection import SamplingParams
 
 
@@ -62,7 +63,7 @@ def trained(tiny_model, tiny_tokenizer, tmp_path_factory):
     train_head.train(head, drafter, examples, held_out, 600.0, 64, 3e-3, steps=300)
     after = train_head.evaluate(head, drafter, examples)
     folder = tmp_path_factory.mktemp("head") / "tiny"
-    manifest = HeadManifest(1, target_fingerprint(tiny_model, tiny_tokenizer), "v", 32, 32, 64, 48, len(examples), after[0])
+    manifest = HeadManifest(HEAD_FORMAT, target_fingerprint(tiny_model, tiny_tokenizer), "v", 32, 32, 64, 48, len(examples), after[0])
     save_head(folder, head.eval(), manifest)
     return folder, before, after, traces
 
@@ -116,10 +117,10 @@ def test_the_fingerprint_tells_a_fine_tune_from_its_base(tiny_model, tiny_tokeni
     assert target_fingerprint(tuned, tiny_tokenizer) != target_fingerprint(tiny_model, tiny_tokenizer)
 
 
-def head_engine(trained, model, tokenizer, proposer=None, **config) -> SpeculativeEngine:
+def head_engine(trained, model, tokenizer, proposer=None, cost=FLAT, **config) -> SpeculativeEngine:
     folder, *_ = trained
     engine = SpeculativeEngine(
-        model, tokenizer, proposer, EngineConfig(**config), step_cost=FrozenStepCost(FLAT), head=load_head(folder, model, tokenizer)
+        model, tokenizer, proposer, EngineConfig(**config), step_cost=FrozenStepCost(cost), head=load_head(folder, model, tokenizer)
     )
     engine.eos_token_ids = NO_EOS
     return engine
@@ -213,3 +214,77 @@ def test_a_chain_request_takes_the_heads_chain_only_where_the_drafter_had_none(t
     row = _Row(None, [], [], True, [], [])
     engine._add_head_draft(row, ([10, 12, 13], [0.9, 0.5, 0.4], 30, 0.05), depth=2, tree=False)
     assert (row.draft, row.parents) == ([10, 12], [-1, 0])  # no branch on a chain
+
+
+def test_a_level_gives_the_heads_two_best_guesses_with_their_probabilities(trained, tiny_model, tiny_tokenizer):
+    folder, *_, traces = trained
+    drafter = load_head(folder, tiny_model, tiny_tokenizer)
+    features, tokens = traces[0][0][:5], traces[0][1][:5]
+    predicted, guesses, probabilities = drafter.level(features, tokens)
+    full = drafter.logits(predicted).float().softmax(dim=-1)
+    best, index = full.topk(2, dim=-1)
+    assert torch.equal(guesses, drafter.vocab[index])
+    assert torch.allclose(probabilities, best, atol=1e-5)
+    cut = load_head(folder, tiny_model, tiny_tokenizer, vocabulary=16)  # the 16 most frequent entries only
+    assert torch.equal(cut.vocab, drafter.vocab[:16]) and cut.readout.shape == (16, 32)
+    _, guesses, probabilities = cut.level(features, tokens)
+    assert set(guesses.flatten().tolist()) <= set(cut.vocab.tolist())
+    assert bool((probabilities.sum(dim=-1) <= 1 + 1e-5).all())
+
+
+def test_the_draft_vocabulary_is_stored_most_frequent_first():
+    traces = [(torch.zeros(7, 2), torch.tensor([5, 3, 3, 9, 9, 9, 1]))]
+    assert train_head.draft_vocabulary(traces, 4, 12).tolist() == [9, 3, 1, 5]  # ties by id
+
+
+def teach(engine, source, hazard, branches=False):
+    """Make the planner's shared estimate of ``source``'s tokens (every band, every position) about ``hazard``."""
+    buckets = [(source, band, 0, position) for band in range(5) for position in range(4)]
+    for _ in range(60):
+        engine.planner.acceptance.learn_outcomes([(bucket, random.random() < hazard) for bucket in buckets])
+
+
+def decoding_row(model, tokenizer, text, draft=(), evidence=None):
+    """A row of a step for a sequence that has decoded: its feature at the last token kept for the head."""
+    prompt = tokenizer(text).input_ids
+    sequence = _Sequence(GenerationRequest(prompt, 8, num_speculative_tokens=None), text, 0, 0, list(prompt))
+    with torch.inference_mode():
+        sequence.head_feature = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
+    return _Row(sequence, list(draft), [], True, [evidence] * len(draft), list(range(-1, len(draft) - 1)))
+
+
+def head_tokens(row) -> int:
+    return sum(1 for item in row.evidence if item is not None and item.source == SOURCE_HEAD)
+
+
+def test_the_head_drafts_only_for_rows_whose_drafter_draft_is_weak(trained, tiny_model, tiny_tokenizer):
+    random.seed(0)
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, adaptive_max_k=4, adaptive_max_nodes=12)
+    teach(engine, "context", 0.95)
+    teach(engine, "global", 0.05)
+    teach(engine, SOURCE_HEAD, 0.6)
+    strong = decoding_row(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[0], [11, 12], DraftEvidence("context", 3, 2, 2))
+    weak = decoding_row(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[1], [11, 12], DraftEvidence("global", 1, 1, 3))
+    empty = decoding_row(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[2])
+    rows = [strong, weak, empty]
+    requests = [DraftRequest(row.sequence.session_id, row.sequence.tokens, 4, max_nodes=12) for row in rows]
+    engine._head_drafts(rows, rows, requests)
+    assert (strong.draft, head_tokens(strong)) == ([11, 12], 0)
+    assert head_tokens(weak) >= 4 and weak.draft[:2] == [11, 12]  # its chain, 4 deep, beside the drafter's (and a second guess)
+    assert head_tokens(empty) >= 4
+    assert all(row.sequence.head_feature is None for row in rows)  # each feature drafts once
+
+
+@pytest.mark.parametrize(("cost", "rows", "expected"), [(FLAT, 16, 4), (CPU_COST, 1, 2), (CPU_COST, 16, 0)])
+def test_the_heads_chain_stops_where_verifying_it_would_not_pay(trained, tiny_model, tiny_tokenizer, cost, rows, expected):
+    """With the head's guesses accepted half the time, a chain's survival halves each level:
+    worth any depth when a wider pass is free, two levels on a CPU-like step at one row
+    (a token must survive 0.14 of the time), none at 16 rows (0.73)."""
+    random.seed(0)
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, cost=cost, adaptive_max_k=4, adaptive_max_nodes=12)
+    teach(engine, SOURCE_HEAD, 0.5)
+    step = [decoding_row(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[index % 8]) for index in range(rows)]
+    requests = [DraftRequest(row.sequence.session_id, row.sequence.tokens, 4, max_nodes=12) for row in step]
+    engine._head_drafts(step, step, requests)
+    chains = [sum(1 for parent in row.parents if parent >= 0) + (1 if row.draft else 0) for row in step]
+    assert chains == [expected] * rows, (engine.planner.floor(rows, 0), chains)

@@ -134,7 +134,7 @@ class Examples:
         starts, end = [], 0
         for features, _ in traces:
             n = len(features)
-            starts.append(torch.arange(end, end + n - levels))
+            starts.append(torch.arange(end, end + max(0, n - levels)))  # an answer this short gives none
             end += n
         self.usable = (torch.cat(starts) if starts else torch.empty(0, dtype=torch.long)).to(device)
 

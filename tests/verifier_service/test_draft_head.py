@@ -288,3 +288,10 @@ def test_the_heads_chain_stops_where_verifying_it_would_not_pay(trained, tiny_mo
     engine._head_drafts(step, step, requests)
     chains = [sum(1 for parent in row.parents if parent >= 0) + (1 if row.draft else 0) for row in step]
     assert chains == [expected] * rows, (engine.planner.floor(rows, 0), chains)
+
+
+def test_training_positions_skip_answers_too_short_to_unroll():
+    """An answer shorter than the unrolled levels (one cut short at the budget's end) gives no
+    position; the positions of the others stay within their own answer."""
+    traces = [(torch.zeros(2, 4), torch.tensor([1, 2])), (torch.zeros(6, 4), torch.arange(6))]
+    assert train_head.Examples(traces, 3).usable.tolist() == [2, 3, 4]

@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=60.0, help="the whole budget, end to end (default %(default)s)")
     parser.add_argument("--data-share", type=float, default=0.5, help="share of the budget spent generating answers")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=16, help="answers generated at once (default %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=32, help="answers generated at once (default %(default)s)")
     parser.add_argument("--width", type=int, default=DEFAULT_WIDTH, help="the head's inner size (default %(default)s)")
     parser.add_argument("--draft-vocabulary", type=int, default=DEFAULT_DRAFT_VOCABULARY, help="tokens the head drafts from")
     parser.add_argument("--train-batch", type=int, default=256)

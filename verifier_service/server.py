@@ -106,8 +106,8 @@ class VerifierConfig:
         help="weights and activations (auto: bfloat16 where the hardware has native bf16: GPUs, AMX or AVX512-BF16 CPUs)",
     )
     # Trained by python -m verifier_service.train_head; refused when trained on another model.
-    # Off by default: on a 2-core CPU its drafting cost still outweighs its accepted
-    # tokens on grounded text (README: the draft head), so it is opted into.
+    # Off by default: on a 2-core CPU it pays for one sequence but not yet for 16
+    # (README: the draft head), and a default must not slow any batch down.
     draft_head: str = setting(
         "none",
         help="a trained draft head's folder; auto: the one trained for this model in the cache folder "

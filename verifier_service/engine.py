@@ -556,10 +556,11 @@ class SpeculativeEngine:
             chosen.append((row, feature, depth, tree))
         if not chosen:
             return
-        planner = self.planner
-        floor, realism = planner.floor(len(rows), _cache_reads(rows, [])), planner.realism
-        rate = len(rows) / planner.cost.cheapest(len(rows), _cache_reads(rows, []))  # tokens a second without drafts
-        chains: list[tuple[list[int], list[float], int, float]] = [([], [], -1, 0.0) for _ in chosen]
+        planner, context = self.planner, _cache_reads(rows, [])
+        floor, realism = planner.floor(len(rows), context), planner.realism
+        rate = len(rows) / planner.cost.cheapest(len(rows), context)  # tokens a second without drafts
+        chains: list[tuple[list[int], list[float]]] = [([], []) for _ in chosen]  # tokens, probabilities
+        second_guesses = [(-1, 0.0)] * len(chosen)  # the root's second guess, when it may pay
         survival = [1.0] * len(chosen)
         alive = list(range(len(chosen)))
         features = torch.stack([feature for _, feature, _, _ in chosen])
@@ -578,16 +579,15 @@ class SpeculativeEngine:
             for batch_row, index in enumerate(alive):
                 row, _, depth, tree = chosen[index]
                 calibration = row.sequence.calibration
-                tokens_so_far, probabilities_so_far, second, second_probability = chains[index]
                 if level == 0 and tree and row.adaptive:
                     bucket = evidence_bucket(head_evidence(odds[batch_row][1]), 0, branch=True)
                     if planner.hazard(bucket, calibration) * realism >= floor:
-                        chains[index] = (tokens_so_far, probabilities_so_far, ids[batch_row][1], odds[batch_row][1])
+                        second_guesses[index] = (ids[batch_row][1], odds[batch_row][1])
                 survival[index] *= planner.hazard(evidence_bucket(head_evidence(odds[batch_row][0]), level), calibration)
                 if row.adaptive and survival[index] * realism < floor:
                     continue  # this guess would not be verified; deeper ones even less
-                tokens_so_far.append(ids[batch_row][0])
-                probabilities_so_far.append(odds[batch_row][0])
+                chains[index][0].append(ids[batch_row][0])
+                chains[index][1].append(odds[batch_row][0])
                 if level + 1 < depth:
                     going.append(batch_row)
                     gain += survival[index] * realism if row.adaptive else 1.0
@@ -596,8 +596,8 @@ class SpeculativeEngine:
             keep = torch.tensor(going, device=features.device)
             features, tokens = features[keep], guesses[keep, 0]
             alive = [alive[batch_row] for batch_row in going]
-        for (row, _, _, tree), chain in zip(chosen, chains):
-            self._add_head_draft(row, chain, len(chain[0]), tree)
+        for (row, _, _, tree), chain, second in zip(chosen, chains, second_guesses):
+            self._add_head_draft(row, (*chain, *second), len(chain[0]), tree)
 
     def _drafter_hazard(self, row: _Row) -> float:
         """The best planning hazard among the first tokens of the drafter's draft (0: none)."""

@@ -237,7 +237,7 @@ def test_the_draft_vocabulary_is_stored_most_frequent_first():
     assert train_head.draft_vocabulary(traces, 4, 12).tolist() == [9, 3, 1, 5]  # ties by id
 
 
-def teach(engine, source, hazard, branches=False):
+def teach(engine, source, hazard):
     """Make the planner's shared estimate of ``source``'s tokens (every band, every position) about ``hazard``."""
     buckets = [(source, band, 0, position) for band in range(5) for position in range(4)]
     for _ in range(60):

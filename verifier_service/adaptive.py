@@ -331,24 +331,25 @@ class Planner:
     ``calibration.StepCostModel``), so the same rule picks small trees on a CPU,
     where every token costs, and wide ones where a pass of 64 costs what one of 1 does.
 
-    It also keeps its own record (``realism``): the tokens its plans chose
-    yielded so many per token it expected. Choosing by estimate picks the
-    estimates that came out high, so that ratio runs below 1, most where
-    little pays (many rows, open text); every survival is scaled by it.
+    It also keeps its own record per source (``realism``): the tokens its plans
+    chose yielded so many per token it expected. Choosing by estimate picks the
+    estimates that came out high, so that ratio runs below 1, most where little
+    pays (many rows, open text); every survival is scaled by its source's. Per
+    source because one source's over-estimates (a draft head's guesses on open
+    text) must not stop the others' tokens being verified.
     """
 
     def __init__(self, cost) -> None:
         self.cost = cost
         self.acceptance = AcceptanceModel()
-        self._record = [0.0, 0.0]  # faded [accepted, expected] of the tokens plans chose
-        self._step = [0.0, 0.0]  # the same for this step, folded in by ``age``
-        self._expected: dict[int, float] = {}  # id of a planned row -> its chosen tokens' expectation
+        self._record: dict[str, list[float]] = {}  # source -> faded [accepted, expected] of the tokens plans chose
+        self._step: dict[str, list[float]] = {}  # the same for this step, folded in by ``age``
+        self._expected: dict[int, dict[str, float]] = {}  # id of a planned row -> its chosen tokens' expectation, per source
 
-    @property
-    def realism(self) -> float:
-        """What chosen draft tokens yielded per token expected, at most 1: planning scales
-        every survival by it (ranking is unchanged; fewer tokens pay for their cost)."""
-        accepted, expected = self._record
+    def realism(self, source: str) -> float:
+        """What chosen draft tokens from ``source`` yielded per token expected, at most 1:
+        planning scales their survivals by it (fewer of them pay for their cost)."""
+        accepted, expected = self._record.get(source, (0.0, 0.0))
         return min(1.0, (accepted + REALISM_WEIGHT) / (expected + REALISM_WEIGHT))
 
     def hazard(self, bucket: tuple, calibration: SequenceCalibration) -> float:
@@ -361,12 +362,12 @@ class Planner:
         return min(MAX_HAZARD, self.acceptance.source_hazard(source, 0, EXPLORATION) * calibration.factor_of(source))
 
     def floor(self, rows: int, context: int) -> float:
-        """The least survival a draft token needs for verifying it to pay, as plans scale
-        survivals (by ``realism``), in a decode step of ``rows`` rows that reads
-        ``context`` cached tokens: one more token in the pass costs that much of the
-        tokens the step yields without it."""
+        """The least expected yield (survival scaled by ``realism``) a draft token needs for
+        verifying it to pay, in a decode step of ``rows`` rows that reads ``context``
+        cached tokens: one more token in the pass costs that share of the tokens the
+        step yields without it."""
         base = self.cost.cheapest(rows, context)
-        return max(0.0, rows * (self.cost.cheapest(rows + 1, context) - base) / (base * self.realism))
+        return max(0.0, rows * (self.cost.cheapest(rows + 1, context) - base) / base)
 
     def plan(self, rows: Sequence[PlannedRow], prefill_tokens: int, context: int) -> None:
         """Set what each row verifies: a fixed-K row its whole draft, adaptive rows the
@@ -389,14 +390,26 @@ class Planner:
         if not any(survivals):
             self._probe(adaptive, base_tokens + prefill_tokens)
             return
-        realism = self.realism
-        scaled = [[value * realism for value in row_survivals] for row_survivals in survivals]
+        scaled = [self._scaled(row, row_survivals) for row, row_survivals in zip(adaptive, survivals)]
         plan = plan_verification(scaled, base_tokens, base_expected, lambda tokens: self.cost.cheapest(tokens, context), prefill_tokens)
         for row, chosen, row_survivals in zip(adaptive, plan.chosen, survivals):
-            row.choose(chosen)
             if chosen:
-                self._expected[id(row)] = sum(row_survivals[node] for node in chosen)
+                expected: dict[str, float] = {}
+                for node in chosen:
+                    source = row.buckets[node][0]
+                    expected[source] = expected.get(source, 0.0) + row_survivals[node]
+                self._expected[id(row)] = expected
+            row.choose(chosen)
         self._probe(adaptive, plan.tokens + prefill_tokens)
+
+    def _scaled(self, row: PlannedRow, survivals: list[float]) -> list[float]:
+        """``survivals`` scaled by each token's source's ``realism``, each at most its
+        parent's (as ``plan_verification`` needs: sources can differ down one branch)."""
+        realism = {source: self.realism(source) for source in {bucket[0] for bucket in row.buckets}}
+        scaled: list[float] = []
+        for value, bucket, parent in zip(survivals, row.buckets, row.parents):
+            scaled.append(min(value * realism[bucket[0]], scaled[parent] if parent >= 0 else 1.0))
+        return scaled
 
     def _probe(self, rows: list[PlannedRow], tokens: int) -> None:
         """Rows due a probe verify the draft tokens that one more token's padding makes
@@ -416,8 +429,10 @@ class Planner:
         calibration.age()
         expected = self._expected.pop(id(row), None)
         if expected is not None and not row.probe:
-            self._step[0] += len(path)
-            self._step[1] += expected
+            for source, value in expected.items():
+                self._step.setdefault(source, [0.0, 0.0])[1] += value
+            for node in path:
+                self._step.setdefault(row.buckets[node][0], [0.0, 0.0])[0] += 1
         if row.verify:
             on_path = set(path)
             outcomes = [
@@ -431,9 +446,11 @@ class Planner:
     def age(self) -> None:
         """A step passed: its rows' outcomes (``learn``) join the planner's record."""
         self.acceptance.age()
-        for index in (0, 1):
-            self._record[index] = self._record[index] * REALISM_RETENTION + self._step[index]
-        self._step = [0.0, 0.0]
+        for source in self._record.keys() | self._step.keys():
+            record, step = self._record.setdefault(source, [0.0, 0.0]), self._step.get(source, [0.0, 0.0])
+            record[0] = record[0] * REALISM_RETENTION + step[0]
+            record[1] = record[1] * REALISM_RETENTION + step[1]
+        self._step = {}
 
 
 @dataclass

@@ -51,7 +51,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.flags import setting
-from verifier_service.adaptive import SOURCE_HEAD, Planner, SequenceCalibration, evidence_bucket
+from verifier_service.adaptive import HEAD_PROBABILITY_BUCKETS, SOURCE_HEAD, Planner, SequenceCalibration, evidence_bucket
 from verifier_service.calibration import StepCostModel, calibrated_step_cost
 from verifier_service.draft_head import FeatureCapture, HeadDrafter
 from verifier_service.drafting import DraftEvidence, DraftProposer, DraftRequest, Predictions, ProposedDraft
@@ -293,7 +293,7 @@ class SpeculativeEngine:
         if head is not None and not self._keeps_logits:
             raise ValueError(f"a draft head needs a model whose forward takes logits_to_keep; {type(model).__name__}'s does not")
         self._capture = FeatureCapture(model) if head is not None else None
-        self._head_level_seconds: float | None = None  # a head level's time, faded (_head_drafts)
+        self._head_record = HeadRecord()  # what the head's levels cost and guess (_head_drafts)
         # Called after each step with (handle, features, tokens) per sequence that got tokens:
         # features[i] is the target's feature at the position that produced tokens[i] (train_head).
         self.feature_listener: Callable[[SequenceHandle, torch.Tensor, list[int]], None] | None = None
@@ -556,9 +556,17 @@ class SpeculativeEngine:
             chosen.append((row, feature, depth, tree))
         if not chosen:
             return
-        planner, context = self.planner, _cache_reads(rows, [])
-        floor, realism = planner.floor(len(rows), context), planner.realism
+        planner, context, record = self.planner, _cache_reads(rows, []), self._head_record
+        floor, realism = planner.floor(len(rows), context), planner.realism(SOURCE_HEAD)
         rate = len(rows) / planner.cost.cheapest(len(rows), context)  # tokens a second without drafts
+        surplus = sum(
+            record.first_surplus(lambda band: planner.hazard((SOURCE_HEAD, band, 0, 0), row.sequence.calibration) * realism - floor)
+            if row.adaptive
+            else 1.0
+            for row, _, _, _ in chosen
+        )
+        if surplus < rate * record.level_seconds(len(chosen)):
+            return  # its first guesses would not pay for the level that makes them
         chains: list[tuple[list[int], list[float]]] = [([], []) for _ in chosen]  # tokens, probabilities
         second_guesses = [(-1, 0.0)] * len(chosen)  # the root's second guess, when it may pay
         survival = [1.0] * len(chosen)
@@ -573,8 +581,9 @@ class SpeculativeEngine:
             except Exception:  # drafts are an optimisation: the step goes on with what it has
                 log.exception("the draft head failed; this step goes on without its drafts")
                 break
-            seconds = time.perf_counter() - started
-            self._head_level_seconds = seconds if self._head_level_seconds is None else 0.8 * self._head_level_seconds + 0.2 * seconds
+            record.timed(len(alive), time.perf_counter() - started)
+            if level == 0:
+                record.guessed([pair[0] for pair in odds])
             going, gain = [], 0.0
             for batch_row, index in enumerate(alive):
                 row, _, depth, tree = chosen[index]
@@ -590,8 +599,8 @@ class SpeculativeEngine:
                 chains[index][1].append(odds[batch_row][0])
                 if level + 1 < depth:
                     going.append(batch_row)
-                    gain += survival[index] * realism if row.adaptive else 1.0
-            if not going or gain < rate * self._head_level_seconds:
+                    gain += survival[index] * realism - floor if row.adaptive else 1.0
+            if not going or gain < rate * record.level_seconds(len(going)):
                 break
             keep = torch.tensor(going, device=features.device)
             features, tokens = features[keep], guesses[keep, 0]
@@ -1093,6 +1102,46 @@ def _feature_rows(
     completing = [sequence for sequence, first, length in chunks if first + length == len(sequence.request.prompt_ids)]
     produced.update((sequence, [decoded + index]) for index, sequence in enumerate(completing))
     return produced
+
+
+class HeadRecord:
+    """What the draft head's levels cost and what its first guesses look like, faded:
+    ``_head_drafts`` runs a level only where the guesses it can expect would pay for it.
+
+    A level's time depends on how many rows it drafts for (at 16 rows on a CPU about
+    three times one row's), so it is kept per row count; a count never timed costs
+    nothing, so it gets timed. The first guesses' probabilities are kept as shares
+    of the head's probability bands, the planner's buckets for its tokens.
+    """
+
+    RETENTION = 0.8  # a level's time: each new one weighs 0.2
+    GUESS_RETENTION = 0.98  # the bands' shares: per level-0 run (~50 runs of memory)
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+        self._bands = [0.0] * HEAD_PROBABILITY_BUCKETS
+
+    def level_seconds(self, rows: int) -> float:
+        return self._seconds.get(rows, 0.0)
+
+    def timed(self, rows: int, seconds: float) -> None:
+        known = self._seconds.get(rows)
+        self._seconds[rows] = seconds if known is None else self.RETENTION * known + (1 - self.RETENTION) * seconds
+
+    def guessed(self, probabilities: list[float]) -> None:
+        """The head's first guesses (their probabilities) for one level-0 run."""
+        self._bands = [count * self.GUESS_RETENTION for count in self._bands]
+        for probability in probabilities:
+            self._bands[evidence_bucket(head_evidence(probability), 0)[1]] += 1
+
+    def first_surplus(self, value: Callable[[int], float]) -> float:
+        """What a row's first guess is expected to add, where ``value(band)`` is what a guess
+        in that band yields beyond its cost (at most 0 counts 0: it would not be verified).
+        Before any guess is seen, 1 (the head is tried)."""
+        total = sum(self._bands)
+        if not total:
+            return 1.0
+        return sum(count * max(0.0, value(band)) for band, count in enumerate(self._bands) if count) / total
 
 
 def head_evidence(probability: float) -> DraftEvidence:

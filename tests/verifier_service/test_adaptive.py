@@ -256,13 +256,13 @@ def planner_step(planner: Planner, rows: int, accept: bool) -> int:
 
 def test_the_planners_realism_falls_when_what_it_chose_was_rejected_and_recovers_no_higher_than_one():
     planner = Planner(StepCostModel.linear(1.0, 0.01))
-    assert planner.realism == 1.0
+    assert planner.realism("context") == 1.0
     assert planner_step(planner, 4, accept=False) > 0
-    low = planner.realism
+    low = planner.realism("context")
     assert low < 1.0
     for _ in range(60):
         planner_step(planner, 4, accept=True)
-    assert low < planner.realism <= 1.0
+    assert low < planner.realism("context") <= 1.0
 
 
 def test_a_planner_that_overestimated_verifies_fewer_tokens_where_each_barely_pays():
@@ -270,9 +270,49 @@ def test_a_planner_that_overestimated_verifies_fewer_tokens_where_each_barely_pa
     trusted, burnt = Planner(StepCostModel.linear(1.0, 0.04)), Planner(StepCostModel.linear(1.0, 0.04))
     for _ in range(3):
         planner_step(burnt, 16, accept=False)
-    assert burnt.realism < 0.5
+    assert burnt.realism("context") < 0.5
     for _ in range(20):  # the same well-accepted estimates for both
         trusted.acceptance.learn([A, B, C], accepted=3)
     burnt.acceptance = trusted.acceptance
     assert planner_step(trusted, 16, accept=True) == 48
     assert planner_step(burnt, 16, accept=True) < 48
+
+
+class PlannedTree(PlannedChain):
+    """A row whose draft is a context chain [A, B] and a head branch beside it at the root."""
+
+    def __init__(self) -> None:
+        super().__init__([A, B, HEAD])
+        self.parents, self.tree = [-1, 0, -1], True
+
+
+HEAD = ("head", 4, 0, 0)
+
+
+def test_one_sources_overestimates_lower_only_its_own_realism():
+    """Each row's head guess is verified and rejected while the context chain is accepted:
+    the head's record falls, the context's stays whole, so the next plan still verifies the
+    context chain on 16 rows where only well-trusted tokens pay."""
+    planner = Planner(StepCostModel.linear(1.0, 0.04))
+    for _ in range(20):
+        planner.acceptance.learn_outcomes([(A, True), (B, True), (HEAD, True)])
+    rows = [PlannedTree() for _ in range(16)]
+    planner.plan(rows, 0, 0)
+    assert [row.verify for row in rows] == [3] * 16
+    for row in rows:
+        planner.learn(row, [0, 1])
+    planner.age()
+    assert planner.realism("context") == 1.0
+    assert planner.realism("head") < 0.5
+    rows = [PlannedTree() for _ in range(16)]
+    planner.plan(rows, 0, 0)
+    assert [row.verify for row in rows] == [2] * 16
+
+
+def test_scaled_survivals_never_exceed_their_parents():
+    """A trusted source's token under a distrusted one's keeps at most its parent's scaled
+    survival, so a plan ranked by it stays closed under ancestors."""
+    planner = Planner(StepCostModel.linear(1.0, 0.04))
+    planner._record = {"context": [0.0, 10.0], "head": [10.0, 10.0]}
+    row = PlannedChain([A, HEAD])
+    assert planner._scaled(row, [0.9, 0.8]) == [pytest.approx(0.9 * planner.realism("context"))] * 2

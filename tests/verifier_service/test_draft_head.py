@@ -290,6 +290,39 @@ def test_the_heads_chain_stops_where_verifying_it_would_not_pay(trained, tiny_mo
     assert chains == [expected] * rows, (engine.planner.floor(rows, 0), chains)
 
 
+class CountedLevels:
+    """Wraps a HeadDrafter's ``level`` to count the rows each call drafts for."""
+
+    def __init__(self, engine) -> None:
+        self.calls: list[int] = []
+        level = engine.head.level
+
+        def counted(features, tokens):
+            self.calls.append(len(tokens))
+            return level(features, tokens)
+
+        engine.head.level = counted
+
+
+@pytest.mark.parametrize(("cost", "rows", "runs"), [(FLAT, 16, True), (CPU_COST, 1, True), (CPU_COST, 16, False)])
+def test_the_heads_first_level_runs_only_where_its_guesses_have_paid(trained, tiny_model, tiny_tokenizer, cost, rows, runs):
+    """The first step tries the head and sees where its guesses fall; after that the first
+    level runs only where a guess like those is worth verifying: at one row on a CPU-like
+    step or at any width on a flat one, not at 16 rows on a CPU, where none would be."""
+    random.seed(0)
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, cost=cost, adaptive_max_k=4, adaptive_max_nodes=12)
+    teach(engine, SOURCE_HEAD, 0.5)
+    levels = CountedLevels(engine)
+    for attempt in range(3):
+        step = [decoding_row(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[index % 8]) for index in range(rows)]
+        requests = [DraftRequest(row.sequence.session_id, row.sequence.tokens, 4, max_nodes=12) for row in step]
+        engine._head_drafts(step, step, requests)
+        if attempt == 0:
+            assert levels.calls[0] == rows  # tried once, whatever the cost
+            first = len(levels.calls)
+    assert (len(levels.calls) > first) == runs, levels.calls
+
+
 def test_training_positions_skip_answers_too_short_to_unroll():
     """An answer shorter than the unrolled levels (one cut short at the budget's end) gives no
     position; the positions of the others stay within their own answer."""

@@ -544,6 +544,7 @@ class SpeculativeEngine:
         """
         if self.head is None or not self.config.head_depth:
             return
+        self._head_record.pending = None
         chosen = []
         for row, request in zip(asking, requests):
             sequence = row.sequence
@@ -567,6 +568,9 @@ class SpeculativeEngine:
         )
         if surplus < rate * record.level_seconds(len(chosen)):
             return  # its first guesses would not pay for the level that makes them
+        if all(row.adaptive for row, _, _, _ in chosen) and not record.pays(len(rows)):
+            return  # at this many rows its drafts have not paid for what they cost
+        spent = 0.0
         chains: list[tuple[list[int], list[float]]] = [([], []) for _ in chosen]  # tokens, probabilities
         second_guesses = [(-1, 0.0)] * len(chosen)  # the root's second guess, when it may pay
         survival = [1.0] * len(chosen)
@@ -581,7 +585,9 @@ class SpeculativeEngine:
             except Exception:  # drafts are an optimisation: the step goes on with what it has
                 log.exception("the draft head failed; this step goes on without its drafts")
                 break
-            record.timed(len(alive), time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            record.timed(len(alive), seconds)
+            spent += seconds
             if level == 0:
                 record.guessed([pair[0] for pair in odds])
             going, gain = [], 0.0
@@ -607,6 +613,7 @@ class SpeculativeEngine:
             alive = [alive[batch_row] for batch_row in going]
         for (row, _, _, tree), chain, second in zip(chosen, chains, second_guesses):
             self._add_head_draft(row, (*chain, *second), len(chain[0]), tree)
+        record.pending = (len(rows), rate * spent, floor)
 
     def _drafter_hazard(self, row: _Row) -> float:
         """The best planning hazard among the first tokens of the drafter's draft (0: none)."""
@@ -766,6 +773,7 @@ class SpeculativeEngine:
         accepting = time.time_ns()
         decoded = sum(row.verify + 1 for row in rows)
         decisions = self.accept(rows, logits[:decoded])
+        self._head_record.settle(*_head_tokens(rows, decisions))
         self._keep_predictions(rows, logits[:decoded])
         done = time.time_ns()
         verified = sum(row.verify for row in rows)
@@ -1112,14 +1120,53 @@ class HeadRecord:
     three times one row's), so it is kept per row count; a count never timed costs
     nothing, so it gets timed. The first guesses' probabilities are kept as shares
     of the head's probability bands, the planner's buckets for its tokens.
+
+    Those predict; the record of what the head's drafts actually brought checks the
+    prediction (``pays``, ``settle``): per step width, the head's tokens accepted less
+    what verifying them and drafting them cost, in tokens. Where that comes out a loss
+    (16 rows of open text on a CPU, where a guess must be right half the time to pay
+    for its place and few are), the head stops there but for a probe now and then.
     """
 
     RETENTION = 0.8  # a level's time: each new one weighs 0.2
     GUESS_RETENTION = 0.98  # the bands' shares: per level-0 run (~50 runs of memory)
+    NET_RETENTION = 0.95  # what the head's drafts brought, per step they ran (~20 steps of memory)
+    NET_TRUSTED = 3.0  # faded steps before a loss stops the head
+    PROBE_EVERY = 16  # steps a stopped head skips before it drafts once more, to measure again
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
         self._bands = [0.0] * HEAD_PROBABILITY_BUCKETS
+        # Per step width (rows.bit_length()): faded [net tokens, steps] of the steps the
+        # head drafted in, and steps skipped since it last drafted there.
+        self._net: dict[int, list[float]] = {}
+        self._skipped: dict[int, int] = {}
+        self.pending: tuple[int, float, float] | None = None  # this step's (rows, cost in tokens, floor)
+
+    def pays(self, rows: int) -> bool:
+        """Whether the head drafts in a step of ``rows`` decoding rows: yes until its steps
+        at about this width have been measured, then while what they brought is not a
+        loss, and once every PROBE_EVERY steps even so, to measure again."""
+        width = rows.bit_length()
+        net, steps = self._net.get(width, (0.0, 0.0))
+        if steps < self.NET_TRUSTED or net >= 0 or self._skipped.get(width, 0) + 1 >= self.PROBE_EVERY:
+            self._skipped[width] = 0
+            return True
+        self._skipped[width] = self._skipped.get(width, 0) + 1
+        return False
+
+    def settle(self, verified: int, accepted: int) -> None:
+        """The outcome of the step the head drafted in (``pending``): its tokens ``verified``
+        and ``accepted``. What they brought: the tokens accepted, less what verifying each
+        cost (the step's floor, in tokens) and what the levels cost (their time at the
+        step's rate)."""
+        if self.pending is None:
+            return
+        rows, cost, floor = self.pending
+        self.pending = None
+        record = self._net.setdefault(rows.bit_length(), [0.0, 0.0])
+        record[0] = record[0] * self.NET_RETENTION + accepted - floor * verified - cost
+        record[1] = record[1] * self.NET_RETENTION + 1.0
 
     def level_seconds(self, rows: int) -> float:
         return self._seconds.get(rows, 0.0)
@@ -1142,6 +1189,17 @@ class HeadRecord:
         if not total:
             return 1.0
         return sum(count * max(0.0, value(band)) for band, count in enumerate(self._bands) if count) / total
+
+
+def _head_tokens(rows: list[_Row], decisions: list[tuple[list[int], int] | None]) -> tuple[int, int]:
+    """(verified, accepted): the draft head's tokens a step verified, and those it accepted."""
+    verified = accepted = 0
+    for row, decision in zip(rows, decisions):
+        nodes = [node for node in range(row.verify) if (item := row.evidence[node]) is not None and item.source == SOURCE_HEAD]
+        verified += len(nodes)
+        if decision is not None:
+            accepted += len(set(nodes).intersection(decision[0]))
+    return verified, accepted
 
 
 def head_evidence(probability: float) -> DraftEvidence:

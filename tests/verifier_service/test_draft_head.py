@@ -27,7 +27,7 @@ from verifier_service.draft_head import (
     target_fingerprint,
 )
 from verifier_service.drafting import DraftEvidence, DraftRequest
-from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine, _Row, _Sequence, reference_greedy
+from verifier_service.engine import EngineConfig, GenerationRequest, HeadRecord, SpeculativeEngine, _Row, _Sequence, reference_greedy
 from verifier_service.rejection import SamplingParams
 
 
@@ -328,3 +328,32 @@ def test_training_positions_skip_answers_too_short_to_unroll():
     position; the positions of the others stay within their own answer."""
     traces = [(torch.zeros(2, 4), torch.tensor([1, 2])), (torch.zeros(6, 4), torch.arange(6))]
     assert train_head.Examples(traces, 3).usable.tolist() == [2, 3, 4]
+
+
+def test_the_head_stops_at_a_width_where_its_drafts_lost_and_probes_there_now_and_then():
+    """Steps of 16 rows where the head's verified tokens were all rejected make a loss: the
+    head skips such steps but for one in PROBE_EVERY; steps of one row keep their own record."""
+    record = HeadRecord()
+    for _ in range(4):
+        assert record.pays(16)
+        record.pending = (16, 0.5, 0.4)
+        record.settle(verified=3, accepted=0)
+    decisions = [record.pays(16) for _ in range(2 * HeadRecord.PROBE_EVERY)]
+    assert decisions.count(True) == 2 and decisions[HeadRecord.PROBE_EVERY - 1]
+    assert record.pays(1)
+    record.pending = (1, 0.05, 0.02)
+    record.settle(verified=3, accepted=2)
+    assert record.pays(1)
+
+
+def test_a_step_settles_what_the_heads_tokens_brought(trained, tiny_model, tiny_tokenizer):
+    """A real step with the head drafting records its outcome for that step's width."""
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, adaptive_max_k=4, adaptive_max_nodes=12)
+    for text in HELD_OUT_TEXTS[:3]:
+        engine.add(GenerationRequest(tiny_tokenizer(text).input_ids, 12))
+    emitted = 0
+    while engine.busy:
+        emitted += sum(len(outcome.tokens) for outcome in engine.step())
+    assert emitted == 3 * 12
+    net, steps = engine._head_record._net[(3).bit_length()]
+    assert steps > 0 and engine._head_record.pending is None

@@ -40,6 +40,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -1131,25 +1132,29 @@ class HeadRecord:
     RETENTION = 0.8  # a level's time: each new one weighs 0.2
     GUESS_RETENTION = 0.98  # the bands' shares: per level-0 run (~50 runs of memory)
     NET_RETENTION = 0.95  # what the head's drafts brought, per step they ran (~20 steps of memory)
-    NET_TRUSTED = 3.0  # faded steps before a loss stops the head
+    NET_TRUSTED = 4.0  # faded steps before a loss can stop the head
     PROBE_EVERY = 16  # steps a stopped head skips before it drafts once more, to measure again
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
         self._bands = [0.0] * HEAD_PROBABILITY_BUCKETS
-        # Per step width (rows.bit_length()): faded [net tokens, steps] of the steps the
-        # head drafted in, and steps skipped since it last drafted there.
+        # Per step width (rows.bit_length()): faded [net tokens, their squares, steps] of the
+        # steps the head drafted in, and steps skipped since it last drafted there.
         self._net: dict[int, list[float]] = {}
         self._skipped: dict[int, int] = {}
         self.pending: tuple[int, float, float] | None = None  # this step's (rows, cost in tokens, floor)
 
     def pays(self, rows: int) -> bool:
         """Whether the head drafts in a step of ``rows`` decoding rows: yes until its steps
-        at about this width have been measured, then while what they brought is not a
-        loss, and once every PROBE_EVERY steps even so, to measure again."""
+        at about this width have been measured, then unless what they brought is a clear
+        loss (its mean more than a standard error below zero: one step's outcome varies
+        by a token or more, and a few unlucky ones must not stop a head that pays), and
+        once every PROBE_EVERY steps even so, to measure again."""
         width = rows.bit_length()
-        net, steps = self._net.get(width, (0.0, 0.0))
-        if steps < self.NET_TRUSTED or net >= 0 or self._skipped.get(width, 0) + 1 >= self.PROBE_EVERY:
+        total, squares, steps = self._net.get(width, (0.0, 0.0, 0.0))
+        mean = total / steps if steps else 0.0
+        error = math.sqrt(max(squares / steps - mean * mean, 0.0) / steps) if steps else 0.0
+        if steps < self.NET_TRUSTED or mean + error >= 0 or self._skipped.get(width, 0) + 1 >= self.PROBE_EVERY:
             self._skipped[width] = 0
             return True
         self._skipped[width] = self._skipped.get(width, 0) + 1
@@ -1164,9 +1169,11 @@ class HeadRecord:
             return
         rows, cost, floor = self.pending
         self.pending = None
-        record = self._net.setdefault(rows.bit_length(), [0.0, 0.0])
-        record[0] = record[0] * self.NET_RETENTION + accepted - floor * verified - cost
-        record[1] = record[1] * self.NET_RETENTION + 1.0
+        net = accepted - floor * verified - cost
+        record = self._net.setdefault(rows.bit_length(), [0.0, 0.0, 0.0])
+        record[0] = record[0] * self.NET_RETENTION + net
+        record[1] = record[1] * self.NET_RETENTION + net * net
+        record[2] = record[2] * self.NET_RETENTION + 1.0
 
     def level_seconds(self, rows: int) -> float:
         return self._seconds.get(rows, 0.0)

@@ -774,7 +774,8 @@ class SpeculativeEngine:
         accepting = time.time_ns()
         decoded = sum(row.verify + 1 for row in rows)
         decisions = self.accept(rows, logits[:decoded])
-        self._head_record.settle(*_head_tokens(rows, decisions))
+        if self._head_record.pending is not None:  # the head drafted for this step
+            self._head_record.settle(*_head_tokens(rows, decisions))
         self._keep_predictions(rows, logits[:decoded])
         done = time.time_ns()
         verified = sum(row.verify for row in rows)

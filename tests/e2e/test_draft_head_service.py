@@ -3,6 +3,7 @@ and a head trained on another model refused at start-up with one clear line."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,7 +17,16 @@ from specdec.v1 import verifier_pb2_grpc as rpc
 from tests.conftest import build_tiny_model
 from tests.verifier_service.test_draft_head import TRAIN_TEXTS, collected
 from verifier_service import train_head
-from verifier_service.draft_head import HEAD_FORMAT, DraftHead, HeadDrafter, HeadManifest, cached_head_folder, save_head, target_fingerprint
+from verifier_service.draft_head import (
+    HEAD_FORMAT,
+    MANIFEST,
+    DraftHead,
+    HeadDrafter,
+    HeadManifest,
+    cached_head_folder,
+    save_head,
+    target_fingerprint,
+)
 from verifier_service.engine import reference_greedy
 
 from processes import running_tiny_verifier
@@ -92,3 +102,35 @@ def test_a_head_trained_on_another_model_stops_the_start_with_one_clear_line(tin
     assert process.returncode == 1
     last = process.stderr.strip().splitlines()[-1]
     assert last.startswith(f"verifier: cannot serve --model {tiny_model_dir}: {folder} was trained on another target"), last
+
+
+def widen(folder, width: int) -> None:
+    """Rewrite the head's manifest with another ``width`` (its fingerprint stays right)."""
+    record = json.loads((folder / MANIFEST).read_text())
+    (folder / MANIFEST).write_text(json.dumps({**record, "width": width}))
+
+
+def test_auto_serves_without_a_cached_head_whose_manifest_is_out_of_range(tiny_model_dir, loaded, tmp_path):
+    model, tokenizer = loaded
+    widen(head_for(model, tokenizer, cached_head_folder(tmp_path / "cache", target_fingerprint(model, tokenizer))), 2**40)
+    env = {**os.environ, "SPECDEC_CACHE_DIR": str(tmp_path / "cache")}
+    with running_tiny_verifier(tiny_model_dir, "--draft-head", "auto", env=env) as verifier:
+        verifier.wait_until_serving("specdec.v1.Verifier", START_TIMEOUT_S)
+        request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=12)
+        assert rpc.VerifierStub(verifier.channel).Generate(request, timeout=START_TIMEOUT_S).stats.draft_tokens == 0
+        [line] = [line for line in verifier.log().splitlines() if "draft head" in line]
+        assert "the cached draft head is not usable, serving without one" in line and "field width is 1099511627776" in line, line
+
+
+def test_a_named_head_folder_with_a_bad_manifest_stops_the_start_with_one_clear_line(tiny_model_dir, loaded, tmp_path):
+    model, tokenizer = loaded
+    folder = head_for(model, tokenizer, tmp_path / "head")
+    widen(folder, -1)
+    process = subprocess.run(
+        [sys.executable, "-m", "verifier_service", "--port", "0", "--metrics-port", "-1", "--no-calibrate",
+         "--model", str(tiny_model_dir), "--draft-head", str(folder)],
+        capture_output=True, text=True, timeout=START_TIMEOUT_S,
+    )  # fmt: skip
+    assert process.returncode == 1
+    last = process.stderr.strip().splitlines()[-1]
+    assert last == f"verifier: cannot serve --model {tiny_model_dir}: {folder / MANIFEST}: field width is -1, expected >= 1", last

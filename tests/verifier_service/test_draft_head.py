@@ -3,6 +3,8 @@ reads, and exactness with it drafting (greedy and sampled), on the tiny seeded L
 
 from __future__ import annotations
 
+import json
+import logging
 import random
 
 import pytest
@@ -22,6 +24,8 @@ from verifier_service.draft_head import (
     HeadDrafter,
     HeadManifest,
     HeadMismatch,
+    cached_head_folder,
+    find_head,
     load_head,
     save_head,
     target_fingerprint,
@@ -103,9 +107,210 @@ def test_a_saved_head_loads_onto_its_target_only(trained, tiny_model, tiny_token
     (broken / WEIGHTS).write_bytes(b"not a checkpoint")
     with pytest.raises(HeadMismatch, match="does not hold the head"):
         load_head(broken, tiny_model, tiny_tokenizer)
-    (broken / MANIFEST).write_text('{"format": 1}')
+    (broken / MANIFEST).write_text('{"format": 2}')
     with pytest.raises(HeadMismatch, match="not a draft head manifest"):
         load_head(broken, tiny_model, tiny_tokenizer)
+
+
+# A head folder is untrusted: each broken field, with the message that names it and the
+# range it must be in. The tiny target: hidden and embedding size 32, 64 tokens.
+DELETED = object()
+BAD_MANIFEST_FIELDS = [
+    ({"width": -1}, r"field width is -1, expected >= 1$"),
+    ({"width": 0}, r"field width is 0, expected >= 1$"),
+    ({"width": 2**40}, r"field width is 1099511627776, expected \[1, 512\] \(at most 16 x the target's hidden size 32\)"),
+    ({"width": 513}, r"field width is 513, expected \[1, 512\]"),  # the first width past the bound
+    ({"width": "64"}, r"field width must be an integer, found str '64'"),
+    ({"width": True}, r"field width must be an integer, found bool True"),  # JSON's true is no 1
+    ({"width": 64.0}, r"field width must be an integer, found float 64.0"),
+    ({"width": None}, r"field width must be an integer, found NoneType None"),
+    ({"width": [64]}, r"field width must be an integer, found list \[64\]"),
+    ({"width": DELETED}, r"not a draft head manifest of format 2: fields width missing"),
+    ({"hidden_size": 64}, r"field hidden_size is 64, expected 32 \(the target's hidden size\)"),
+    ({"hidden_size": -32}, r"field hidden_size is -32, expected >= 1"),
+    ({"embedding_size": 2**40}, r"field embedding_size is 1099511627776, expected 32 \(the target's embedding size\)"),
+    ({"draft_vocabulary": 65}, r"field draft_vocabulary is 65, expected \[2, 64\] \(at most the target's vocabulary\)"),
+    ({"draft_vocabulary": 1}, r"field draft_vocabulary is 1, expected >= 2 \(a level drafts the two best guesses\)"),
+    ({"draft_vocabulary": "48"}, r"field draft_vocabulary must be an integer, found str '48'"),
+    ({"trained_tokens": -1}, r"field trained_tokens is -1, expected >= 0"),
+    ({"held_out_accuracy": 1.5}, r"field held_out_accuracy is 1.5, expected \[0.0, 1.0\]"),
+    ({"held_out_accuracy": float("nan")}, r"field held_out_accuracy is nan, expected \[0.0, 1.0\]"),  # JSON's NaN
+    ({"held_out_accuracy": "0.9"}, r"field held_out_accuracy must be a number, found str '0.9'"),
+    ({"note": "x" * 2000}, r"field note's length is 2000, expected \[0, 1024\]"),
+    ({"note": 7}, r"field note must be a string, found int 7"),
+    ({"target": "abc"}, r"field target is 'abc', expected 16 hex digits"),
+    ({"target": 123}, r"field target must be a string, found int 123"),
+    ({"target": "0123456789abcdef"}, r"was trained on another target \(fingerprint 0123456789abcdef"),
+    ({"format": 1}, r"head format 1, this verifier reads format 2"),
+    ({"format": "2"}, r"field format must be an integer, found str '2'"),
+    ({"extra": 1}, r"not a draft head manifest of format 2: unknown fields 'extra'"),
+]
+
+
+@pytest.fixture
+def head_folder(tiny_model, tiny_tokenizer, tmp_path):
+    """An untrained head for the tiny target (width 64, 48 draft tokens), whole and loadable."""
+    return head_for(tiny_model, tiny_tokenizer, tmp_path / "head")
+
+
+def head_for(model, tokenizer, folder, head=None):
+    head = head if head is not None else DraftHead(32, 32, 64, 48)
+    head.vocab.copy_(torch.arange(len(head.vocab)))
+    save_head(folder, head, HeadManifest(HEAD_FORMAT, target_fingerprint(model, tokenizer), "v", 32, 32, 64, 48))
+    return folder
+
+
+def rewrite_manifest(folder, changes) -> None:
+    record = json.loads((folder / MANIFEST).read_text())
+    for name, value in changes.items():
+        if value is DELETED:
+            del record[name]
+        else:
+            record[name] = value
+    (folder / MANIFEST).write_text(json.dumps(record))
+
+
+def rewrite_weights(folder, change) -> None:
+    """Save the head's tensors again after ``change`` edits the dict of them."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / WEIGHTS))
+    change(tensors)
+    save_file(tensors, str(folder / WEIGHTS))
+
+
+def test_an_untouched_head_folder_loads(head_folder, tiny_model, tiny_tokenizer):
+    drafter = load_head(head_folder, tiny_model, tiny_tokenizer)
+    assert drafter.manifest is not None and drafter.readout.shape == (48, 32)
+
+
+@pytest.mark.parametrize(("changes", "message"), BAD_MANIFEST_FIELDS)
+def test_each_bad_manifest_field_is_refused_by_name_before_anything_is_built(head_folder, tiny_model, tiny_tokenizer, changes, message):
+    rewrite_manifest(head_folder, changes)
+    with pytest.raises(HeadMismatch, match=message) as raised:
+        load_head(head_folder, tiny_model, tiny_tokenizer)
+    assert str(head_folder) in str(raised.value)  # the folder to fix
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (b"{", r"not a draft head manifest: not JSON \(Expecting"),
+        (b"[1, 2]", r"not a draft head manifest: a JSON object is expected, found list"),
+        (b"null", r"not a draft head manifest: a JSON object is expected, found NoneType"),
+        (b'"width"', r"not a draft head manifest: a JSON object is expected, found str"),
+        (b"\xff\xfe{}", r"not a draft head manifest: not UTF-8 text"),
+        (b" " * (64 * 1024 + 1), r"is 65537 bytes, more than a manifest's 65536"),
+    ],
+)
+def test_a_manifest_that_is_not_a_json_object_is_refused(head_folder, tiny_model, tiny_tokenizer, text, message):
+    (head_folder / MANIFEST).write_bytes(text)
+    with pytest.raises(HeadMismatch, match=message):
+        load_head(head_folder, tiny_model, tiny_tokenizer)
+
+
+def truncate(fraction):
+    def cut(folder) -> None:
+        data = (folder / WEIGHTS).read_bytes()
+        (folder / WEIGHTS).write_bytes(data[: int(len(data) * fraction)])
+
+    return cut
+
+
+def oversized(folder) -> None:
+    """A weights file of 1 GiB (sparse: nothing written), far past what the manifest's sizes take."""
+    with open(folder / WEIGHTS, "r+b") as file:
+        file.truncate(1 << 30)
+
+
+def narrower(folder) -> None:
+    rewrite_weights(folder, lambda tensors: tensors.update(DraftHead(32, 32, 48, 48).state_dict()))
+
+
+def with_nan(folder) -> None:
+    rewrite_weights(folder, lambda tensors: tensors["fuse.weight"].view(-1).__setitem__(0, float("nan")))
+
+
+def float_vocab(folder) -> None:
+    rewrite_weights(folder, lambda tensors: tensors.update(vocab=tensors["vocab"].float()))
+
+
+def without_norm(folder) -> None:
+    rewrite_weights(folder, lambda tensors: tensors.pop("norm.weight"))
+
+
+def foreign_ids(folder) -> None:
+    rewrite_weights(folder, lambda tensors: tensors["vocab"].__setitem__(0, 64))
+
+
+def missing(folder) -> None:
+    (folder / WEIGHTS).unlink()
+
+
+BAD_WEIGHTS = [
+    (truncate(0.25), r"it is \d+ bytes, a head of these sizes takes \d+ to \d+"),
+    (truncate(0.999), r"incomplete metadata, file not fully covered"),  # within the bounds: safetensors' own check
+    (oversized, r"it is 1073741824 bytes, a head of these sizes takes"),
+    (narrower, r"gate_up.weight is F32 \[96, 32\], expected BF16 or F16 or F32 \[128, 32\]"),
+    (float_vocab, r"vocab is F32 \[48\], expected I64 \[48\]"),
+    (without_norm, r"tensors \['down.weight', 'fuse.weight', 'gate_up.weight', 'out_norm.weight', 'vocab'\], expected"),
+    (with_nan, r"fuse.weight holds values that are not finite"),
+    (missing, r"No such file"),
+]
+
+
+@pytest.mark.parametrize(("damage", "message"), BAD_WEIGHTS, ids=lambda value: getattr(value, "__name__", None))
+def test_weights_that_do_not_match_the_manifest_are_refused_before_the_head_is_built(
+    head_folder, tiny_model, tiny_tokenizer, damage, message
+):
+    damage(head_folder)
+    with pytest.raises(HeadMismatch, match=f"{head_folder / WEIGHTS} does not hold the head its manifest describes: .*{message}"):
+        load_head(head_folder, tiny_model, tiny_tokenizer)
+
+
+def test_draft_vocabulary_ids_outside_the_target_are_refused(head_folder, tiny_model, tiny_tokenizer):
+    foreign_ids(head_folder)
+    with pytest.raises(HeadMismatch, match="its draft vocabulary names token ids outside the model's 64"):
+        load_head(head_folder, tiny_model, tiny_tokenizer)
+
+
+def test_weights_saved_in_half_precision_load(tiny_model, tiny_tokenizer, tmp_path):
+    torch.manual_seed(0)
+    full = DraftHead(32, 32, 64, 48)
+    head_for(tiny_model, tiny_tokenizer, tmp_path / "half", full.half())
+    drafter = load_head(tmp_path / "half", tiny_model, tiny_tokenizer)
+    assert torch.equal(drafter.head.fuse.weight, full.fuse.weight.float())
+
+
+AUTO_CASES = [
+    ("width -1", lambda folder: rewrite_manifest(folder, {"width": -1}), "field width is -1"),
+    ("width 2**40", lambda folder: rewrite_manifest(folder, {"width": 2**40}), "field width is 1099511627776"),
+    ("width a string", lambda folder: rewrite_manifest(folder, {"width": "64"}), "field width must be an integer"),
+    ("no JSON", lambda folder: (folder / MANIFEST).write_text("{"), "not JSON"),
+    ("not UTF-8", lambda folder: (folder / MANIFEST).write_bytes(b"\xff"), "not UTF-8"),
+    ("narrower weights", narrower, "gate_up.weight is F32 [96, 32]"),
+    ("truncated weights", truncate(0.25), "a head of these sizes takes"),
+]
+
+
+@pytest.mark.parametrize(("damage", "message"), [case[1:] for case in AUTO_CASES], ids=[case[0] for case in AUTO_CASES])
+def test_auto_serves_without_an_unusable_cached_head_with_one_warning(
+    tiny_model, tiny_tokenizer, tmp_path, monkeypatch, caplog, damage, message
+):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    folder = head_for(tiny_model, tiny_tokenizer, cached_head_folder(tmp_path, target_fingerprint(tiny_model, tiny_tokenizer)))
+    assert find_head("auto", tiny_model, tiny_tokenizer) is not None  # untouched, it is found
+    damage(folder)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert find_head("auto", tiny_model, tiny_tokenizer) is None
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith("the cached draft head is not usable, serving without one: ")
+    assert message in record.getMessage()
+    with pytest.raises(HeadMismatch) as raised:  # named with --draft-head FOLDER, the same head stops the start
+        find_head(str(folder), tiny_model, tiny_tokenizer)
+    assert message in str(raised.value)
 
 
 def test_the_fingerprint_tells_a_fine_tune_from_its_base(tiny_model, tiny_tokenizer, tmp_path):

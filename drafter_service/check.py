@@ -1,6 +1,6 @@
 """python -m drafter_service.check --db DIR: verify every table of a drafter's store, offline.
 
-Each table (one folder per vocabulary fingerprint) gets the walk the drafter gives it at
+Each table (one folder per vocabulary fingerprint and learning scope) gets the walk the drafter gives it at
 start-up (``store.walk_tables``), whole instead of bounded, so a table the drafter would
 quarantine is a PROBLEM here and one it serves is ok: the file is whole (not truncated)
 and an LMDB environment; it holds this store's sub-databases and format record, in a
@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from drafter_service.config import VOCABULARY_PATTERN
+from drafter_service.scopes import split_table_name
 from drafter_service.storage import LOCK_FILE_NAME
 from drafter_service.store import FORMAT_VERSION, TableWalk, walk_tables
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{root}: no such directory", file=sys.stderr)
         return 1
     entries = sorted(root.iterdir())
-    tables = [entry for entry in entries if entry.is_dir() and VOCABULARY_PATTERN.fullmatch(entry.name)]
+    tables = [entry for entry in entries if entry.is_dir() and split_table_name(entry.name) is not None]
     walks = dict(zip(tables, walk_tables(tables)))
     sound = True
     for entry in entries:

@@ -4,6 +4,7 @@ so offline tools (``drafter_service.check``) and the store's lifecycle can use i
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,9 +27,33 @@ class DrafterConfig:
 
     port: int = setting(50051, help="gRPC port (0: a free one; tests, several instances on one host)")
     host: str = setting("127.0.0.1", help="address to bind")
-    db: str = setting("data/drafter", help="directory of the LMDB tables, one per vocabulary fingerprint")
-    # 1 GiB is days of a busy service's n-grams.
-    max_bytes: int = setting(1 << 30, minimum=1 << 16, help="size bound per vocabulary's table, in bytes")
+    db: str = setting("data/drafter", help="directory of the LMDB tables, one per vocabulary fingerprint and learning scope")
+    # 1 GiB is days of a busy service's n-grams. Each scope's table has its own bound, so
+    # one scope's flood evicts only its own n-grams.
+    max_bytes: int = setting(1 << 30, minimum=1 << 16, help="size bound of each table (one per vocabulary and scope), in bytes")
+    # A scope is a tenant (an API key, or an organisation's keys): 64 tables of at most
+    # --max-bytes each; an operator with more tenants lowers --max-bytes and raises this.
+    max_scopes: int = setting(
+        64, minimum=1, help="scopes (tables) per vocabulary that writes may create; beyond, a new scope drafts from its contexts only"
+    )
+    # Not in the config's repr (the start-up log). With it (or --verifier-identities), only
+    # clients that present it may declare a learning scope; others learn in their own.
+    client_token: str | None = setting(
+        None,
+        repr=False,
+        help="token verifiers present ('authorization: Bearer TOKEN') to declare learning scopes; other clients get a scope of "
+        "their own (none: any client may declare one). Prefer the variable or --client-token-file",
+    )
+    client_token_file: str | None = setting(None, help="file holding --client-token (its first line)")
+    # Common names of verifiers' client certificates (mutual TLS, --tls-client-ca).
+    verifier_identities: str | None = setting(
+        None, help="client-certificate common names (comma-separated) that may declare learning scopes, under mutual TLS"
+    )
+    # A drafter reachable from a network with neither lets any client that can reach it
+    # declare any scope: safe only when the network itself is the boundary.
+    insecure: bool = setting(
+        False, help="serve on a non-loopback --host without --client-token or --verifier-identities (a private network only)"
+    )
     ngram: NGramConfig = field(default_factory=NGramConfig)
     # Verification cost grows with K, and n-gram chains rarely stay right for
     # more than a few dozen tokens.
@@ -75,6 +100,11 @@ class DrafterConfig:
     # sequence per step. One key per token plus one per (previous, current) pair seen.
     max_successor_entries: int = setting(1 << 20, minimum=1, help="successor-table keys per table; once full, only held keys are updated")
     max_predicted_positions: int = setting(1024, minimum=1, help="positions of predictions one sequence may send per call")
+    # A batch of 16 sends ~16 x 40 positions x k 4 ~ 2,600 a step: 64K is 25 such steps in
+    # one call, and bounds a call's successor work (~65K keys) apart from its tokens.
+    max_predictions_per_call: int = setting(
+        1 << 16, minimum=1, help="predicted tokens (positions x k, over every sequence) one Propose may carry"
+    )
     # ~one busy second of a batch of 16's predictions: the writer stores them within milliseconds.
     max_pending_successors: int = setting(1 << 16, minimum=1, help="successor-table keys waiting for the writer; beyond, dropped (hints)")
     # 128K uint32 tokens encode to at most ~0.7 MB.
@@ -141,10 +171,40 @@ class DrafterConfig:
             )
         if self.max_calls_per_caller is not None and self.max_calls_per_caller > self.max_workers:
             raise ValueError(f"--max-calls-per-caller ({self.max_calls_per_caller}) cannot exceed --max-workers ({self.max_workers})")
+        if self.verifier_identities is not None and self.tls_client_ca is None:
+            raise ValueError("--verifier-identities names client certificates: it needs mutual TLS (--tls-client-ca)")
+        if not self.insecure and not self.scope_gate_configured and not is_loopback(self.host):
+            raise ValueError(
+                f"--host {self.host} reaches beyond this machine, and without --client-token or --verifier-identities any client "
+                "there could declare any learning scope: set one of them, or --insecure when the network itself is private"
+            )
+        self.token()  # fail fast: an unreadable token file is a usage error
         if self.backup_dir is not None:
             backups, db = Path(self.backup_dir).resolve(), Path(self.db).resolve()
             if backups == db or db in backups.parents:
                 raise ValueError(f"the backup directory {self.backup_dir!r} must lie outside the table directory {self.db!r}")
+
+    @property
+    def scope_gate_configured(self) -> bool:
+        return bool(self.client_token or self.client_token_file or self.identities())
+
+    def identities(self) -> tuple[str, ...]:
+        """--verifier-identities as a tuple of names."""
+        return tuple(name.strip() for name in (self.verifier_identities or "").split(",") if name.strip())
+
+    def token(self) -> str | None:
+        """--client-token, else the first line of --client-token-file (ValueError when unreadable or empty)."""
+        if self.client_token:
+            return self.client_token.strip()
+        if not self.client_token_file:
+            return None
+        try:
+            lines = Path(self.client_token_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"cannot read --client-token-file {self.client_token_file}: {error}") from None
+        if not lines or not lines[0].strip():
+            raise ValueError(f"--client-token-file {self.client_token_file} holds no token on its first line")
+        return lines[0].strip()
 
     @property
     def write_calls(self) -> int:
@@ -155,3 +215,13 @@ class DrafterConfig:
     def calls_per_caller(self) -> int:
         """--max-calls-per-caller, or half the threads: 32 -> 16, 2 -> 1."""
         return self.max_calls_per_caller if self.max_calls_per_caller is not None else max(1, self.max_workers // 2)
+
+
+def is_loopback(host: str) -> bool:
+    """An address (or localhost) only this machine reaches: 127.0.0.0/8, ::1, localhost."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False

@@ -20,6 +20,7 @@ TABLE_GAUGES = (
     ("bytes", "table_bytes", "Tracked size of the global table (what --max-bytes bounds)"),
     ("file_bytes", "table_file_bytes", "Size of the table's LMDB file on disk"),
     ("successor_entries", "table_successor_entries", "Keys in the successor table (the target's own predictions)"),
+    ("scopes", "table_scopes", "Learning scopes with a table of their own (counted, never named: a scope's id is its tenant's)"),
 )
 
 
@@ -61,7 +62,7 @@ class DrafterMetrics:
         self._external[name] = (help_text, read)
 
     def watch_tables(self, read: Callable[[], dict[str, dict]]) -> None:
-        """``read()``: each vocabulary's table stats (``entries``, ``bytes``), at scrape time."""
+        """``read()``: each vocabulary's table stats (``entries``, ``bytes``, ``scopes``: summed over its scopes), at scrape time."""
         self._tables = read
 
     def collect(self):

@@ -299,6 +299,35 @@ def alternatives(
     return found
 
 
+class LayeredSource:
+    """Two tables read as one: ``own`` first, then ``shared`` where ``own`` has nothing.
+
+    own has (1, 2) -> 3 and shared (1, 2) -> 4 and (2, 5) -> 6: best((1, 2)) is own's
+    (3, ...), best((2, 5)) shared's (6, ...). A scope's drafts read its own table and, after
+    it, the one scope its verifier shares with every caller; nothing is written through this.
+    """
+
+    def __init__(self, own: NGramSource, shared: NGramSource) -> None:
+        self.own, self.shared = own, shared
+
+    def best(self, key: tuple[int, ...]) -> Continuation | tuple[int, int, int] | None:
+        return self.own.best(key) or self.shared.best(key)
+
+    def continuations(self, key: tuple[int, ...]) -> dict[int, int] | None:
+        return self.own.continuations(key) or self.shared.continuations(key)
+
+    def successors(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
+        for table in (self.own, self.shared):
+            lookup = getattr(table, "successors", None)
+            found = lookup(key) if lookup is not None else None
+            if found:
+                return found
+        return None
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        raise TypeError("a layered source is read-only: observations go to one scope's table")
+
+
 def successor_options(table: object, tail: Sequence[int]) -> list[tuple[int, Evidence]]:
     """The successor table's predictions after ``tail``: keyed by its last two tokens,
     else its last one; best first. Evidence: (SOURCE_SUCCESSOR, key length, k - rank, k),

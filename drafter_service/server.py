@@ -1,10 +1,13 @@
-"""The drafter as a gRPC service: sessions in memory, the global table in LMDB.
+"""The drafter as a gRPC service: sessions in memory, the global tables in LMDB.
 
 Sessions (a request's prompt and output, indexed incrementally) live in this
 process only: they are cheap to rebuild, and a restarted drafter answers
-NOT_FOUND for them, which the verifier treats as "reopen". The global table
-is an ``LMDBNGramStore`` per vocabulary fingerprint, under ``db/<fingerprint>``,
-so what was learned survives restarts, redeploys and kill -9.
+NOT_FOUND for them, which the verifier treats as "reopen". The global tables
+are an ``LMDBNGramStore`` per vocabulary fingerprint and learning scope, under
+``db/<fingerprint>[-<scope>]``, so what was learned survives restarts, redeploys
+and kill -9. Each call's scopes are resolved first (``scopes.ScopeGate``: who may
+declare one); a session drafts from its scope's table (and the request's shared
+scope, read only), and its observations and predictions go to that table only.
 
 Writes never block ``Propose``: ``Observe`` and ``CloseSessions`` hand their
 sequences to one writer thread, which commits whatever has queued in a single
@@ -31,13 +34,15 @@ from grpc_health.v1 import health, health_pb2
 from drafter_service.admission import Admission, Refused
 from drafter_service.config import VOCABULARY_PATTERN, DrafterConfig
 from drafter_service.metrics import DrafterMetrics
-from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR, NGramSource, successor_updates
+from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR, LayeredSource, NGramSource, successor_updates
+from drafter_service.scopes import DEFAULT_SCOPE, ScopeGate, ScopeRefused, split_table_name
 from drafter_service.sessions import (
     BAD_FEEDBACK,
     BUSY,
     EXISTS,
     FULL,
     UNKNOWN,
+    WRONG_SCOPE,
     WRONG_VOCABULARY,
     Session,
     SessionError,
@@ -72,6 +77,7 @@ SESSION_STATUS = {
     BUSY: grpc.StatusCode.ABORTED,
     FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
     BAD_FEEDBACK: grpc.StatusCode.INVALID_ARGUMENT,
+    WRONG_SCOPE: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 
@@ -124,6 +130,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         )
         self.sessions = SessionTable(config.ngram, limits)
         self.admission = Admission(config.calls_per_caller, config.write_calls)
+        self.gate = ScopeGate(config.token(), config.identities())
         self.health: health.HealthServicer | None = None  # each table's health name, once watch_health is called
         self._healthy: dict[str, LMDBNGramStore] = {}
         self.metrics = metrics = DrafterMetrics()
@@ -142,6 +149,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         metrics.watch("dropped_writes", "Queued observations dropped because their caller gave up first", lambda: writer.dropped)
         metrics.watch("refused_calls", "Calls refused over --max-calls-per-caller or --max-write-calls", lambda: self.admission.refused)
         metrics.watch_tables(stores.table_stats)
+        metrics.watch("refused_scopes", "Calls refused for declaring a scope their client may not name", lambda: self.refused_scopes)
+        self.refused_scopes = 0
 
     # -- validation (always before any state changes) -------------------------
 
@@ -161,6 +170,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """The request's shape; what it asks of sessions is SessionTable.claim's to check."""
         self._check_vocabulary(request.vocabulary)
         self._check_call_size(len(request.sequences), sum(len(s.new_tokens) for s in request.sequences))
+        predicted = sum(len(s.predictions.tokens) for s in request.sequences)
+        _check(
+            predicted <= self.config.max_predictions_per_call,
+            f"{predicted} predicted tokens in one call; the limit is {self.config.max_predictions_per_call} "
+            "(--max-predictions-per-call): send fewer positions or a smaller k",
+        )
         seen = set()
         # Runs per sequence on every step: each message is formatted only when its check fails.
         invalid, max_k, max_nodes = grpc.StatusCode.INVALID_ARGUMENT, self.config.max_draft_tokens, self.config.max_tree_nodes
@@ -206,39 +221,84 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             f"{MAX_OBSERVE_ID_BYTES - CHUNK_SUFFIX_BYTES}",
         )
 
-    def _table(self, vocabulary: str, context) -> LMDBNGramStore:
+    def _table(self, vocabulary: str, scope: str, context) -> LMDBNGramStore:
         """The table a write goes to (``_writable_table``); RESOURCE_EXHAUSTED when there is none."""
         try:
-            return self._writable_table(vocabulary)
+            return self._writable_table(vocabulary, scope)
         except (TooManyVocabularies, DiskFull) as full:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
             raise  # unreached: abort raises
 
-    def _writable_table(self, vocabulary: str) -> LMDBNGramStore:
-        """The table a write goes to, created on first write, within --max-vocabularies
-        (else TooManyVocabularies); none while the disk is full (DiskFull; the janitor
-        clears that once space is back)."""
+    def _writable_table(self, vocabulary: str, scope: str) -> LMDBNGramStore:
+        """The table a write goes to, created on first write, within --max-vocabularies and
+        --max-scopes (else TooManyVocabularies); none while the disk is full (DiskFull; the
+        janitor clears that once space is back)."""
         if self.stores.disk.full:
             raise DiskFull(self.stores.disk.refusal())
-        store = self.stores.get(vocabulary)
-        if store is not self._healthy.get(vocabulary) and self.health is not None:  # a new table (or a fresh one after a quarantine)
-            self._healthy[vocabulary] = store
+        store = self.stores.get(vocabulary, scope)
+        if scope == DEFAULT_SCOPE and store is not self._healthy.get(vocabulary) and self.health is not None:
+            self._healthy[vocabulary] = store  # a new table (or a fresh one after a quarantine)
             self.health.set(table_health_name(vocabulary), health_pb2.HealthCheckResponse.SERVING)
         return store
 
     def watch_health(self, health_servicer: health.HealthServicer) -> None:
-        """Each table's health name says SERVING while it serves and NOT_SERVING once it is set
-        aside (the drafter as a whole, and its other tables, still serve): "specdec.v1.Drafter/<vocabulary>"."""
+        """Each vocabulary's default-scope table has a health name that says SERVING while it
+        serves and NOT_SERVING once it is set aside (the drafter as a whole, and its other
+        tables, still serve): "specdec.v1.Drafter/<vocabulary>". Other scopes' tables have
+        none: health is open to anyone, and a scope's id is its tenant's capability."""
         self.health = health_servicer
-        for vocabulary, store in self.stores.all().items():
-            self._healthy[vocabulary] = store
-            health_servicer.set(table_health_name(vocabulary), health_pb2.HealthCheckResponse.SERVING)
+        for name, store in self.stores.all().items():
+            if split_table_name(name) == (name, DEFAULT_SCOPE):
+                self._healthy[name] = store
+                health_servicer.set(table_health_name(name), health_pb2.HealthCheckResponse.SERVING)
 
-        def quarantined(vocabulary: str, reason: str) -> None:
-            self._healthy.pop(vocabulary, None)
-            health_servicer.set(table_health_name(vocabulary), health_pb2.HealthCheckResponse.NOT_SERVING)
+        def quarantined(name: str, reason: str) -> None:
+            if split_table_name(name) == (name, DEFAULT_SCOPE):
+                self._healthy.pop(name, None)
+                health_servicer.set(table_health_name(name), health_pb2.HealthCheckResponse.NOT_SERVING)
 
         self.stores.add_quarantine_listener(quarantined)
+
+    # -- scopes ---------------------------------------------------------------
+
+    def _trusted(self, context) -> bool:
+        """The client may declare scopes (``ScopeGate.trusts``): its bearer token or certificate."""
+        if not self.gate.restricted:
+            return True
+        values = [value for name, value in context.invocation_metadata() if name == "authorization"]
+        token = serving.bearer(values[0]) if values else None
+        names = context.auth_context().get("x509_common_name")
+        certificate = names[0].decode("utf-8", "replace") if names else None
+        return self.gate.trusts(token, certificate)
+
+    def _resolve(self, declared: str, caller: str, trusted: bool, where: str) -> str:
+        """``ScopeGate.resolve``, counting refusals (raises ScopeRefused)."""
+        try:
+            return self.gate.resolve(declared, caller, trusted, where)
+        except ScopeRefused as refused:
+            if refused.permission:
+                self.refused_scopes += 1
+            raise
+
+    def _propose_scopes(self, request, caller: str, context) -> tuple[list[str | None], str]:
+        """Per sequence, the scope it opens in (opening calls) or names (later ones; None:
+        none), and the request's shared scope ("": none). Raises ScopeRefused."""
+        trusted = self._trusted(context)
+        scopes: list[str | None] = []
+        for index, sequence in enumerate(request.sequences):
+            if sequence.open or sequence.scope:
+                scopes.append(self._resolve(sequence.scope, caller, trusted, f"sequences[{index}].scope"))
+            else:
+                scopes.append(None)
+        shared = request.shared_scope
+        if shared:
+            shared = self._resolve(shared, caller, trusted, "shared_scope")
+        return scopes, shared
+
+    @staticmethod
+    def _abort_refused(context, refused: ScopeRefused) -> None:
+        code = grpc.StatusCode.PERMISSION_DENIED if refused.permission else grpc.StatusCode.INVALID_ARGUMENT
+        context.abort(code, str(refused))
 
     def _check_sequences(self, sequences) -> None:
         self._check_call_size(len(sequences), sum(len(sequence.tokens) for sequence in sequences))
@@ -276,19 +336,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the call was served")
         try:
             self._check_propose(request)
-            sessions = self.sessions.claim(request.vocabulary, caller, request.sequences)
+            scopes, shared = self._propose_scopes(request, caller, context)
+            sessions = self.sessions.claim(request.vocabulary, caller, request.sequences, scopes)
         except InvalidRequest as invalid:
             context.abort(invalid.code, str(invalid))
+        except ScopeRefused as refused:
+            self._abort_refused(context, refused)
         except SessionError as refused:
             context.abort(SESSION_STATUS[refused.kind], str(refused))
         updates = list(zip(request.sequences, sessions))
-        store = self.stores.find(request.vocabulary)
         try:
             for update, session in updates:
                 if update.verified_draft_tokens:
                     self._credit_feedback(session.feedback(update.verified_draft_tokens, update.accepted_draft_tokens))
                 session.context.extend(update.new_tokens)
-            drafts = self._drafts(updates, store)
+            drafts = self._drafts(request.vocabulary, updates, shared)
         except BaseException:
             self.sessions.release(caller, request.sequences, sessions, drop_opened=True)  # a session half-extended is no session
             raise
@@ -297,32 +359,57 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while drafting; no session was kept")
         self.sessions.release(caller, request.sequences, sessions, drop_opened=False)
         self._count([session.last_sources for session in sessions], asked=[update.num_draft_tokens > 0 for update in request.sequences])
-        self._keep_predictions(request)
+        self._keep_predictions(request.vocabulary, updates)
         return drafter_pb2.ProposeResponse(drafts=drafts)
 
-    def _keep_predictions(self, request: drafter_pb2.ProposeRequest) -> None:
-        """Queue the call's predictions for the successor table (newest per key); nothing when
-        no table can take them now (a full disk, --max-vocabularies reached): they are hints."""
-        updates = [update for sequence in request.sequences for update in successor_updates(sequence.predictions)]
-        if not updates:
-            return
-        try:
-            store = self._writable_table(request.vocabulary)
-        except (TooManyVocabularies, DiskFull):
-            return
-        except Exception:  # a table that cannot be opened now must not fail the drafts already made
-            log.exception("no table for %d successor-table predictions; dropped", len(updates))
-            return
-        self.writer.submit_successors(store, updates)
-
-    def _drafts(self, updates, store: LMDBNGramStore | None) -> list[drafter_pb2.SequenceDraft]:
-        """Drafting reads only this call's sessions and one LMDB read transaction. With no
-        table for the vocabulary (none yet, or one just set aside as damaged: the registry
-        logs it and says so in health and metrics), drafts come from the contexts alone."""
-        if store is not None:
+    def _keep_predictions(self, vocabulary: str, updates: list[tuple[Any, Session]]) -> None:
+        """Queue the call's predictions for each session's scope's successor table (newest per
+        key); nothing for a scope no table can take them for now (a full disk, --max-vocabularies
+        or --max-scopes reached): they are hints."""
+        by_scope: dict[str, list] = {}
+        for update, session in updates:
+            if update.predictions.current:
+                by_scope.setdefault(session.scope, []).extend(successor_updates(update.predictions))
+        for scope, predictions in by_scope.items():
             try:
-                with store.snapshot() as table:
-                    return [self._draft(update, session, table) for update, session in updates]
+                store = self._writable_table(vocabulary, scope)
+            except (TooManyVocabularies, DiskFull):
+                continue
+            except Exception:  # a table that cannot be opened now must not fail the drafts already made
+                log.exception("no table for %d successor-table predictions; dropped", len(predictions))
+                continue
+            self.writer.submit_successors(store, predictions)
+
+    def _drafts(self, vocabulary: str, updates: list[tuple[Any, Session]], shared: str) -> list[drafter_pb2.SequenceDraft]:
+        """Each session drafts from its context and its scope's table (then ``shared``'s, read
+        only), in one LMDB read transaction per table. A scope with no table (none yet, or one
+        just set aside as damaged: the registry logs it and says so in health and metrics)
+        drafts from the contexts alone."""
+        by_scope: dict[str, list[int]] = {}
+        for index, (_, session) in enumerate(updates):
+            by_scope.setdefault(session.scope, []).append(index)
+        drafts: list[drafter_pb2.SequenceDraft] = [None] * len(updates)  # type: ignore[list-item]  # each filled below
+        for scope, indexes in by_scope.items():
+            stores = [self.stores.find(vocabulary, scope)]
+            if shared and shared != scope:
+                stores.append(self.stores.find(vocabulary, shared))
+            for index, draft in zip(indexes, self._scope_drafts([updates[index] for index in indexes], stores)):
+                drafts[index] = draft
+        return drafts
+
+    def _scope_drafts(self, updates: list[tuple[Any, Session]], stores: list[LMDBNGramStore | None]) -> list[drafter_pb2.SequenceDraft]:
+        """One scope's drafts, from ``stores`` (its own table, then the shared one; None: no table)."""
+        with contextlib.ExitStack() as snapshots:
+            tables: list[NGramSource] = []
+            for store in stores:
+                if store is not None:
+                    try:
+                        tables.append(snapshots.enter_context(store.snapshot()))
+                    except StoreClosed:  # set aside meanwhile: drafts without it
+                        pass
+            table: NGramSource = _NO_TABLE if not tables else tables[0] if len(tables) == 1 else LayeredSource(*tables)
+            try:
+                return [self._draft(update, session, table) for update, session in updates]
             except StoreClosed:  # drafting is pure but for each session's last sources, which this redoes
                 pass
         return [self._draft(update, session, _NO_TABLE) for update, session in updates]
@@ -360,17 +447,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return self._observe(request, context)
 
     def _observe(self, request, context):
+        caller = serving.caller_identity(context)
         try:
             self._check_vocabulary(request.vocabulary)
             self._check_observe_id(request.observe_id, len(request.sequences))
             self._check_sequences(request.sequences)
+            scope = self._resolve(request.scope, caller, self._trusted(context), "scope")
         except InvalidRequest as invalid:
             context.abort(invalid.code, str(invalid))
-        with self._admitted(serving.caller_identity(context), context, write=True):
-            return self._observe_admitted(request, context)
+        except ScopeRefused as refused:
+            self._abort_refused(context, refused)
+        with self._admitted(caller, context, write=True):
+            return self._observe_admitted(request, scope, context)
 
-    def _observe_admitted(self, request, context):
-        store = self._table(request.vocabulary, context)
+    def _observe_admitted(self, request, scope: str, context):
+        store = self._table(request.vocabulary, scope, context)
         items = [
             _Pending(store, f"{request.observe_id}/{index}", list(sequence.tokens)) for index, sequence in enumerate(request.sequences)
         ]
@@ -417,9 +508,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     "(--max-tokens-per-call); close them in several calls",
                 )
             ids = [sid for sid, session in zip(request.session_ids, found) if session is not None]
-            if ids:
-                store = self._table(request.vocabulary, context)
-                items = [_Pending(store, f"{request.observe_id}/{i}", list(session.context.tokens)) for i, session in enumerate(sessions)]
+            if ids:  # each into the table of the scope it was opened in
+                items = [
+                    _Pending(
+                        self._table(request.vocabulary, session.scope, context), f"{request.observe_id}/{i}", list(session.context.tokens)
+                    )
+                    for i, session in enumerate(sessions)
+                ]
                 self._commit(items, context)
         except BaseException:
             self.sessions.unclaim(found)  # not stored: still open, the call can be retried
@@ -516,13 +611,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         for stats in tables.values():
             for name in totals:
                 totals[name] += stats.get(name, 0)
+        scopes = sum(stats.get("scopes", 0) for stats in tables.values())
         return drafter_pb2.StatsResponse(
-            **totals, max_bytes=self.config.max_bytes * max(1, len(tables)), open_sessions=len(self.sessions), **self.metrics.stats()
+            **totals,
+            max_bytes=self.config.max_bytes * max(1, scopes),
+            open_sessions=len(self.sessions),
+            scopes=scopes,
+            **self.metrics.stats(),
         )
 
     def Backup(self, request, context):
-        """A compact copy of one table in ``--backup-dir``/``destination``. Callers learn
-        nothing about the filesystem beyond that directory: failures are logged here."""
+        """A compact copy of a vocabulary's tables in ``--backup-dir``/``destination``, one folder
+        per scope named as in --db (a restore copies them back). Callers learn nothing about the
+        filesystem beyond that directory: failures are logged here."""
         try:
             _check(
                 self.config.backup_dir is not None,
@@ -535,9 +636,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 f"destination must be a plain name of 1-128 letters, digits, '.', '_' or '-' (not starting with "
                 f"'.', '_' or '-'), got {request.destination[:200]!r}; the backup goes into the drafter's backup directory",
             )
-            _check(
-                self.stores.find(request.vocabulary) is not None, f"no table for vocabulary {request.vocabulary}", grpc.StatusCode.NOT_FOUND
-            )
+            tables = self._tables_of(request.vocabulary)
+            _check(bool(tables), f"no table for vocabulary {request.vocabulary}", grpc.StatusCode.NOT_FOUND)
         except InvalidRequest as invalid:
             context.abort(invalid.code, str(invalid))
         destination = Path(self.config.backup_dir) / request.destination
@@ -550,8 +650,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             log.exception("could not create backup folder %s", destination)
             context.abort(grpc.StatusCode.INTERNAL, "could not create the backup; the drafter's log says why")
         try:
-            self.stores.get(request.vocabulary).backup(str(destination))
-            size = sum(f.stat().st_size for f in destination.iterdir())
+            for name, store in tables.items():
+                store.backup(str(destination / name))
+            size = sum(f.stat().st_size for folder in destination.iterdir() for f in folder.iterdir())
         except StoreClosed as gone:
             shutil.rmtree(destination, ignore_errors=True)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{gone}; nothing was backed up")
@@ -560,6 +661,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             shutil.rmtree(destination, ignore_errors=True)
             context.abort(grpc.StatusCode.INTERNAL, "the backup failed and was removed; the drafter's log says why")
         return drafter_pb2.BackupResponse(bytes=size)
+
+    def _tables_of(self, vocabulary: str) -> dict[str, LMDBNGramStore]:
+        """The vocabulary's tables served now, by name."""
+        return {name: store for name, store in self.stores.all().items() if (split_table_name(name) or ("", ""))[0] == vocabulary}
 
     def watch_streams(self, guard: serving.AuxiliaryStreamGuard) -> None:
         """Metrics of the main port's reflection and health Watch streams."""

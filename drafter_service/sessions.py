@@ -12,7 +12,9 @@ nothing of gRPC: a request it cannot serve raises ``SessionError`` with a
 A session belongs to the caller that opened it: sessions are keyed by
 (caller, session id), so another caller's id is simply unknown to a caller,
 indistinguishable from an id never opened (UNKNOWN either way). Two callers
-may use the same id without meeting.
+may use the same id without meeting. It drafts from, and is observed into, the
+learning scope it was opened in (``scopes``): a later call may repeat that
+scope or leave it unsaid, never change it (WRONG_SCOPE).
 
 Memory is accounted in bytes, before any token is indexed: each session is
 charged ``session_bytes`` for the tokens it holds or a call is about to add
@@ -38,6 +40,7 @@ WRONG_VOCABULARY = "wrong_vocabulary"  # opened under another vocabulary
 BUSY = "busy"  # in use by another call
 FULL = "full"  # a limit on sessions or their tokens
 BAD_FEEDBACK = "bad_feedback"  # feedback that cannot describe the previous draft
+WRONG_SCOPE = "wrong_scope"  # a later call names another scope than the session was opened in
 
 # What one session costs beside its context index (the Session object, its
 # lists, the table's entry for it): measured ~1 KB, rounded up.
@@ -99,6 +102,7 @@ class Session:
     busy: bool = False  # claimed by a call that is extending, drafting or closing it (outside the lock)
     charged_bytes: int = 0  # what the memory budget counts for it: session_bytes(charged_for)
     charged_for: int = 0  # tokens it is charged for: those claimed so far, rounded up (charged_tokens)
+    scope: str = ""  # the learning scope it drafts from and is observed into (scopes.DEFAULT_SCOPE: "")
 
     def draft(self, table: NGramSource, k: int, max_nodes: int = 0) -> Draft:
         """Up to ``k`` draft tokens from the context, then ``table`` (a tree of up to
@@ -137,19 +141,24 @@ class SessionTable:
     def bytes_held_by(self, caller: str) -> int:
         return self._bytes_by_caller[caller]
 
-    def claim(self, vocabulary: str, caller: str, updates: Sequence[SessionUpdate]) -> list[Session]:
+    def claim(
+        self, vocabulary: str, caller: str, updates: Sequence[SessionUpdate], scopes: Sequence[str | None] | None = None
+    ) -> list[Session]:
         """Check every update, then open or look up each one's session and mark it busy, all or none.
 
-        Errors name the update as ``sequences[i]``. The caller extends and drafts the sessions
-        outside the lock, then calls ``release``. The tokens the updates add are charged now."""
+        ``scopes``: per update, the scope an opening update opens its session in, and the one a
+        later update names (None: it names none); None for all: the default scope. Errors name
+        the update as ``sequences[i]``. The caller extends and drafts the sessions outside the
+        lock, then calls ``release``. The tokens the updates add are charged now."""
+        scopes = scopes if scopes is not None else [None] * len(updates)
         with self._lock:
-            self._check(vocabulary, caller, updates)
+            self._check(vocabulary, caller, updates, scopes)
             now = time.monotonic()
             claimed = []
-            for update in updates:
+            for update, scope in zip(updates, scopes):
                 key = (caller, update.session_id)
                 if update.open:
-                    self._sessions[key] = Session(vocabulary, caller, ContextIndex(self.ngram), now)
+                    self._sessions[key] = Session(vocabulary, caller, ContextIndex(self.ngram), now, scope=scope or "")
                     self._by_caller[caller] += 1
                 session = self._sessions[key]
                 session.busy, session.last_used = True, now
@@ -226,10 +235,10 @@ class SessionTable:
         self.bytes_in_use -= session.charged_bytes
         return True
 
-    def _check(self, vocabulary: str, caller: str, updates: Sequence[SessionUpdate]) -> None:
+    def _check(self, vocabulary: str, caller: str, updates: Sequence[SessionUpdate], scopes: Sequence[str | None]) -> None:
         # Runs per sequence on every step: each message is formatted only when its check fails.
         limits, opening, growth = self.limits, 0, 0
-        for index, update in enumerate(updates):
+        for index, (update, scope) in enumerate(zip(updates, scopes)):
             sid = update.session_id
             session = self._sessions.get((caller, sid))
             held = drafted = 0  # what an open session holds: its tokens, and its last draft's length
@@ -243,6 +252,10 @@ class SessionTable:
                 raise SessionError(WRONG_VOCABULARY, f"sequences[{index}]: session {sid!r} was opened under another vocabulary")
             elif session.busy:
                 raise SessionError(BUSY, f"sequences[{index}]: session {sid!r} is in use by another call; retry")
+            elif scope is not None and scope != session.scope:
+                raise SessionError(
+                    WRONG_SCOPE, f"sequences[{index}]: session {sid!r} was opened in another scope; it keeps that one"
+                )
             else:
                 held, drafted = len(session.context.tokens), len(session.last_sources)
             if held + len(update.new_tokens) > limits.max_session_tokens:

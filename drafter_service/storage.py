@@ -1,12 +1,22 @@
 """The store's lifecycle, apart from the gRPC service: the one-drafter-per-``--db``
 lock, free disk space, and ``StoreRegistry`` (one ``LMDBNGramStore`` per vocabulary
-fingerprint under ``--db``, opened, quarantined and closed here).
+fingerprint and learning scope under ``--db``, opened, quarantined and closed here).
+
+Tables
+------
+A table is a folder of ``--db`` named for its vocabulary and scope (``scopes.table_name``):
+``<fingerprint>`` for the default scope, ``<fingerprint>-<scope>`` for any other. Tables
+written before scopes existed are therefore the default scope's, as they were: nothing
+learned is lost, and nothing is migrated. Each table has its own size bound
+(``--max-bytes``), successor-table bound and eviction, so one scope's flood never
+evicts another scope's n-grams. ``--max-vocabularies`` bounds the vocabularies and
+``--max-scopes`` the tables per vocabulary that writes may create.
 
 Quarantine
 ----------
 A table that cannot be served safely is moved aside, renamed
-``<fingerprint>.quarantined-<time>`` in ``--db`` (kept for an operator: never deleted), and
-the others go on serving; a later write to its vocabulary creates a fresh table. At
+``<table>.quarantined-<time>`` in ``--db`` (kept for an operator: never deleted), and
+the others go on serving; a later write to its vocabulary and scope creates a fresh table. At
 start-up, before health says SERVING: each table is walked (``store.walk_tables``: every
 record through its cursor and checked against the format, in a child process so that a
 page on which LMDB aborts condemns the table rather than the drafter; tables above
@@ -37,7 +47,8 @@ from typing import IO, NamedTuple
 
 import lmdb
 
-from drafter_service.config import VOCABULARY_PATTERN, DrafterConfig
+from drafter_service.config import DrafterConfig
+from drafter_service.scopes import DEFAULT_SCOPE, split_table_name, table_name
 from drafter_service.store import (  # noqa: F401 (StoreCorrupted, is_corruption: re-exported for the registry's callers)
     STARTUP_WALK_RECORDS,
     LMDBNGramStore,
@@ -65,7 +76,7 @@ def epoch_tokens(max_bytes: int) -> int:
 
 
 class TooManyVocabularies(Exception):
-    pass
+    """No table is created: --max-vocabularies or --max-scopes is reached (the message says which)."""
 
 
 class DiskFull(Exception):
@@ -164,26 +175,28 @@ class _DirectoryLock:
 
 
 class Quarantined(NamedTuple):
-    """A table set aside: its vocabulary, the folder's new name (None: it could not be
-    renamed, and is refused until restart), why, and whether at start-up."""
+    """A table set aside: its name (``scopes.table_name``), the folder's new name (None: it
+    could not be renamed, and is refused until restart), why, and whether at start-up."""
 
-    vocabulary: str
+    table: str
     aside: str | None
     reason: str
     at_startup: bool
 
 
-# listener(vocabulary, reason): told of each table set aside.
+# listener(table, reason): told of each table set aside (the table's name, ``scopes.table_name``).
 QuarantineListener = Callable[[str, str], None]
 
 
 class StoreRegistry:
-    """One store per vocabulary fingerprint, opened on first use and kept open.
+    """One store per (vocabulary fingerprint, scope), opened on first use and kept open.
 
     Only writes create a table (``get``); reads look one up (``find``), so a
-    stranger's fingerprint in a read-only call costs nothing. At most
-    ``max_vocabularies`` tables are created; those found at start-up always open
-    (after their walk: see the module docstring; ``startup_walk_records`` None walks them whole).
+    stranger's fingerprint or scope in a read-only call costs nothing. Tables are
+    created for at most ``max_vocabularies`` vocabularies and ``max_scopes`` scopes of
+    each; those found at start-up always open (after their walk: see the module
+    docstring; ``startup_walk_records`` None walks them whole). Tables are named by
+    ``scopes.table_name`` here: ``all``, ``quarantine`` and the listeners use that name.
     """
 
     def __init__(self, config: DrafterConfig, startup_walk_records: int | None = STARTUP_WALK_RECORDS) -> None:
@@ -194,7 +207,7 @@ class StoreRegistry:
         self.disk = DiskSpace(self.root, config.min_free_mb << 20)
         self._stores: dict[str, LMDBNGramStore] = {}
         self._lock = threading.Lock()  # guards _stores, _refused, quarantined, _listeners
-        self._refused: dict[str, str] = {}  # vocabulary -> why: set aside but not renamed
+        self._refused: dict[str, str] = {}  # table -> why: set aside but not renamed
         self.quarantined: list[Quarantined] = []  # every table set aside, in order
         self._listeners: list[QuarantineListener] = []
         try:
@@ -205,7 +218,7 @@ class StoreRegistry:
 
     def _open_existing(self, walk_records: int | None) -> None:
         """Reopen the warm tables found in --db, each after its walk; quarantine the unservable."""
-        tables = [entry for entry in sorted(self.root.iterdir()) if entry.is_dir() and VOCABULARY_PATTERN.fullmatch(entry.name)]
+        tables = [entry for entry in sorted(self.root.iterdir()) if entry.is_dir() and split_table_name(entry.name) is not None]
         for table in [table for table in tables if _never_held_data(table)]:
             log.warning("table %s was never completed (its creation was cut short, a full disk?): removed, it held nothing", table.name)
             shutil.rmtree(table)
@@ -223,7 +236,7 @@ class StoreRegistry:
                     walk.entries,
                 )
             try:
-                self.get(table.name, create=False)
+                self.get(*_split(table.name), create=False)
             except DiskFull as full:  # not the table's fault: opened on first write once there is room
                 log.error("table %s not opened at start-up: %s", table.name, full)
             except (StoreFormatError, lmdb.Error) as error:  # one bad table must not stop the others
@@ -231,19 +244,19 @@ class StoreRegistry:
 
     # -- quarantine
 
-    def quarantine(self, vocabulary: str, error: BaseException | str, store: LMDBNGramStore | None = None) -> bool:
-        """Set ``vocabulary``'s table aside: forgotten here (a later write creates a fresh one),
+    def quarantine(self, table: str, error: BaseException | str, store: LMDBNGramStore | None = None) -> bool:
+        """Set the table named ``table`` aside: forgotten here (a later write creates a fresh one),
         closed once the calls still in it end, its folder renamed. Thread-safe and idempotent:
         True if this call set it aside; False if it was already (or never open), or if ``store``
         is given and is no longer the table served (a late report about one already replaced)."""
         reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         with self._lock:
-            current = self._stores.get(vocabulary)
+            current = self._stores.get(table)
             if current is None or (store is not None and store is not current):
                 return False
-            del self._stores[vocabulary]
+            del self._stores[table]
             current.retire(f"was set aside as unservable ({reason})")
-            record = self._move_aside(vocabulary, reason, at_startup=False)  # under the lock: no get() reopens it first
+            record = self._move_aside(table, reason, at_startup=False)  # under the lock: no get() reopens it first
         self._tell(record)
         return True
 
@@ -252,7 +265,7 @@ class StoreRegistry:
         self.quarantine(Path(store.config.path).name, error, store=store)
 
     def add_quarantine_listener(self, listener: QuarantineListener) -> None:
-        """Call ``listener(vocabulary, reason)`` for each table set aside: at once for those
+        """Call ``listener(table, reason)`` for each table set aside: at once for those
         already (at start-up), then as it happens (from the thread that found the damage)."""
         with self._lock:
             self._listeners.append(listener)
@@ -269,37 +282,35 @@ class StoreRegistry:
     @staticmethod
     def _tell_one(listener: QuarantineListener, record: Quarantined) -> None:
         try:
-            listener(record.vocabulary, record.reason)
+            listener(record.table, record.reason)
         except Exception:  # a listener's bug must not fail the call that found the damage
-            log.exception("quarantine listener failed for table %s", record.vocabulary)
+            log.exception("quarantine listener failed for table %s", record.table)
 
-    def _set_aside(self, vocabulary: str, reason: str, at_startup: bool) -> None:
+    def _set_aside(self, name: str, reason: str, at_startup: bool) -> None:
         with self._lock:
-            record = self._move_aside(vocabulary, reason, at_startup)
+            record = self._move_aside(name, reason, at_startup)
         self._tell(record)
 
-    def _move_aside(self, vocabulary: str, reason: str, at_startup: bool) -> Quarantined:
+    def _move_aside(self, name: str, reason: str, at_startup: bool) -> Quarantined:
         """Rename the table's folder (the caller holds the lock)."""
-        table = self.root / vocabulary
+        table = self.root / name
         stamp = time.strftime("%Y%m%dT%H%M%S")
-        aside = table.with_name(f"{vocabulary}.quarantined-{stamp}")
+        aside = table.with_name(f"{name}.quarantined-{stamp}")
         for attempt in range(2, 1000):  # twice in one second: another name, never over the first
             if not aside.exists():
                 break
-            aside = table.with_name(f"{vocabulary}.quarantined-{stamp}-{attempt}")
+            aside = table.with_name(f"{name}.quarantined-{stamp}-{attempt}")
         try:
             table.rename(aside)
         except OSError as failure:
-            self._refused[vocabulary] = f"was set aside as unservable ({reason}) but could not be moved aside ({failure})"
-            record = Quarantined(vocabulary, None, reason, at_startup)
-            log.error(
-                "table %s cannot be served (%s) and could not be moved aside (%s): refused until restart", vocabulary, reason, failure
-            )
+            self._refused[name] = f"was set aside as unservable ({reason}) but could not be moved aside ({failure})"
+            record = Quarantined(name, None, reason, at_startup)
+            log.error("table %s cannot be served (%s) and could not be moved aside (%s): refused until restart", name, reason, failure)
         else:
-            record = Quarantined(vocabulary, aside.name, reason, at_startup)
+            record = Quarantined(name, aside.name, reason, at_startup)
             log.error(
                 "table %s cannot be served (%s); moved aside to %s, serving the others. python -m drafter_service.check --db %s says more",
-                vocabulary,
+                name,
                 reason,
                 aside.name,
                 self.root,
@@ -309,32 +320,50 @@ class StoreRegistry:
 
     # -- tables
 
-    def find(self, vocabulary: str) -> LMDBNGramStore | None:
-        return self._stores.get(vocabulary)
+    def find(self, vocabulary: str, scope: str = DEFAULT_SCOPE) -> LMDBNGramStore | None:
+        return self._stores.get(table_name(vocabulary, scope))
 
-    def get(self, vocabulary: str, create: bool = True) -> LMDBNGramStore:
-        store = self._stores.get(vocabulary)
+    def get(self, vocabulary: str, scope: str = DEFAULT_SCOPE, create: bool = True) -> LMDBNGramStore:
+        name = table_name(vocabulary, scope)
+        store = self._stores.get(name)
         if store is not None:
             return store
         with self._lock:
-            if vocabulary in self._refused:
-                raise StoreClosed(f"table {vocabulary} {self._refused[vocabulary]}")
-            if vocabulary not in self._stores:
-                if create and len(self._stores) >= self.config.max_vocabularies:
-                    raise TooManyVocabularies(
-                        f"the drafter already holds {len(self._stores)} vocabularies (limit {self.config.max_vocabularies}, "
-                        f"--max-vocabularies); {vocabulary} gets no table"
-                    )
-                self._stores[vocabulary] = self._open(vocabulary)
-            return self._stores[vocabulary]
+            if name in self._refused:
+                raise StoreClosed(f"table {name} {self._refused[name]}")
+            if name not in self._stores:
+                if create:
+                    self._check_room(vocabulary, scope)
+                self._stores[name] = self._open(name, vocabulary)
+            return self._stores[name]
 
-    def _open(self, vocabulary: str) -> LMDBNGramStore:
+    def _check_room(self, vocabulary: str, scope: str) -> None:
+        """TooManyVocabularies unless a table for (vocabulary, scope) may be created (the caller holds the lock)."""
+        held = [_split(name) for name in self._stores]
+        vocabularies = {held_vocabulary for held_vocabulary, _ in held}
+        if vocabulary not in vocabularies and len(vocabularies) >= self.config.max_vocabularies:
+            raise TooManyVocabularies(
+                f"the drafter already holds {len(vocabularies)} vocabularies (limit {self.config.max_vocabularies}, "
+                f"--max-vocabularies); {vocabulary} gets no table"
+            )
+        scopes = sum(held_vocabulary == vocabulary for held_vocabulary, _ in held)
+        if scopes >= self.config.max_scopes:
+            raise TooManyVocabularies(
+                f"the drafter already holds {scopes} scopes of vocabulary {vocabulary} (limit {self.config.max_scopes}, "
+                "--max-scopes): this scope learns nothing, and drafts from its requests' own contexts"
+            )
+
+    def scopes(self) -> int:
+        """Tables served (one per vocabulary and scope)."""
+        return len(self._stores)
+
+    def _open(self, name: str, vocabulary: str) -> LMDBNGramStore:
         """Open (or create) a table, never on a full disk: LMDB writes its new files
         through a map, where running out of space is a SIGBUS rather than an error."""
-        table = self.root / vocabulary
+        table = self.root / name
         new = not table.exists()
         if new and self.disk.check():  # an existing table opens read-mostly: reserve_lock_file guards it
-            raise DiskFull(f"{self.disk.refusal()}; table {vocabulary} not opened")
+            raise DiskFull(f"{self.disk.refusal()}; table {name} not opened")
         try:
             store_config = StoreConfig(
                 path=str(table),
@@ -351,20 +380,26 @@ class StoreRegistry:
             if new and table.exists():  # leave no half-made table behind
                 shutil.rmtree(table, ignore_errors=True)
             if self.disk.check() or (isinstance(error, OSError) and error.errno == errno.ENOSPC):
-                raise DiskFull(f"{self.disk.refusal()}; table {vocabulary} not opened") from error
+                raise DiskFull(f"{self.disk.refusal()}; table {name} not opened") from error
             raise
 
     def all(self) -> dict[str, LMDBNGramStore]:
         return dict(self._stores)
 
     def table_stats(self) -> dict[str, dict[str, int]]:
-        """Each served table's ``stats()``; a table set aside meanwhile is left out (for /metrics, Stats)."""
-        stats = {}
-        for vocabulary, store in self.all().items():
+        """Per vocabulary, its tables' ``stats()`` summed over its scopes, with ``scopes`` (how
+        many tables); a table set aside meanwhile is left out (for /metrics and Stats, which
+        count scopes and never name them)."""
+        stats: dict[str, dict[str, int]] = {}
+        for name, store in self.all().items():
             try:
-                stats[vocabulary] = store.stats()
+                table = store.stats()
             except StoreClosed:
-                pass
+                continue
+            summed = stats.setdefault(_split(name)[0], {"scopes": 0})
+            summed["scopes"] += 1
+            for stat in SUMMED_STATS:
+                summed[stat] = summed.get(stat, 0) + table.get(stat, 0)
         return stats
 
     def close(self) -> None:
@@ -374,6 +409,17 @@ class StoreRegistry:
             self._stores.clear()
             if not self._directory_lock.closed:
                 self._directory_lock.close()  # releases the flock
+
+
+# The stats of a table that add up over a vocabulary's scopes.
+SUMMED_STATS = ("entries", "bytes", "page_bytes", "file_bytes", "evictions", "successor_entries", "successor_evictions")
+
+
+def _split(name: str) -> tuple[str, str]:
+    """(vocabulary, scope) of a table this registry holds (its names always split)."""
+    split = split_table_name(name)
+    assert split is not None, f"not a table name: {name!r}"
+    return split
 
 
 def _never_held_data(table: Path) -> bool:

@@ -186,6 +186,12 @@ def peer_host(peer: str) -> str:
     return host.strip("[]") if host and port.isdigit() else address
 
 
+def bearer(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` value; None for any other value."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
+
+
 def caller_identity(context) -> str:
     """Who calls, for per-caller ownership and limits: the client certificate's common name
     under mutual TLS, else the peer's host (its port changes per connection)."""

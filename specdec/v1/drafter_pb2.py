@@ -24,43 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\"K\n\x0bPredictions\x12\t\n\x01k\x18\x01 \x01(\r\x12\x10\n\x08previous\x18\x02 \x03(\r\x12\x0f\n\x07\x63urrent\x18\x03 \x03(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\r\"\xe4\x01\n\x0eSequenceUpdate\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnew_tokens\x18\x02 \x03(\r\x12\x0c\n\x04open\x18\x03 \x01(\x08\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\x12\x1d\n\x15verified_draft_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x07 \x01(\r\x12,\n\x0bpredictions\x18\x08 \x01(\x0b\x32\x17.specdec.v1.Predictions\"S\n\x0eProposeRequest\x12\x12\n\nvocabulary\x18\x01 \x01(\t\x12-\n\tsequences\x18\x02 \x03(\x0b\x32\x1a.specdec.v1.SequenceUpdate\"\xa5\x01\n\rSequenceDraft\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12(\n\x07sources\x18\x03 \x03(\x0e\x32\x17.specdec.v1.DraftSource\x12\x15\n\rmatch_lengths\x18\x04 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x05 \x03(\r\x12\x0e\n\x06totals\x18\x06 \x03(\r\x12\x0f\n\x07parents\x18\x07 \x03(\x11\"<\n\x0fProposeResponse\x12)\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x19.specdec.v1.SequenceDraft\"\x1f\n\rTokenSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\r\"f\n\x0eObserveRequest\x12\x12\n\nvocabulary\x18\x01 \x01(\t\x12\x12\n\nobserve_id\x18\x02 \x01(\t\x12,\n\tsequences\x18\x03 \x03(\x0b\x32\x19.specdec.v1.TokenSequence\"Z\n\x0fObserveResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x19\n\x11\x61pplied_sequences\x18\x02 \x01(\r\x12\x1b\n\x13\x64uplicate_sequences\x18\x03 \x01(\r\"d\n\x14\x43loseSessionsRequest\x12\x12\n\nvocabulary\x18\x01 \x01(\t\x12\x13\n\x0bsession_ids\x18\x02 \x03(\t\x12\x0f\n\x07observe\x18\x03 \x01(\x08\x12\x12\n\nobserve_id\x18\x04 \x01(\t\"\'\n\x15\x43loseSessionsResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\r\"\"\n\x0cStatsRequest\x12\x12\n\nvocabulary\x18\x01 \x01(\t\"\xd5\x03\n\rStatsResponse\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x12\n\nfile_bytes\x18\x03 \x01(\x04\x12\x11\n\tmax_bytes\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\x12\x15\n\ropen_sessions\x18\x06 \x01(\x04\x12\x15\n\rpropose_calls\x18\x07 \x01(\x04\x12\x17\n\x0fproposed_tokens\x18\x08 \x01(\x04\x12\x14\n\x0c\x63ontext_hits\x18\t \x01(\x04\x12\x13\n\x0bglobal_hits\x18\n \x01(\x04\x12\x0e\n\x06misses\x18\x0b \x01(\x04\x12\x17\n\x0fobserved_tokens\x18\x0c \x01(\x04\x12\x18\n\x10\x63ontext_verified\x18\r \x01(\x04\x12\x18\n\x10\x63ontext_accepted\x18\x0e \x01(\x04\x12\x17\n\x0fglobal_verified\x18\x0f \x01(\x04\x12\x17\n\x0fglobal_accepted\x18\x10 \x01(\x04\x12\x19\n\x11successor_entries\x18\x11 \x01(\x04\x12\x16\n\x0esuccessor_hits\x18\x12 \x01(\x04\x12\x1a\n\x12successor_verified\x18\x13 \x01(\x04\x12\x1a\n\x12successor_accepted\x18\x14 \x01(\x04\"8\n\rBackupRequest\x12\x12\n\nvocabulary\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t\"\x1f\n\x0e\x42\x61\x63kupResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04*z\n\x0b\x44raftSource\x12\x1c\n\x18\x44RAFT_SOURCE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44RAFT_SOURCE_CONTEXT\x10\x01\x12\x17\n\x13\x44RAFT_SOURCE_GLOBAL\x10\x02\x12\x1a\n\x16\x44RAFT_SOURCE_SUCCESSOR\x10\x03\x32\xe6\x02\n\x07\x44rafter\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x07Observe\x12\x1a.specdec.v1.ObserveRequest\x1a\x1b.specdec.v1.ObserveResponse\x12T\n\rCloseSessions\x12 .specdec.v1.CloseSessionsRequest\x1a!.specdec.v1.CloseSessionsResponse\x12<\n\x05Stats\x12\x18.specdec.v1.StatsRequest\x1a\x19.specdec.v1.StatsResponse\x12?\n\x06\x42\x61\x63kup\x12\x19.specdec.v1.BackupRequest\x1a\x1a.specdec.v1.BackupResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\"K\n\x0bPredictions\x12\t\n\x01k\x18\x01 \x01(\r\x12\x10\n\x08previous\x18\x02 \x03(\r\x12\x0f\n\x07\x63urrent\x18\x03 \x03(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\r\"\xf3\x01\n\x0eSequenceUpdate\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnew_tokens\x18\x02 \x03(\r\x12\x0c\n\x04open\x18\x03 \x01(\x08\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\x12\x1d\n\x15verified_draft_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x06 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x07 \x01(\r\x12,\n\x0bpredictions\x18\x08 \x01(\x0b\x32\x17.specdec.v1.Predictions\x12\r\n\x05scope\x18\t \x01(\t\"i\n\x0eProposeRequest\x12\x12\n\nvocabulary\x18\x01 \x01(\t\x12-\n\tsequences\x18\x02 \x03(\x0b\x32\x1a.specdec.v1.SequenceUpdate\x12\x14\n\x0cshared_scope\x18\x03 \x01(\t\"\xa5\x01\n\rSequenceDraft\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12(\n\x07sources\x18\x03 \x03(\x0e\x32\x17.specdec.v1.DraftSource\x12\x15\n\rmatch_lengths\x18\x04 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x05 \x03(\r\x12\x0e\n\x06totals\x18\x06 \x03(\r\x12\x0f\n\x07parents\x18\x07 \x03(\x11\"<\n\x0fProposeResponse\x12)\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x19.specdec.v1.SequenceDraft\"\x1f\n\rTokenSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\r\"u\n\x0eObserveRequest\x12\x12\n\nvocabulary\x18\x01 \x01(\t\x12\x12\n\nobserve_id\x18\x02 \x01(\t\x12,\n\tsequences\x18\x03 \x03(\x0b\x32\x19.specdec.v1.TokenSequence\x12\r\n\x05scope\x18\x04 \x01(\t\"Z\n\x0fObserveResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x19\n\x11\x61pplied_sequences\x18\x02 \x01(\r\x12\x1b\n\x13\x64uplicate_sequences\x18\x03 \x01(\r\"d\n\x14\x43loseSessionsRequest\x12\x12\n\nvocabulary\x18\x01 \x01(\t\x12\x13\n\x0bsession_ids\x18\x02 \x03(\t\x12\x0f\n\x07observe\x18\x03 \x01(\x08\x12\x12\n\nobserve_id\x18\x04 \x01(\t\"\'\n\x15\x43loseSessionsResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\r\"\"\n\x0cStatsRequest\x12\x12\n\nvocabulary\x18\x01 \x01(\t\"\xe5\x03\n\rStatsResponse\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x12\n\nfile_bytes\x18\x03 \x01(\x04\x12\x11\n\tmax_bytes\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\x12\x15\n\ropen_sessions\x18\x06 \x01(\x04\x12\x15\n\rpropose_calls\x18\x07 \x01(\x04\x12\x17\n\x0fproposed_tokens\x18\x08 \x01(\x04\x12\x14\n\x0c\x63ontext_hits\x18\t \x01(\x04\x12\x13\n\x0bglobal_hits\x18\n \x01(\x04\x12\x0e\n\x06misses\x18\x0b \x01(\x04\x12\x17\n\x0fobserved_tokens\x18\x0c \x01(\x04\x12\x18\n\x10\x63ontext_verified\x18\r \x01(\x04\x12\x18\n\x10\x63ontext_accepted\x18\x0e \x01(\x04\x12\x17\n\x0fglobal_verified\x18\x0f \x01(\x04\x12\x17\n\x0fglobal_accepted\x18\x10 \x01(\x04\x12\x19\n\x11successor_entries\x18\x11 \x01(\x04\x12\x16\n\x0esuccessor_hits\x18\x12 \x01(\x04\x12\x1a\n\x12successor_verified\x18\x13 \x01(\x04\x12\x1a\n\x12successor_accepted\x18\x14 \x01(\x04\x12\x0e\n\x06scopes\x18\x15 \x01(\x04\"8\n\rBackupRequest\x12\x12\n\nvocabulary\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65stination\x18\x02 \x01(\t\"\x1f\n\x0e\x42\x61\x63kupResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04*z\n\x0b\x44raftSource\x12\x1c\n\x18\x44RAFT_SOURCE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x44RAFT_SOURCE_CONTEXT\x10\x01\x12\x17\n\x13\x44RAFT_SOURCE_GLOBAL\x10\x02\x12\x1a\n\x16\x44RAFT_SOURCE_SUCCESSOR\x10\x03\x32\xe6\x02\n\x07\x44rafter\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12\x42\n\x07Observe\x12\x1a.specdec.v1.ObserveRequest\x1a\x1b.specdec.v1.ObserveResponse\x12T\n\rCloseSessions\x12 .specdec.v1.CloseSessionsRequest\x1a!.specdec.v1.CloseSessionsResponse\x12<\n\x05Stats\x12\x18.specdec.v1.StatsRequest\x1a\x19.specdec.v1.StatsResponse\x12?\n\x06\x42\x61\x63kup\x12\x19.specdec.v1.BackupRequest\x1a\x1a.specdec.v1.BackupResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAFTSOURCE']._serialized_start=1634
-  _globals['_DRAFTSOURCE']._serialized_end=1756
+  _globals['_DRAFTSOURCE']._serialized_start=1702
+  _globals['_DRAFTSOURCE']._serialized_end=1824
   _globals['_PREDICTIONS']._serialized_start=40
   _globals['_PREDICTIONS']._serialized_end=115
   _globals['_SEQUENCEUPDATE']._serialized_start=118
-  _globals['_SEQUENCEUPDATE']._serialized_end=346
-  _globals['_PROPOSEREQUEST']._serialized_start=348
-  _globals['_PROPOSEREQUEST']._serialized_end=431
-  _globals['_SEQUENCEDRAFT']._serialized_start=434
-  _globals['_SEQUENCEDRAFT']._serialized_end=599
-  _globals['_PROPOSERESPONSE']._serialized_start=601
-  _globals['_PROPOSERESPONSE']._serialized_end=661
-  _globals['_TOKENSEQUENCE']._serialized_start=663
-  _globals['_TOKENSEQUENCE']._serialized_end=694
-  _globals['_OBSERVEREQUEST']._serialized_start=696
-  _globals['_OBSERVEREQUEST']._serialized_end=798
-  _globals['_OBSERVERESPONSE']._serialized_start=800
-  _globals['_OBSERVERESPONSE']._serialized_end=890
-  _globals['_CLOSESESSIONSREQUEST']._serialized_start=892
-  _globals['_CLOSESESSIONSREQUEST']._serialized_end=992
-  _globals['_CLOSESESSIONSRESPONSE']._serialized_start=994
-  _globals['_CLOSESESSIONSRESPONSE']._serialized_end=1033
-  _globals['_STATSREQUEST']._serialized_start=1035
-  _globals['_STATSREQUEST']._serialized_end=1069
-  _globals['_STATSRESPONSE']._serialized_start=1072
-  _globals['_STATSRESPONSE']._serialized_end=1541
-  _globals['_BACKUPREQUEST']._serialized_start=1543
-  _globals['_BACKUPREQUEST']._serialized_end=1599
-  _globals['_BACKUPRESPONSE']._serialized_start=1601
-  _globals['_BACKUPRESPONSE']._serialized_end=1632
-  _globals['_DRAFTER']._serialized_start=1759
-  _globals['_DRAFTER']._serialized_end=2117
+  _globals['_SEQUENCEUPDATE']._serialized_end=361
+  _globals['_PROPOSEREQUEST']._serialized_start=363
+  _globals['_PROPOSEREQUEST']._serialized_end=468
+  _globals['_SEQUENCEDRAFT']._serialized_start=471
+  _globals['_SEQUENCEDRAFT']._serialized_end=636
+  _globals['_PROPOSERESPONSE']._serialized_start=638
+  _globals['_PROPOSERESPONSE']._serialized_end=698
+  _globals['_TOKENSEQUENCE']._serialized_start=700
+  _globals['_TOKENSEQUENCE']._serialized_end=731
+  _globals['_OBSERVEREQUEST']._serialized_start=733
+  _globals['_OBSERVEREQUEST']._serialized_end=850
+  _globals['_OBSERVERESPONSE']._serialized_start=852
+  _globals['_OBSERVERESPONSE']._serialized_end=942
+  _globals['_CLOSESESSIONSREQUEST']._serialized_start=944
+  _globals['_CLOSESESSIONSREQUEST']._serialized_end=1044
+  _globals['_CLOSESESSIONSRESPONSE']._serialized_start=1046
+  _globals['_CLOSESESSIONSRESPONSE']._serialized_end=1085
+  _globals['_STATSREQUEST']._serialized_start=1087
+  _globals['_STATSREQUEST']._serialized_end=1121
+  _globals['_STATSRESPONSE']._serialized_start=1124
+  _globals['_STATSRESPONSE']._serialized_end=1609
+  _globals['_BACKUPREQUEST']._serialized_start=1611
+  _globals['_BACKUPREQUEST']._serialized_end=1667
+  _globals['_BACKUPRESPONSE']._serialized_start=1669
+  _globals['_BACKUPRESPONSE']._serialized_end=1700
+  _globals['_DRAFTER']._serialized_start=1827
+  _globals['_DRAFTER']._serialized_end=2185
 # @@protoc_insertion_point(module_scope)

@@ -31,7 +31,7 @@ class Predictions(_message.Message):
     def __init__(self, k: _Optional[int] = ..., previous: _Optional[_Iterable[int]] = ..., current: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("session_id", "new_tokens", "open", "num_draft_tokens", "verified_draft_tokens", "accepted_draft_tokens", "max_tree_nodes", "predictions")
+    __slots__ = ("session_id", "new_tokens", "open", "num_draft_tokens", "verified_draft_tokens", "accepted_draft_tokens", "max_tree_nodes", "predictions", "scope")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class SequenceUpdate(_message.Message):
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     open: bool
@@ -48,15 +49,18 @@ class SequenceUpdate(_message.Message):
     accepted_draft_tokens: int
     max_tree_nodes: int
     predictions: Predictions
-    def __init__(self, session_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., open: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., verified_draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., predictions: _Optional[_Union[Predictions, _Mapping]] = ...) -> None: ...
+    scope: str
+    def __init__(self, session_id: _Optional[str] = ..., new_tokens: _Optional[_Iterable[int]] = ..., open: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., verified_draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., predictions: _Optional[_Union[Predictions, _Mapping]] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("vocabulary", "sequences")
+    __slots__ = ("vocabulary", "sequences", "shared_scope")
     VOCABULARY_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_SCOPE_FIELD_NUMBER: _ClassVar[int]
     vocabulary: str
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceUpdate]
-    def __init__(self, vocabulary: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ...) -> None: ...
+    shared_scope: str
+    def __init__(self, vocabulary: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., shared_scope: _Optional[str] = ...) -> None: ...
 
 class SequenceDraft(_message.Message):
     __slots__ = ("session_id", "tokens", "sources", "match_lengths", "counts", "totals", "parents")
@@ -89,14 +93,16 @@ class TokenSequence(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ObserveRequest(_message.Message):
-    __slots__ = ("vocabulary", "observe_id", "sequences")
+    __slots__ = ("vocabulary", "observe_id", "sequences", "scope")
     VOCABULARY_FIELD_NUMBER: _ClassVar[int]
     OBSERVE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
     vocabulary: str
     observe_id: str
     sequences: _containers.RepeatedCompositeFieldContainer[TokenSequence]
-    def __init__(self, vocabulary: _Optional[str] = ..., observe_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+    scope: str
+    def __init__(self, vocabulary: _Optional[str] = ..., observe_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class ObserveResponse(_message.Message):
     __slots__ = ("applied", "applied_sequences", "duplicate_sequences")
@@ -133,7 +139,7 @@ class StatsRequest(_message.Message):
     def __init__(self, vocabulary: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("entries", "bytes", "file_bytes", "max_bytes", "evictions", "open_sessions", "propose_calls", "proposed_tokens", "context_hits", "global_hits", "misses", "observed_tokens", "context_verified", "context_accepted", "global_verified", "global_accepted", "successor_entries", "successor_hits", "successor_verified", "successor_accepted")
+    __slots__ = ("entries", "bytes", "file_bytes", "max_bytes", "evictions", "open_sessions", "propose_calls", "proposed_tokens", "context_hits", "global_hits", "misses", "observed_tokens", "context_verified", "context_accepted", "global_verified", "global_accepted", "successor_entries", "successor_hits", "successor_verified", "successor_accepted", "scopes")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +160,7 @@ class StatsResponse(_message.Message):
     SUCCESSOR_HITS_FIELD_NUMBER: _ClassVar[int]
     SUCCESSOR_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     SUCCESSOR_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    SCOPES_FIELD_NUMBER: _ClassVar[int]
     entries: int
     bytes: int
     file_bytes: int
@@ -174,7 +181,8 @@ class StatsResponse(_message.Message):
     successor_hits: int
     successor_verified: int
     successor_accepted: int
-    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., propose_calls: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., context_hits: _Optional[int] = ..., global_hits: _Optional[int] = ..., misses: _Optional[int] = ..., observed_tokens: _Optional[int] = ..., context_verified: _Optional[int] = ..., context_accepted: _Optional[int] = ..., global_verified: _Optional[int] = ..., global_accepted: _Optional[int] = ..., successor_entries: _Optional[int] = ..., successor_hits: _Optional[int] = ..., successor_verified: _Optional[int] = ..., successor_accepted: _Optional[int] = ...) -> None: ...
+    scopes: int
+    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., propose_calls: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., context_hits: _Optional[int] = ..., global_hits: _Optional[int] = ..., misses: _Optional[int] = ..., observed_tokens: _Optional[int] = ..., context_verified: _Optional[int] = ..., context_accepted: _Optional[int] = ..., global_verified: _Optional[int] = ..., global_accepted: _Optional[int] = ..., successor_entries: _Optional[int] = ..., successor_hits: _Optional[int] = ..., successor_verified: _Optional[int] = ..., successor_accepted: _Optional[int] = ..., scopes: _Optional[int] = ...) -> None: ...
 
 class BackupRequest(_message.Message):
     __slots__ = ("vocabulary", "destination")

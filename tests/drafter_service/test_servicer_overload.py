@@ -24,8 +24,11 @@ class Aborted(Exception):
 
 
 class FakeContext:
-    def __init__(self, peer: str = "ipv4:10.0.0.7:51234", remaining: float | None = None, certificate: str | None = None) -> None:
+    def __init__(
+        self, peer: str = "ipv4:10.0.0.7:51234", remaining: float | None = None, certificate: str | None = None, token: str | None = None
+    ) -> None:
         self._peer = peer
+        self._metadata = () if token is None else (("authorization", f"Bearer {token}"),)
         self._deadline = None if remaining is None else time.monotonic() + remaining
         self._certificate = certificate
         self.callbacks: list = []
@@ -40,7 +43,7 @@ class FakeContext:
             callback()
 
     def invocation_metadata(self):
-        return ()
+        return self._metadata
 
     def peer(self):
         return self._peer

@@ -147,9 +147,7 @@ def test_an_empty_data_file_is_quarantined_not_deleted(tmp_path):
     (db / DAMAGED / "lock.mdb").write_bytes(bytes(8192))
     stores = registry(db)
     try:
-        assert [(q.vocabulary, q.reason) for q in stores.quarantined] == [
-            (DAMAGED, "data.mdb is 0 bytes: too short for LMDB's two meta pages")
-        ]
+        assert [(q.table, q.reason) for q in stores.quarantined] == [(DAMAGED, "data.mdb is 0 bytes: too short for LMDB's two meta pages")]
         assert aside(db) == [DAMAGED]
         assert sorted(stores.all()) == [SOUND]
     finally:
@@ -194,7 +192,7 @@ def test_a_table_damaged_while_serving_is_quarantined_by_the_call_that_meets_it(
                 damaged.apply([("o2", [1, 2, 3, 4, 5])])
         assert isinstance(raised.value, StoreClosed)  # what a caller maps to UNAVAILABLE: retry
         ((record),) = stores.quarantined
-        assert record.vocabulary == DAMAGED and re.match(damage, record.reason) and not record.at_startup
+        assert record.table == DAMAGED and re.match(damage, record.reason) and not record.at_startup
         assert told == [(DAMAGED, record.reason)]
         assert aside(db) == [DAMAGED] and (db / record.aside).is_dir()
         assert damaged.closed and stores.find(DAMAGED) is None

@@ -55,7 +55,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -344,7 +344,7 @@ class OpenAIApi:
         if stream:
             return _EventStream(self._events(reply, include_usage), reply.close, release)
         try:
-            return JSONResponse(await self._complete(request, reply))
+            return await self._complete(request, reply)
         except BaseException as error:
             reply.close(error)
             raise
@@ -397,19 +397,26 @@ class OpenAIApi:
         except ShuttingDown as error:
             raise ApiError(503, str(error), kind="server_error", code="shutting_down") from None
 
-    async def _complete(self, request: Request, reply: _Reply) -> dict:
-        """The whole answer; a client that disconnects first cancels the request."""
+    async def _complete(self, request: Request, reply: _Reply) -> Response:
+        """The whole answer; a client that disconnects first cancels the request. Its texts
+        (log-probabilities' take a decode per alternative per token) and its JSON are made on
+        a worker thread, as the tokens are waited for, so the event loop goes on serving others."""
 
         async def cancel_on_disconnect() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
             reply.client_left()
 
+        def answer() -> Response:
+            results = reply.all_results()
+            stats = [self.service.recorded(handle, result) for handle, result in zip(reply.handles, results)]
+            return JSONResponse(reply.whole(results, stats))
+
         async with anyio.create_task_group() as group:
             group.start_soon(cancel_on_disconnect)
-            results = await anyio.to_thread.run_sync(reply.all_results, abandon_on_cancel=True, limiter=self.limiter)
+            response = await anyio.to_thread.run_sync(answer, abandon_on_cancel=True, limiter=self.limiter)
             group.cancel_scope.cancel()
-        return reply.whole(results, [self.service.recorded(handle, result) for handle, result in zip(reply.handles, results)])
+        return response
 
     async def _events(self, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
         """The SSE data lines; a disconnect cancels this generator, and the request with it
@@ -418,14 +425,11 @@ class OpenAIApi:
             if reply.chat or reply.echo:
                 for index in range(len(reply.handles)):
                     yield json.dumps(reply.first_chunk(index))
-            events = interleave(reply.handles)
-            while (event := await anyio.to_thread.run_sync(next, events, None, abandon_on_cancel=True, limiter=self.limiter)) is not None:
-                index, piece = event
-                if piece is not None:
-                    yield json.dumps(reply.token_chunk(index, piece))
-                    continue
-                result = reply.result(index)
-                yield json.dumps(reply.final_chunk(index, result, self.service.recorded(reply.handles[index], result), include_usage))
+            data = self._data(reply, interleave(reply.handles), include_usage)
+            # Waiting for the next tokens and rendering their texts (log-probabilities' take a
+            # decode per alternative per token) take a worker thread, so the loop serves other streams.
+            while (line := await anyio.to_thread.run_sync(next, data, None, abandon_on_cancel=True, limiter=self.limiter)) is not None:
+                yield line
             if include_usage:
                 yield json.dumps(reply.usage_chunk())
             yield "[DONE]"
@@ -438,6 +442,15 @@ class OpenAIApi:
         except BaseException as error:  # the client left (cancelled, or the generator closed)
             reply.close(error)
             raise
+
+    def _data(self, reply: _Reply, events: Iterator[tuple[int, TokenChunk | None]], include_usage: bool) -> Iterator[str]:
+        """Each event of ``interleave`` as its chunk's JSON: a choice's tokens, or its end."""
+        for index, piece in events:
+            if piece is not None:
+                yield json.dumps(reply.token_chunk(index, piece))
+                continue
+            result = reply.result(index)
+            yield json.dumps(reply.final_chunk(index, result, self.service.recorded(reply.handles[index], result), include_usage))
 
     # -- the request ----------------------------------------------------------------------
 
@@ -857,19 +870,24 @@ class _Logprobs:
         self.offset = 0  # completions: characters of the completion before the next token
         self.recent: list[int] = []
 
-    def _text(self, token: int) -> str:
+    def _decode(self, tokens: list[int]) -> str:
         # Special tokens (EOS) read as "", as the completion's text has them.
-        def decode(tokens: list[int]) -> str:
-            return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
 
-        before = decode(self.recent) if self.recent else ""
-        after = decode([*self.recent, token])
-        return after[len(before) :] if after.startswith(before) else decode([token])
+    def _texts(self, tokens: Sequence[int]) -> dict[int, str]:
+        """What each of ``tokens`` would add after the recent emitted tokens (decoded once for all)."""
+        before = self._decode(self.recent) if self.recent else ""
+        texts = {}
+        for token in tokens:
+            if token not in texts:
+                after = self._decode([*self.recent, token])
+                texts[token] = after[len(before) :] if after.startswith(before) else self._decode([token])
+        return texts
 
     def _emitted(self, item: TokenLogprob) -> tuple[str, list[tuple[str, float]]]:
-        text, top = self._text(item.token), [(self._text(token), value) for token, value in item.top]
+        texts = self._texts([item.token, *(token for token, _ in item.top)])
         self.recent = [*self.recent, item.token][-self._WINDOW :]
-        return text, top
+        return texts[item.token], [(texts[token], value) for token, value in item.top]
 
     def shown(self, items: Sequence[TokenLogprob]) -> dict:
         rendered = [(item, *self._emitted(item)) for item in items]

@@ -941,3 +941,31 @@ def test_an_http_request_span_follows_the_genai_conventions(roomy_service, monke
         usage["prompt_tokens"],
         usage["completion_tokens"],
     )
+
+
+# -- hostile callers: what each refusal names, and work that waits for no check ----------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_log_probability_texts_are_rendered_off_the_event_loop(roomy, chat_tokenizer, monkeypatch, path, stream):
+    """Each token's text and its alternatives' take tokenizer decodes: done on the event loop,
+    n choices of long answers froze every other stream. None may run on a thread running a loop."""
+    decode, on_loop = chat_tokenizer.decode, []
+
+    def watched(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(args)
+        except RuntimeError:
+            pass
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(chat_tokenizer, "decode", watched)
+    if path == "/v1/completions":
+        body = sampled(n=2, logprobs=3, stream=stream, echo=False)
+    else:
+        body = chat_body(n=2, max_tokens=8, temperature=1.0, seed=3, logprobs=True, top_logprobs=3, stream=stream)
+    answer = roomy.post(path, json=body)
+    assert answer.status_code == 200 and "logprob" in answer.text
+    assert on_loop == []

@@ -412,10 +412,13 @@ class OpenAIApi:
             stats = [self.service.recorded(handle, result) for handle, result in zip(reply.handles, results)]
             return JSONResponse(reply.whole(results, stats))
 
-        async with anyio.create_task_group() as group:
-            group.start_soon(cancel_on_disconnect)
-            response = await anyio.to_thread.run_sync(answer, abandon_on_cancel=True, limiter=self.limiter)
-            group.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(cancel_on_disconnect)
+                response = await anyio.to_thread.run_sync(answer, abandon_on_cancel=True, limiter=self.limiter)
+                group.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # the task group wraps what its tasks raised
+            raise _unwrapped(group) from None
         return response
 
     async def _events(self, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
@@ -593,6 +596,20 @@ def _error_type(error: BaseException) -> str:
     return str(error.status) if isinstance(error, ApiError) else "500"
 
 
+def _unwrapped(group: BaseExceptionGroup) -> BaseException:
+    """What failed a request, out of the exception groups that task groups wrap it in: an
+    ``ApiError`` when one is there (so a request's own error keeps its status), else the first."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        error = pending.pop(0)
+        if isinstance(error, BaseExceptionGroup):
+            pending[:0] = error.exceptions
+        else:
+            leaves.append(error)
+    return next((error for error in leaves if isinstance(error, ApiError)), leaves[0])
+
+
 def _log_unexpected(what: str, error: BaseException) -> None:
     """One line for a failure nobody foresaw: what failed, the exception, and where it was raised."""
     frames = traceback.extract_tb(error.__traceback__)
@@ -619,11 +636,13 @@ class _Unexpected:
 
         try:
             await self.app(scope, receive, watched)
-        except Exception as error:
-            _log_unexpected(f"{scope.get('method', '')} {scope.get('path', '')}", error)
+        except Exception as raised:
+            error = _unwrapped(raised) if isinstance(raised, ExceptionGroup) else raised
+            if not isinstance(error, ApiError):
+                _log_unexpected(f"{scope.get('method', '')} {scope.get('path', '')}", error)
+                error = ApiError(500, "the server failed on this request; it is logged", kind="server_error", code="internal_error")
             if scope["type"] == "http" and not started:
-                failed = ApiError(500, "the server failed on this request; it is logged", kind="server_error", code="internal_error")
-                await failed.response()(scope, receive, send)
+                await error.response()(scope, receive, send)
 
 
 # Routes outside /v1 that need a caller (and a key, when keys are configured), as /v1's do.

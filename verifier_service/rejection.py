@@ -59,6 +59,18 @@ def _splitmix64(value: int) -> int:
 # sampling as T -> 0 is the argmax, and logits / T for a T near float32's
 # smallest values overflows to inf and softmax to NaN.
 MIN_SAMPLING_TEMPERATURE = 1e-5
+# The repetition penalty r multiplies a seen token's logit by r or 1/r
+# (``processing``), and nothing else a request sets can push a finite logit
+# x to inf: a logit_bias adds at most 100, the frequency and presence
+# penalties subtract at most 2 x (count + 1), temperature divides by at least
+# MIN_SAMPLING_TEMPERATURE, so a shaped score is at most
+# ((|x| + 100) x max(r, 1/r) + 2 x (positions + 1)) / 1e-5. Unbounded, r = 1e-38
+# turned x = 3.5 into inf (float32 ends at 3.4e38) and softmax into NaN. With r
+# in [0.01, 100] the score stays finite for any |x| < 1e31, far beyond any
+# model's logits (tens). No use needs more: CTRL suggests 1.2, and at 100 a
+# seen token's positive logit keeps 1% of itself, a negative one grows 100-fold.
+# The low end is 0.01 as float32 rounds it (just below), so gRPC's float32 0.01 is taken too.
+REPETITION_PENALTY_RANGE = (torch.tensor(0.01, dtype=torch.float32).item(), 100.0)
 
 
 @dataclass(frozen=True)
@@ -71,7 +83,7 @@ class SamplingParams:
     # own prefix (``processing``, which defines each); the defaults shape nothing.
     presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]
-    repetition_penalty: float = 1.0  # transformers' (CTRL), > 0; 1 = off
+    repetition_penalty: float = 1.0  # transformers' (CTRL), in REPETITION_PENALTY_RANGE; 1 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
     min_tokens: int = 0  # no end-of-sequence token (nor stop string) before this many tokens
 
@@ -102,8 +114,12 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequest(name, f"{{field}} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty < float("inf"):
-            raise InvalidRequest("repetition_penalty", f"{{field}} must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:  # NaN fails too
+            raise InvalidRequest(
+                "repetition_penalty",
+                f"{{field}} must be in [{low:g}, {high:g}] (1 = off; beyond, penalised logits can overflow), got {self.repetition_penalty}",
+            )
         for token, bias in self.logit_bias:
             if not -100.0 <= bias <= 100.0:
                 raise InvalidRequest("logit_bias", f"{{field}}[{token}] must be in [-100, 100], got {bias}")

@@ -733,7 +733,7 @@ def test_penalties_bias_and_min_tokens_give_plain_decodings_output_with_them(cli
     [
         ({"frequency_penalty": 2.5}, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
         ({"presence_penalty": "high"}, "presence_penalty", "presence_penalty must be a number"),
-        ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be a finite number > 0"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be in [0.01, 100]"),
         ({"logit_bias": {"t5": 1}}, "logit_bias", "logit_bias keys are token ids"),
         ({"logit_bias": {"5": "up"}}, "logit_bias", "logit_bias[5] must be a number"),
         ({"logit_bias": {"5": 101}}, "logit_bias", "logit_bias[5] must be in [-100, 100]"),
@@ -944,6 +944,33 @@ def test_an_http_request_span_follows_the_genai_conventions(roomy_service, monke
 
 
 # -- hostile callers: what each refusal names, and work that waits for no check ----------------
+
+
+@pytest.mark.parametrize("penalty", [1e-38, 1e-3, 1e3, 1e38])
+def test_a_repetition_penalty_whose_shaped_logits_could_overflow_is_a_400_up_front(client, penalty):
+    """Sampling divides a seen token's positive logit by the penalty: by 1e-38 that is inf, and
+    softmax NaN. Refused before the request is queued, naming the field and the range."""
+    body = completion(prompt=[9, 3, 3, 9], max_tokens=4, temperature=1.0, seed=1, repetition_penalty=penalty)
+    error = assert_openai_error(client.post("/v1/completions", json=body), 400)
+    assert error["param"] == "repetition_penalty" and "repetition_penalty must be in [0.01, 100]" in error["message"]
+
+
+@pytest.mark.parametrize("penalty", [0.01, 100.0])
+def test_a_repetition_penalty_at_either_end_of_its_range_samples(client, penalty):
+    body = completion(prompt=[9, 3, 3, 9], max_tokens=6, temperature=1.0, seed=1, repetition_penalty=penalty)
+    assert client.post("/v1/completions", json=body).status_code == 200
+
+
+def test_an_error_raised_while_a_whole_answer_is_awaited_keeps_its_own_status(client, monkeypatch):
+    """The wait runs in a task group, which wraps what it raises in an ExceptionGroup: the
+    request's own error must come out of it, not a 500."""
+
+    def refused(self):
+        raise openai_api.ApiError(409, "this choice was refused", param="n", code="refused")
+
+    monkeypatch.setattr(openai_api._Reply, "all_results", refused)
+    error = assert_openai_error(client.post("/v1/completions", json=completion()), 409)
+    assert (error["param"], error["code"], error["message"]) == ("n", "refused", "this choice was refused")
 
 
 @pytest.mark.parametrize("stream", [False, True])

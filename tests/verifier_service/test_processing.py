@@ -22,7 +22,7 @@ from tests.verifier_service.test_trees import FLAT, PROMPTS, TreeProposer, branc
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.processing import Prefixes, chain_paths, shape_logits, token_logprobs, tree_paths
-from verifier_service.rejection import SamplingParams, warp_probs
+from verifier_service.rejection import MIN_SAMPLING_TEMPERATURE, REPETITION_PENALTY_RANGE, SamplingParams, warp_probs
 
 EOS = 1
 LENGTH = 24
@@ -83,6 +83,25 @@ def test_each_position_is_shaped_from_its_own_prefix(name):
         expected = reference_shaped(logits[row], params, prompt, generated + path, frozenset({EOS}))
         torch.testing.assert_close(shaped[row], expected, rtol=0, atol=1e-6)
     assert not torch.equal(shaped, logits)  # the rule did something
+
+
+@pytest.mark.parametrize("penalty", [REPETITION_PENALTY_RANGE[0], REPETITION_PENALTY_RANGE[1]])
+def test_at_the_ends_of_every_range_sampling_probabilities_stay_finite(penalty):
+    """The worst a request may ask (rejection.REPETITION_PENALTY_RANGE's reasoning): logits of
+    +-1e4 (a model's are tens), biased by 100, penalised, sharpened by the smallest sampling
+    temperature: finite probabilities, no NaN."""
+    params = SamplingParams(
+        temperature=MIN_SAMPLING_TEMPERATURE,
+        repetition_penalty=penalty,
+        frequency_penalty=2.0,
+        presence_penalty=2.0,
+        logit_bias=((5, 100.0), (6, -100.0)),
+    )
+    logits = torch.tensor([[1e4, -1e4] * 32, [-1e4, 1e4] * 32])
+    shaped = shape_logits(logits, params, Prefixes(list(range(64)), [5, 6, 5], [[], [6]]), frozenset({EOS}))
+    probs = warp_probs(shaped, params)
+    assert torch.isfinite(shaped).all() and torch.isfinite(probs).all()
+    torch.testing.assert_close(probs.sum(dim=-1), torch.ones(2))
 
 
 def test_min_tokens_masks_end_of_sequence_only_while_the_prefix_is_short():
@@ -276,7 +295,7 @@ def test_rejected_drafts_leave_no_logprobs(tiny_model, tiny_tokenizer):
     [
         (GenerationRequest([5], 4, SamplingParams(presence_penalty=2.5)), "presence_penalty must be in [-2, 2]"),
         (GenerationRequest([5], 4, SamplingParams(frequency_penalty=float("nan"))), "frequency_penalty must be in [-2, 2]"),
-        (GenerationRequest([5], 4, SamplingParams(repetition_penalty=0.0)), "repetition_penalty must be a finite number > 0"),
+        (GenerationRequest([5], 4, SamplingParams(repetition_penalty=0.0)), "repetition_penalty must be in [0.01, 100]"),
         (GenerationRequest([5], 4, SamplingParams(logit_bias=((3, 101.0),))), "logit_bias[3] must be in [-100, 100]"),
         (GenerationRequest([5], 4, SamplingParams(logit_bias=((3, 1.0), (3, 2.0)))), "logit_bias names a token twice"),
         (GenerationRequest([5], 4, SamplingParams(logit_bias=((64, 1.0),))), "logit_bias names token ids outside the vocabulary"),

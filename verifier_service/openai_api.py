@@ -340,16 +340,20 @@ class OpenAIApi:
         except BaseException as error:
             span_context.__exit__(type(error), error, error.__traceback__)
             raise
-        reply = _Reply(self, handles, chat, traced, span_context, echo)
-        if stream:
-            return _EventStream(self._events(reply, include_usage), reply.close, release)
+        reply = _Reply(self, handles, chat, traced, span_context)
         try:
+            if echo:  # decoded once submitting checked the ids (a decoder fails on one outside the vocabulary)
+                prompt_ids = generations[0].prompt_ids
+                reply.echo = await anyio.to_thread.run_sync(self.service.tokenizer.decode, prompt_ids, limiter=self.limiter)
+            if stream:
+                return _EventStream(self._events(reply, include_usage), reply.close, release)
             return await self._complete(request, reply)
         except BaseException as error:
             reply.close(error)
             raise
         finally:
-            reply.close()
+            if not stream:
+                reply.close()
 
     async def _body(self, request: Request, request_id: str) -> bytearray:
         """The body, up to --http-max-body-bytes (413 beyond: from its Content-Length before
@@ -369,9 +373,9 @@ class OpenAIApi:
             raise ApiError(400, "the connection closed before the whole body came", code="client_disconnected") from None
         return received
 
-    def _parse(self, received: bytearray, chat: bool, request_id: str) -> tuple[list[GenerationRequest], bool, bool, str]:
-        """(a request per choice, stream, stream_options.include_usage, the text ``echo`` puts
-        before the completion: the prompt's, decoded from its tokens, or "") from a JSON body."""
+    def _parse(self, received: bytearray, chat: bool, request_id: str) -> tuple[list[GenerationRequest], bool, bool, bool]:
+        """(a request per choice, stream, stream_options.include_usage, echo: the prompt goes
+        before the completion) from a JSON body."""
         body = parse(_json_object(received), ChatCompletionRequest if chat else CompletionRequest)
         generations = self._generation_requests(body, chat, request_id)
         stream = _or(body.stream, False)
@@ -381,9 +385,7 @@ class OpenAIApi:
                 raise ApiError(400, f"unknown field {_shown(name)} in stream_options: only include_usage is taken", param="stream_options")
         if options.get("include_obfuscation") or options.get("continuous_usage_stats"):
             raise ApiError(400, "stream_options: only include_usage is supported; leave the others out or false", param="stream_options")
-        echo = ""
-        if not chat and body.echo:
-            echo = self.service.tokenizer.decode(generations[0].prompt_ids)
+        echo = not chat and bool(body.echo)
         return generations, stream, _take(options, "include_usage", (bool,), "true or false", False), echo
 
     def _submit(self, generations: list[GenerationRequest], span, chat: bool) -> list[RequestHandle]:
@@ -739,11 +741,9 @@ class _Reply:
     """One request's answer as OpenAI objects, a choice per handle (``n``): chunks while it
     streams, or the whole."""
 
-    def __init__(
-        self, api: OpenAIApi, handles: list[RequestHandle], chat: bool, traced: TracedRequest, span_context, echo: str = ""
-    ) -> None:
+    def __init__(self, api: OpenAIApi, handles: list[RequestHandle], chat: bool, traced: TracedRequest, span_context) -> None:
         self.api, self.handles, self.chat, self.traced = api, handles, chat, traced
-        self.echo = echo  # completions' echo: the prompt's text, sent before each completion's
+        self.echo = ""  # completions' echo: the prompt's text, sent before each completion's
         self._span_context = span_context  # service.request_span's, entered
         self._closed = False
         self._left = False  # the client disconnected first

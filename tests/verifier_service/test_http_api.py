@@ -946,6 +946,13 @@ def test_an_http_request_span_follows_the_genai_conventions(roomy_service, monke
 # -- hostile callers: what each refusal names, and work that waits for no check ----------------
 
 
+@pytest.mark.parametrize("token", [-1, 2**70, 64])
+def test_echoed_token_ids_outside_the_vocabulary_are_a_400_naming_the_prompt(client, token):
+    """The ids are checked before the echo decodes them (a decoder takes no id < 0 or >= 2**64)."""
+    error = assert_openai_error(client.post("/v1/completions", json=completion(prompt=[5, token], echo=True)), 400)
+    assert error["param"] == "prompt" and "outside the vocabulary [0, 64)" in error["message"] and str(token) in error["message"]
+
+
 @pytest.mark.parametrize("penalty", [1e-38, 1e-3, 1e3, 1e38])
 def test_a_repetition_penalty_whose_shaped_logits_could_overflow_is_a_400_up_front(client, penalty):
     """Sampling divides a seen token's positive logit by the penalty: by 1e-38 that is inf, and

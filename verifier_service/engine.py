@@ -156,6 +156,14 @@ class EngineConfig:
         if self.successor_top_k > MAX_PREDICTIONS:
             raise ValueError(f"successor_top_k must be at most {MAX_PREDICTIONS} (what the drafter keeps), got {self.successor_top_k}")
 
+    def check_logit_bias_count(self, entries: int) -> None:
+        """``InvalidRequest`` for a ``logit_bias`` of more than --logit-bias-limit entries. The
+        front doors call it on the count alone, before converting or checking any entry (a
+        600k-entry map took its conversion's time first), and ``validate`` again."""
+        if entries > self.logit_bias_limit:
+            limit = self.logit_bias_limit
+            raise InvalidRequest("logit_bias", f"{{field}} takes at most {limit} tokens (--logit-bias-limit), got {entries}")
+
 
 @dataclass(eq=False)
 class _Sequence:
@@ -408,12 +416,8 @@ class SpeculativeEngine:
                     f"{{field}}[{index}] is {len(stop)} characters; at most {config.stop_string_length_limit} (--stop-string-length-limit)",
                 )
         sampling = request.sampling
+        config.check_logit_bias_count(len(sampling.logit_bias))
         sampling.validate()
-        if len(sampling.logit_bias) > config.logit_bias_limit:
-            raise InvalidRequest(
-                "logit_bias",
-                f"{{field}} takes at most {config.logit_bias_limit} tokens (--logit-bias-limit), got {len(sampling.logit_bias)}",
-            )
         outside = [token for token, _ in sampling.logit_bias if not 0 <= token < self.vocab_size]
         if outside:
             raise InvalidRequest("logit_bias", f"{{field}} names token ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")

@@ -493,6 +493,11 @@ class OpenAIApi:
             raise ApiError(400, "stop must be a string or a list of strings", param="stop")
         for index, item in enumerate(stop):
             _text(item, f"stop[{index}]", "stop")
+        logit_bias = _or(body.logit_bias, {})
+        try:  # by its count, before any entry is read
+            self.service.config.engine.check_logit_bias_count(len(logit_bias))
+        except InvalidRequest as error:
+            raise ApiError(400, str(error), param="logit_bias") from None
         prompt_ids = self._chat_prompt(body.messages) if chat else self._completion_prompt(body.prompt)
         if chat:
             room = self.service.capacity - len(prompt_ids)
@@ -514,7 +519,7 @@ class OpenAIApi:
             presence_penalty=_or(body.presence_penalty, 0.0),
             frequency_penalty=_or(body.frequency_penalty, 0.0),
             repetition_penalty=_or(body.repetition_penalty, 1.0),
-            logit_bias=_logit_bias(_or(body.logit_bias, {})),
+            logit_bias=_logit_bias(logit_bias),
             min_tokens=_or(body.min_tokens, 0),
         )
         logprobs = _chat_logprobs(body) if chat else body.logprobs

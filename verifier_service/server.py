@@ -358,6 +358,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise InvalidRequest("prompt_ids", "chat applies to a text prompt; prompt_token_ids are used as given")
         tokenizer = self.service.tokenizer
         self.service.check_prompt_chars(len(request.prompt))
+        self.service.config.engine.check_logit_bias_count(len(request.logit_bias))  # before the map is converted
         if has_ids:
             prompt_ids = list(request.prompt_token_ids)
         elif request.chat:

@@ -33,6 +33,7 @@ from tests.conftest import TINY_EOS
 from tests.verifier_service.test_processing import reference_decode
 from verifier_service import openai_api
 from verifier_service.engine import EngineConfig, SpeculativeEngine
+from verifier_service.errors import InvalidRequest
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model_loading import chat_ids
 from verifier_service.openai_api import OpenAIApi
@@ -978,6 +979,21 @@ def test_an_error_raised_while_a_whole_answer_is_awaited_keeps_its_own_status(cl
     monkeypatch.setattr(openai_api._Reply, "all_results", refused)
     error = assert_openai_error(client.post("/v1/completions", json=completion()), 409)
     assert (error["param"], error["code"], error["message"]) == ("n", "refused", "this choice was refused")
+
+
+def test_a_logit_bias_over_the_limit_is_refused_by_its_count_before_any_entry_is_read(client):
+    """Over --logit-bias-limit (300) the count is the error, before any key is read (the first
+    key here is not even a token id)."""
+    bias = {"t5": 1} | {str(token): 1 for token in range(400)}
+    error = assert_openai_error(client.post("/v1/completions", json=completion(logit_bias=bias)), 400)
+    assert error["param"] == "logit_bias" and "at most 300 tokens (--logit-bias-limit), got 401" in error["message"]
+
+
+def test_a_grpc_logit_bias_over_the_limit_is_refused_before_it_is_converted(open_service):
+    request = pb.GenerateRequest(prompt_token_ids=[5], max_new_tokens=2, logit_bias={token: 1.0 for token in range(100_000)})
+    with pytest.raises(InvalidRequest) as refused:
+        VerifierServicer(open_service)._generation_request(request)  # the proto's map, before it is made a tuple
+    assert refused.value.field == "logit_bias" and "at most 300 tokens (--logit-bias-limit), got 100000" in str(refused.value)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -55,7 +55,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -235,6 +235,32 @@ class OpenAIApi:
         """``POST /tokenize`` in vLLM's shapes: ``{"prompt": str, "add_special_tokens": true}`` or
         ``{"messages": [...], "add_generation_prompt": true}`` (the chat template, as chat
         completions apply it) -> ``{"count", "max_model_len", "tokens"}``."""
+        return await self._holding_a_place(request, self._tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        """``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}`` (vLLM's shapes)."""
+        return await self._holding_a_place(request, self._detokenize)
+
+    async def _holding_a_place(self, request: Request, answer: Callable[[Request], Awaitable[Response]]) -> Response:
+        """``answer(request)`` with the caller's place under --max-requests-per-caller held
+        while it runs: tokenizing costs a worker thread as generating does."""
+        self._ready()
+        release = self._admit(request)
+        try:
+            return await answer(request)
+        finally:
+            release()
+
+    def _admit(self, request: Request) -> Callable[[], None]:
+        """A place for the request's caller under --max-requests-per-caller (429 without one)."""
+        caller = request.scope["state"]["caller"]  # _Callers'
+        callers = self.service.callers
+        release = callers.admit(caller)
+        if release is None:
+            raise ApiError(429, callers.refusal(caller), kind="rate_limit_error", code="too_many_requests_per_caller")
+        return release
+
+    async def _tokenize(self, request: Request) -> Response:
         body = await self._small_body(request, {"model", "prompt", "add_special_tokens", "messages", "add_generation_prompt"})
         if ("prompt" in body) == ("messages" in body):
             raise ApiError(400, "give exactly one of prompt (text) and messages (a chat)", param="prompt")
@@ -254,8 +280,7 @@ class OpenAIApi:
             )
         return JSONResponse({"count": len(tokens), "max_model_len": self.service.capacity, "tokens": tokens})
 
-    async def detokenize(self, request: Request) -> Response:
-        """``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}`` (vLLM's shapes)."""
+    async def _detokenize(self, request: Request) -> Response:
         body = await self._small_body(request, {"model", "tokens"})
         tokens = body.get("tokens")
         vocabulary = self.service.vocab_size
@@ -294,11 +319,7 @@ class OpenAIApi:
         before its body is read until its answer ends (streamed: until the stream closes)."""
         self._ready()
         caller = request.scope["state"]["caller"]  # _Callers'
-        callers = self.service.callers
-        release = callers.admit(caller)
-        if release is None:
-            raise ApiError(429, callers.refusal(caller), kind="rate_limit_error", code="too_many_requests_per_caller")
-        places = [release]  # one per choice: a request for n choices holds n places
+        places = [self._admit(request)]  # one per choice: a request for n choices holds n places
 
         def release_all() -> None:
             for give_back in places:

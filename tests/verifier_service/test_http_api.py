@@ -981,6 +981,20 @@ def test_an_error_raised_while_a_whole_answer_is_awaited_keeps_its_own_status(cl
     assert (error["param"], error["code"], error["message"]) == ("n", "refused", "this choice was refused")
 
 
+def test_tokenize_and_detokenize_count_against_the_callers_limit(open_service, client):
+    release = open_service.callers.admit("testclient")  # the caller's one place is taken
+    try:
+        for path, body in (("/tokenize", {"prompt": "t5"}), ("/detokenize", {"tokens": [5]})):
+            error = assert_openai_error(client.post(path, json=body), 429)
+            assert error["code"] == "too_many_requests_per_caller" and "--max-requests-per-caller 1" in error["message"]
+        assert assert_openai_error(client.post("/v1/completions", json=completion()), 429)["code"] == "too_many_requests_per_caller"
+    finally:
+        release()
+    assert client.post("/tokenize", json={"prompt": "t5"}).status_code == 200
+    assert client.post("/detokenize", json={"tokens": [5]}).status_code == 200
+    assert open_service.callers.in_flight("testclient") == 0  # each gave its place back
+
+
 def test_a_logit_bias_over_the_limit_is_refused_by_its_count_before_any_entry_is_read(client):
     """Over --logit-bias-limit (300) the count is the error, before any key is read (the first
     key here is not even a token id)."""

@@ -377,8 +377,10 @@ class OpenAIApi:
                 reply.close()
 
     async def _body(self, request: Request, request_id: str) -> bytearray:
-        """The body, up to --http-max-body-bytes (413 beyond: from its Content-Length before
-        a byte is read, else while a chunked one arrives)."""
+        """The body, sent as JSON (415 otherwise, before a byte is read), up to
+        --http-max-body-bytes (413 beyond: from its Content-Length before a byte is read,
+        else while a chunked one arrives)."""
+        _require_json(request.headers)
         limit, received = self.service.config.http_max_body_bytes, bytearray()
         too_large = ApiError(413, f"the body is over {limit} bytes (--http-max-body-bytes)", code="body_too_large")
         declared = request.headers.get("content-length", "")
@@ -636,6 +638,16 @@ def _unwrapped(group: BaseExceptionGroup) -> BaseException:
         else:
             leaves.append(error)
     return next((error for error in leaves if isinstance(error, ApiError)), leaves[0])
+
+
+def _require_json(headers: Headers) -> None:
+    """415 unless the body is declared JSON. A page on another site may POST a form or plain
+    text here without asking first (a CORS "simple request"); a JSON body needs a preflight,
+    which the browser refuses without --allowed-origins, so the page's request never comes."""
+    declared = headers.get("content-type")
+    if declared is None or declared.partition(";")[0].strip().lower() != "application/json":
+        got = "none" if declared is None else _shown(declared)
+        raise ApiError(415, f"send the body as JSON, with Content-Type: application/json (got {got})", code="unsupported_media_type")
 
 
 def _log_unexpected(what: str, error: BaseException) -> None:

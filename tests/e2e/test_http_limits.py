@@ -55,7 +55,7 @@ def test_half_a_request_line_is_cut_off_after_the_header_timeout(verifier):
 
 
 def test_a_body_that_stops_arriving_is_cut_off_after_the_body_timeout(verifier):
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
     status, error = status_and_error(raw_exchange(verifier, head + b'{"prompt": [5'))
     assert status == 408 and "--http-body-timeout" in error["message"]
     assert "Traceback" not in verifier.process.log()

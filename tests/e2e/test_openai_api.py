@@ -237,7 +237,7 @@ def test_chat_refuses_malformed_messages(server):
     ids=["not-json", "not-an-object", "huge-temperature", "no-route", "wrong-method"],
 )
 def test_protocol_errors_have_openais_error_shape(server, method, path, body, status):
-    response = httpx.request(method, server.base + path, content=body, timeout=10)
+    response = httpx.request(method, server.base + path, content=body, headers={"content-type": "application/json"}, timeout=10)
     assert response.status_code == status
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
@@ -338,7 +338,7 @@ def test_the_default_model_answers_the_openai_client_as_grpc_does():
 
 def test_a_number_too_large_for_a_float_fails_only_its_own_request(server):
     body = b'{"prompt": [5], "max_tokens": 2, "temperature": 1' + b"0" * 400 + b"}"
-    response = httpx.post(server.base + "/v1/completions", content=body, timeout=10)
+    response = httpx.post(server.base + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=10)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "temperature"
     assert probe(server)  # the server goes on

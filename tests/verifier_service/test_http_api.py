@@ -47,6 +47,7 @@ CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor
 KEYS = ("key-one", "key-two")
 CAPACITY = 256  # cache positions per request: prompt text up to 256 x (3 + 1) characters
 MODEL = "tiny"
+JSON = {"content-type": "application/json"}  # what a body sent by hand must declare (json= declares it)
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +238,7 @@ def test_every_way_a_request_ends_gives_its_callers_place_back(client):
         with client.stream("POST", "/v1/completions", json=completion(stream=True)) as stream:
             assert stream.read().decode().rstrip().endswith("data: [DONE]")
         assert client.post("/v1/completions", json=completion(max_tokens=0)).status_code == 400
-        assert client.post("/v1/completions", content=b"{not json").status_code == 400
+        assert client.post("/v1/completions", content=b"{not json", headers=JSON).status_code == 400
         assert client.post("/v1/completions", json=completion(prompt=[999])).status_code == 400
 
 
@@ -251,7 +252,9 @@ def test_grpc_peers_are_named_as_http_names_them():
 
 
 def call_asgi(app, headers: list[tuple[bytes, bytes]], parts: list[bytes], disconnect: bool = False):
-    """One POST /v1/completions straight into the ASGI app: (status, body, the number of body parts it read)."""
+    """One POST /v1/completions (a JSON body unless ``headers`` say otherwise) straight into the
+    ASGI app: (status, body, the number of body parts it read)."""
+    typed = any(name == b"content-type" for name, _ in headers)
     scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -262,7 +265,7 @@ def call_asgi(app, headers: list[tuple[bytes, bytes]], parts: list[bytes], disco
         "raw_path": b"/v1/completions",
         "query_string": b"",
         "root_path": "",
-        "headers": headers,
+        "headers": [*([] if typed else [(b"content-type", b"application/json")]), *headers],
         "client": ("10.1.2.3", 5000),
         "server": ("127.0.0.1", 8000),
         "state": {},
@@ -391,12 +394,12 @@ CHAT_BODIES = {"lone-surrogate-message", "lone-surrogate-text-part", "messages-s
 @pytest.mark.parametrize("name", MALFORMED, ids=list(MALFORMED))
 def test_every_malformed_body_is_a_400_in_openais_shape(client, name):
     path = "/v1/chat/completions" if name in CHAT_BODIES else "/v1/completions"
-    error = assert_openai_error(client.post(path, content=MALFORMED[name]), 400)
+    error = assert_openai_error(client.post(path, content=MALFORMED[name], headers=JSON), 400)
     assert error["type"] == "invalid_request_error"
 
 
 def test_a_lone_surrogate_is_named_with_its_field(client):
-    error = assert_openai_error(client.post("/v1/chat/completions", content=MALFORMED["lone-surrogate-message"]), 400)
+    error = assert_openai_error(client.post("/v1/chat/completions", content=MALFORMED["lone-surrogate-message"], headers=JSON), 400)
     assert error["param"] == "messages" and "messages[0].content holds a lone surrogate ('\\udc00')" in error["message"]
 
 
@@ -993,6 +996,28 @@ def test_tokenize_and_detokenize_count_against_the_callers_limit(open_service, c
     assert client.post("/tokenize", json={"prompt": "t5"}).status_code == 200
     assert client.post("/detokenize", json={"tokens": [5]}).status_code == 200
     assert open_service.callers.in_flight("testclient") == 0  # each gave its place back
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_a_post_that_is_not_json_is_refused_415_before_its_body_is_read(client, path, content_type):
+    """What a page on another site may POST without a CORS preflight ("simple requests") is
+    refused, so such a page cannot make this server generate."""
+    headers = {"content-type": content_type} if content_type else {}
+    error = assert_openai_error(client.post(path, content=json.dumps(completion()).encode(), headers=headers), 415)
+    assert error["code"] == "unsupported_media_type" and "Content-Type: application/json" in error["message"]
+
+
+def test_a_text_plain_post_is_refused_unread(open_service):
+    body = json.dumps(completion()).encode()
+    status, answer, parts_read = call_asgi(OpenAIApi(open_service, MODEL).app, [(b"content-type", b"text/plain")], [body])
+    assert (status, answer["error"]["code"], parts_read) == (415, "unsupported_media_type", 0)
+
+
+def test_a_json_content_type_with_parameters_is_taken(client):
+    body = json.dumps(completion()).encode()
+    for content_type in ("application/json; charset=utf-8", "Application/JSON"):
+        assert client.post("/v1/completions", content=body, headers={"content-type": content_type}).status_code == 200
 
 
 def test_a_logit_bias_over_the_limit_is_refused_by_its_count_before_any_entry_is_read(client):

@@ -32,12 +32,20 @@ the text each added and where each came from (``sources``).
 A client that disconnects frees its batch slot at the next step, as a
 cancelled gRPC call does, and the log says so in one line naming the request.
 
-Hostile callers: with API keys configured every ``/v1`` route needs
-``Authorization: Bearer <key>`` (401 otherwise; ``/``, the live view, and
-``/health`` stay open); a caller has at most ``--max-requests-per-caller``
-requests in flight (429); a body over ``--http-max-body-bytes`` is refused
-from its Content-Length before a byte of it is read (413), and prompt text
-over ``--max-prompt-chars`` before any template or tokenizer runs (400).
+Hostile callers: a request whose Host header is not one of the server's
+names (``--allowed-hosts``; by default those of the address bound) is a 400
+before any route (DNS rebinding); with API keys configured every ``/v1``
+route needs ``Authorization: Bearer <key>`` (401 otherwise; ``/``, the live
+view, and ``/health`` stay open); a caller has at most
+``--max-requests-per-caller`` requests in flight, ``/tokenize`` and
+``/detokenize`` included (429); a body not declared
+``Content-Type: application/json`` is refused unread (415: a page on another
+site can POST a form or plain text without a CORS preflight); a body over
+``--http-max-body-bytes`` is refused from its Content-Length before a byte
+of it is read (413), and prompt text over ``--max-prompt-chars`` before any
+template or tokenizer runs (400). Texts (log-probabilities' take a tokenizer
+decode per alternative per token) and answers' JSON are made on worker
+threads, never on the event loop that serves every stream.
 Every malformed body (any nesting depth, lone surrogates, invalid UTF-8,
 wrong types) is a 400, and anything unexpected a 500, both in OpenAI's shape.
 The server (``HttpServer``) caps open connections (``--http-max-connections``)
@@ -165,6 +173,7 @@ class OpenAIApi:
             middleware=[
                 *self._cors(config.origins()),
                 Middleware(_RequestIds),
+                Middleware(_Hosts, allowed=config.hosts()),
                 Middleware(_Unexpected),
                 Middleware(_Callers, keys=service.keys),
             ],
@@ -722,6 +731,48 @@ class _RequestIds:
             await send(message)
 
         await self.app(scope, receive, stamped)
+
+
+def host_name(host: str) -> str:
+    """A host as Host headers are compared: lower case, an IPv6 address without its brackets,
+    no trailing dot ("[::1]" -> "::1", "LocalHost." -> "localhost")."""
+    return host.strip().removeprefix("[").removesuffix("]").rstrip(".").lower()
+
+
+def host_of(header: str) -> str:
+    """The host a Host header names, without its port: "[::1]:8000" -> "::1", "Localhost:80" -> "localhost"."""
+    header = header.strip()
+    if header.startswith("["):  # an IPv6 address: its colons are not a port's
+        return host_name(header.partition("]")[0] + "]")
+    return host_name(header.partition(":")[0])
+
+
+class _Hosts:
+    """Only requests for one of this server's names (``allowed``, from --allowed-hosts;
+    None: any) reach a route. A page on another site can have its own name resolve to this
+    server's address (DNS rebinding) and then call it as same-origin, past the browser's
+    CORS rules; its requests carry that name in Host, so they are refused here.
+
+    400 in OpenAI's shape (as Django and Starlette's TrustedHostMiddleware answer), not
+    421 Misdirected Request: 421 tells a client to retry on another connection, which is
+    for a connection reused across origins (HTTP/2), not for a name this server never has."""
+
+    def __init__(self, app, allowed: frozenset[str] | None) -> None:
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope, receive, send) -> None:
+        sent = Headers(scope=scope).get("host") if scope["type"] == "http" else None
+        if scope["type"] != "http" or self.allowed is None or sent is not None and host_of(sent) in self.allowed:
+            await self.app(scope, receive, send)
+            return
+        if sent is None:
+            message = "the request has no Host header; send one naming this server (--allowed-hosts)"
+        else:
+            message = (
+                f"this server does not answer to the host {_shown(host_of(sent))} (the request's Host header): call it by "
+                "one of its own names, or add this one to its --allowed-hosts"
+            )
+        await ApiError(400, message, code="host_not_allowed").response()(scope, receive, send)
 
 
 class _Callers:

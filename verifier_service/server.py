@@ -26,6 +26,7 @@ it is away) every step is plain decoding.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 import secrets
@@ -64,7 +65,7 @@ from verifier_service.generation import (
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model_loading import DEFAULT_MODEL, cache_root, chat_prompt_ids, load_model
 from verifier_service.observability import ServiceObserver
-from verifier_service.openai_api import HttpLimits, HttpServer, OpenAIApi, bearer
+from verifier_service.openai_api import HttpLimits, HttpServer, OpenAIApi, bearer, host_name
 from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import Cancelled, QueueFull, RequestHandle, Scheduler, SchedulerConfig, ShuttingDown
@@ -175,6 +176,17 @@ class VerifierConfig:
         help="origins (comma-separated, e.g. https://app.example.com; * for any) whose browser pages "
         "may call the HTTP API (none: same origin only)",
     )
+    # DNS rebinding: a page on another site can have its own name resolve to this
+    # server's address, then call it as same-origin, with that name in Host. Only
+    # this server's own names are answered. None: the names of --host, which for a
+    # loopback address are localhost, 127.0.0.1 and ::1; for all interfaces (0.0.0.0,
+    # ::) any name, since the server cannot know the names clients reach it by
+    # (a deployment behind a name should list it).
+    allowed_hosts: str | None = setting(
+        None,
+        help="host names (comma-separated, no port; * for any) the HTTP API answers to in a request's Host header "
+        "(none: the --host address's: localhost, 127.0.0.1 and ::1 for a loopback address, any for 0.0.0.0 or ::)",
+    )
     calibrate: bool = setting(
         True, help="measure the step cost at start-up (without: a flat cost refined by real steps; for tests and tiny models)"
     )
@@ -199,6 +211,7 @@ class VerifierConfig:
         settings.check_tls(self.tls_cert, self.tls_key, self.tls_client_ca, settings.SERVER_TLS_FLAGS, client=False)
         self.api_keys()  # fail fast: an unreadable key file or a malformed key is a usage error
         self.origins()
+        self.hosts()
 
     def origins(self) -> list[str]:
         """The --allowed-origins, each a scheme://host[:port] or *."""
@@ -207,6 +220,25 @@ class VerifierConfig:
             if origin != "*" and not ORIGIN_PATTERN.fullmatch(origin):
                 raise ValueError(f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], no path) or *")
         return origins
+
+    def hosts(self) -> frozenset[str] | None:
+        """The names an HTTP request's Host may give (the port aside), lower case, IPv6
+        addresses without brackets; None: any (--allowed-hosts, module docstring)."""
+        if self.allowed_hosts is None:
+            host = host_name(self.host)
+            if host in ALL_INTERFACES:
+                return None
+            loopback = host == "localhost" or _is_loopback(host)
+            return frozenset({host, *LOOPBACK_NAMES}) if loopback else frozenset({host})
+        names = [name.strip() for name in self.allowed_hosts.split(",") if name.strip()]
+        if "*" in names:
+            return None
+        for name in names:
+            if not _is_host(host_name(name)):
+                raise ValueError(f"--allowed-hosts: {name!r} is not a host name or address (no scheme, port or path) or *")
+        if not names:
+            raise ValueError("--allowed-hosts names no host: give names, or * for any")
+        return frozenset(host_name(name) for name in names)
 
     def api_keys(self) -> tuple[str, ...]:
         """The configured keys, from --api-key and --api-key-file (ValueError naming where,
@@ -233,6 +265,28 @@ class VerifierConfig:
 KEY_PATTERN = re.compile(r"[!-+\--~]+")
 # An origin as browsers send it: scheme://host[:port], no path.
 ORIGIN_PATTERN = re.compile(r"[a-z][a-z0-9+.-]*://[A-Za-z0-9.\-\[\]:]+")
+# A host name or an IPv4 or IPv6 address, as --allowed-hosts takes them (host_name's form).
+HOST_PATTERN = re.compile(r"[a-z0-9.\-:_]+")
+# --host values that bind every interface, and the names a loopback address is reached by.
+ALL_INTERFACES = frozenset({"", "0.0.0.0", "::"})
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def _is_host(name: str) -> bool:
+    """A host name or address in host_name's form; a colon only in an IPv6 address (not a port)."""
+    if not HOST_PATTERN.fullmatch(name):
+        return False
+    try:
+        return ":" not in name or ipaddress.ip_address(name).version == 6
+    except ValueError:
+        return False
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 # The engine's field names that the proto spells otherwise (InvalidRequest.field -> GenerateRequest's).

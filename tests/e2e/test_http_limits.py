@@ -55,18 +55,31 @@ def test_half_a_request_line_is_cut_off_after_the_header_timeout(verifier):
 
 
 def test_a_body_that_stops_arriving_is_cut_off_after_the_body_timeout(verifier):
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
     status, error = status_and_error(raw_exchange(verifier, head + b'{"prompt": [5'))
     assert status == 408 and "--http-body-timeout" in error["message"]
     assert "Traceback" not in verifier.process.log()
 
 
 def test_a_7_mib_body_is_refused_413_before_any_of_it_is_sent(verifier):
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 7340032\r\n\r\n"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 7340032\r\n\r\n"
     with socket.create_connection(("127.0.0.1", int(verifier.base.rsplit(":", 1)[1])), timeout=CLOSE_WITHIN_S) as connection:
         connection.sendall(head)
         answer = connection.recv(65536)  # the answer comes while the body is still owed
     assert answer.startswith(b"HTTP/1.1 413")
+
+
+def test_a_request_for_another_host_name_is_refused_and_a_cross_site_form_is_not_read(verifier):
+    """A page that had its own name resolve to 127.0.0.1 (DNS rebinding) sends that name in Host;
+    a page on another site may POST text/plain without a preflight. Neither is served."""
+    body = json.dumps({"prompt": PROMPT_IDS, "max_tokens": 2}).encode()
+    for host, kind, status, code in (
+        (b"rebound.example:80", b"application/json", 400, "host_not_allowed"),
+        (b"localhost", b"text/plain", 415, "unsupported_media_type"),
+    ):
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n" % (host, kind, len(body))
+        answered, error = status_and_error(raw_exchange(verifier, head + b"Connection: close\r\n\r\n" + body))
+        assert (answered, error["code"]) == (status, code)
 
 
 def test_one_address_at_its_limit_is_refused_on_both_front_doors(verifier):

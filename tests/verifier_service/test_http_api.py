@@ -47,6 +47,7 @@ CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor
 KEYS = ("key-one", "key-two")
 CAPACITY = 256  # cache positions per request: prompt text up to 256 x (3 + 1) characters
 MODEL = "tiny"
+BASE = "http://localhost:8000"  # a name the default --host (127.0.0.1) answers to
 JSON = {"content-type": "application/json"}  # what a body sent by hand must declare (json= declares it)
 
 
@@ -55,6 +56,11 @@ def chat_tokenizer(tiny_tokenizer):
     tokenizer = copy.deepcopy(tiny_tokenizer)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def api(service: VerifierService) -> TestClient:
+    """The HTTP API over ``service``, called as a local client calls it: by the name localhost."""
+    return TestClient(OpenAIApi(service, MODEL).app, base_url=BASE)
 
 
 def started(tiny_model, tokenizer, **fields) -> VerifierService:
@@ -83,12 +89,12 @@ def keyed_service(tiny_model, chat_tokenizer):
 
 @pytest.fixture(scope="module")
 def client(open_service):
-    return TestClient(OpenAIApi(open_service, MODEL).app)
+    return api(open_service)
 
 
 @pytest.fixture(scope="module")
 def keyed(keyed_service):
-    return TestClient(OpenAIApi(keyed_service, MODEL).app)
+    return api(keyed_service)
 
 
 def completion(**fields) -> dict:
@@ -251,9 +257,11 @@ def test_grpc_peers_are_named_as_http_names_them():
 # -- body and prompt bounds -----------------------------------------------------------------------
 
 
-def call_asgi(app, headers: list[tuple[bytes, bytes]], parts: list[bytes], disconnect: bool = False):
-    """One POST /v1/completions (a JSON body unless ``headers`` say otherwise) straight into the
-    ASGI app: (status, body, the number of body parts it read)."""
+def call_asgi(
+    app, headers: list[tuple[bytes, bytes]], parts: list[bytes], disconnect: bool = False, host: bytes | None = b"127.0.0.1:8000"
+):
+    """One POST /v1/completions (for ``host``; a JSON body unless ``headers`` say otherwise) straight
+    into the ASGI app: (status, body, the number of body parts it read)."""
     typed = any(name == b"content-type" for name, _ in headers)
     scope = {
         "type": "http",
@@ -265,7 +273,7 @@ def call_asgi(app, headers: list[tuple[bytes, bytes]], parts: list[bytes], disco
         "raw_path": b"/v1/completions",
         "query_string": b"",
         "root_path": "",
-        "headers": [*([] if typed else [(b"content-type", b"application/json")]), *headers],
+        "headers": [*([(b"host", host)] if host else []), *([] if typed else [(b"content-type", b"application/json")]), *headers],
         "client": ("10.1.2.3", 5000),
         "server": ("127.0.0.1", 8000),
         "state": {},
@@ -347,9 +355,7 @@ def test_grpc_prompt_text_is_bounded_before_tokenizing_too(open_service, monkeyp
 def test_max_prompt_chars_set_by_flag_wins(tiny_model, chat_tokenizer):
     service = started(tiny_model, chat_tokenizer, max_prompt_chars=10)
     try:
-        error = assert_openai_error(
-            TestClient(OpenAIApi(service, MODEL).app).post("/v1/completions", json=completion(prompt="t5 t6 t7 t8")), 400
-        )
+        error = assert_openai_error(api(service).post("/v1/completions", json=completion(prompt="t5 t6 t7 t8")), 400)
         assert "at most 10" in error["message"]
     finally:
         service.scheduler.stop(1.0)
@@ -445,6 +451,7 @@ NEW_SETTINGS = {  # flag -> (config field, a value other than its default)
     "--http-header-timeout": ("http_header_timeout_s", 2.5),
     "--http-body-timeout": ("http_body_timeout_s", 3.5),
     "--http-max-connections": ("http_max_connections", 9),
+    "--allowed-hosts": ("allowed_hosts", "api.example.com"),
 }
 
 
@@ -532,7 +539,7 @@ def test_a_field_not_honoured_is_taken_only_at_its_no_op(client, path, body, nam
 @pytest.fixture(scope="module")
 def sdk(client):
     """The official ``openai`` client, in-process: its HTTP client is the app's TestClient."""
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="not-checked", http_client=client, max_retries=0)
+    return openai.OpenAI(base_url=BASE + "/v1", api_key="not-checked", http_client=client, max_retries=0)
 
 
 def sdk_call(sdk, path: str, body: dict):
@@ -665,7 +672,7 @@ def test_metrics_are_served_on_the_api_port_too(open_service, client):
 def test_cors_answers_only_the_allowed_origins(tiny_model, chat_tokenizer, client):
     service = started(tiny_model, chat_tokenizer, allowed_origins="https://app.example.com, http://localhost:3000")
     try:
-        cors = TestClient(OpenAIApi(service, MODEL).app)
+        cors = api(service)
         preflight = {
             "Origin": "https://app.example.com",
             "Access-Control-Request-Method": "POST",
@@ -829,7 +836,7 @@ def roomy_service(tiny_model, chat_tokenizer):
 
 @pytest.fixture(scope="module")
 def roomy(roomy_service):
-    return TestClient(OpenAIApi(roomy_service, MODEL).app)
+    return api(roomy_service)
 
 
 def sampled(**fields) -> dict:
@@ -930,7 +937,7 @@ def test_an_http_request_span_follows_the_genai_conventions(roomy_service, monke
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     monkeypatch.setattr(roomy_service.tracing, "tracer", provider.get_tracer("test"))
-    client = TestClient(OpenAIApi(roomy_service, MODEL).app)
+    client = api(roomy_service)
     answer = client.post("/v1/chat/completions", json=chat_body(n=2, max_tokens=5, temperature=0.7, seed=3)).json()
     [span] = exporter.get_finished_spans()
     attributes = dict(span.attributes)
@@ -1058,3 +1065,58 @@ def test_log_probability_texts_are_rendered_off_the_event_loop(roomy, chat_token
     answer = roomy.post(path, json=body)
     assert answer.status_code == 200 and "logprob" in answer.text
     assert on_loop == []
+
+
+@pytest.mark.parametrize("host", ["localhost:8000", "127.0.0.1", "[::1]:8000", "LocalHost.:1", "127.0.0.1:65535"])
+def test_the_names_of_a_loopback_address_are_answered_with_any_port(client, host):
+    for method, path in (("GET", "/health"), ("GET", "/"), ("POST", "/v1/completions")):
+        answer = client.request(method, path, json=completion() if method == "POST" else None, headers={"host": host})
+        assert answer.status_code == 200, (path, answer.text)
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "localhost.evil.example", "127.0.0.2", "[::2]:8000", "::1"])
+def test_a_request_naming_another_host_is_refused_before_any_route(open_service, client, host):
+    """DNS rebinding: a page whose own name was made to resolve to 127.0.0.1 calls the server as
+    same-origin, with its name in Host. Every path is refused, the live view and /health too."""
+    for method, path in (("GET", "/health"), ("GET", "/"), ("POST", "/v1/completions"), ("POST", "/tokenize")):
+        error = assert_openai_error(client.request(method, path, json={"prompt": "t5"}, headers={"host": host}), 400)
+        assert error["code"] == "host_not_allowed" and "--allowed-hosts" in error["message"], error
+    assert open_service.callers.in_flight("testclient") == 0
+
+
+def test_a_request_without_a_host_header_is_refused_when_hosts_are_listed(open_service):
+    status, body, parts_read = call_asgi(OpenAIApi(open_service, MODEL).app, [], [b"{}"], host=None)
+    assert (status, body["error"]["code"], parts_read) == (400, "host_not_allowed", 0)
+    assert "no Host header" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "hosts"),
+    [
+        ({}, {"localhost", "127.0.0.1", "::1"}),  # the default --host
+        ({"host": "::1"}, {"localhost", "127.0.0.1", "::1"}),
+        ({"host": "localhost"}, {"localhost", "127.0.0.1", "::1"}),
+        ({"host": "10.0.0.5"}, {"10.0.0.5"}),
+        ({"host": "0.0.0.0"}, None),  # all interfaces: the server cannot know its names
+        ({"host": "::"}, None),
+        ({"allowed_hosts": "API.example.com, [fd00::1] ,10.0.0.5."}, {"api.example.com", "fd00::1", "10.0.0.5"}),
+        ({"host": "0.0.0.0", "allowed_hosts": "api.example.com"}, {"api.example.com"}),
+        ({"allowed_hosts": "api.example.com,*"}, None),
+    ],
+)
+def test_allowed_hosts_default_to_the_bound_addresss_names(fields, hosts):
+    assert VerifierConfig(**fields).hosts() == (None if hosts is None else frozenset(hosts))
+
+
+@pytest.mark.parametrize("hosts", ["https://api.example.com", "api.example.com:8000", "api.example.com/v1", " , ", "a b"])
+def test_an_allowed_host_that_is_not_one_is_a_config_error(hosts):
+    with pytest.raises(ValueError, match="--allowed-hosts"):
+        VerifierConfig(allowed_hosts=hosts)
+
+
+def test_a_server_on_all_interfaces_answers_any_host(tiny_model, chat_tokenizer):
+    service = started(tiny_model, chat_tokenizer, host="0.0.0.0")
+    try:
+        assert api(service).get("/health", headers={"host": "verifier.internal:8000"}).status_code == 200
+    finally:
+        service.scheduler.stop(1.0)

@@ -99,7 +99,7 @@ def observed_service(tiny_model, tiny_tokenizer):
 
 def test_http_requests_are_measured_per_operation(observed_service):
     metrics = observed_service.metrics
-    client = TestClient(OpenAIApi(observed_service, MODEL).app)
+    client = TestClient(OpenAIApi(observed_service, MODEL).app, base_url="http://localhost")  # a name 127.0.0.1 answers to
     chat = client.post("/v1/chat/completions", json=chat_body(n=2, max_tokens=4)).json()
     text = client.post("/v1/completions", json=completion(max_tokens=3)).json()
     # A request refused once its span began (max_tokens over the cache): its duration, by HTTP status.

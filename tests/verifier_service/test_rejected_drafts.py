@@ -143,7 +143,7 @@ def serving_wrong_tails(model, tokenizer):
 
 def test_the_http_stream_carries_each_steps_rejected_draft_and_evidence(tiny_model, tiny_tokenizer):
     with serving_wrong_tails(tiny_model, tiny_tokenizer) as service:
-        client = TestClient(OpenAIApi(service, service.config.model).app)
+        client = TestClient(OpenAIApi(service, service.config.model).app, base_url="http://localhost")  # a name 127.0.0.1 answers to
         body = completion(prompt=PROMPTS[0], max_tokens=13, stream=True, num_speculative_tokens=3)
         with client.stream("POST", "/v1/completions", json=body) as response:
             lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: {")]

@@ -2,7 +2,14 @@
 # The drafter: n-gram tables in LMDB under /data, no model and no torch.
 #
 #   docker build -f deploy/drafter.Dockerfile -t specdec-drafter .
-#   docker run -p 127.0.0.1:50051:50051 -p 127.0.0.1:9101:9101 -v drafter-data:/data specdec-drafter
+#   export SPECDEC_DRAFTER_CLIENT_TOKEN=$(openssl rand -hex 32)  # verifiers: SPECDEC_VERIFIER_DRAFTER_TOKEN
+#   docker run -e SPECDEC_DRAFTER_CLIENT_TOKEN -p 127.0.0.1:50051:50051 -p 127.0.0.1:9101:9101 \
+#       -v drafter-data:/data specdec-drafter
+#
+# It listens on 0.0.0.0 in the container, so it refuses to start without a
+# client token (or --client-token-file, or --verifier-identities under mutual
+# TLS), or SPECDEC_DRAFTER_INSECURE=1 where the network itself is the
+# boundary (docker-compose.yml: no published port).
 #
 # Build context: the repository root (see .dockerignore).
 FROM python:3.11-slim

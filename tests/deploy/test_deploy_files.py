@@ -97,13 +97,16 @@ def require_module(name: str, pip_name: str):
 
 
 def run_validate(root: Path, **env: str) -> subprocess.CompletedProcess:
+    # Compose reads SPECDEC_* variables (the token, the published address, ...) from the
+    # caller's environment: none come from this one, so the models are the files' defaults.
+    caller = {name: value for name, value in os.environ.items() if not name.startswith("SPECDEC_")}
     return subprocess.run(
         ["bash", str(VALIDATE), str(root)],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
-        env={**os.environ, "PYTHON": sys.executable, **env},
+        env={**caller, "PYTHON": sys.executable, **env},
     )
 
 
@@ -282,6 +285,62 @@ def test_compose_publishes_no_drafter_or_trace_input_port_and_the_rest_on_localh
     }
 
 
+def drafter_container_environment(workload_environment: dict[str, str]) -> dict[str, str]:
+    """The SPECDEC_DRAFTER_* variables the drafter sees: its image's ENV, then ``workload_environment`` over it."""
+    merged = {**env_of(dockerfile_commands("drafter.Dockerfile")), **workload_environment}
+    return {name: value for name, value in merged.items() if name.startswith("SPECDEC_DRAFTER_")}
+
+
+def drafter_refusal(environment: dict[str, str], monkeypatch, capsys) -> str | None:
+    """None if the drafter's flags and start-up checks accept ``environment``, else its usage error."""
+    from drafter_service.__main__ import parse_config
+
+    for name in [name for name in os.environ if name.startswith("SPECDEC_DRAFTER_")]:
+        monkeypatch.delenv(name)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    try:
+        parse_config([])
+    except SystemExit:
+        return capsys.readouterr().err
+    return None
+
+
+def test_compose_drafter_starts_without_a_token_on_the_compose_network_only(validated, monkeypatch, capsys):
+    services = resolved(validated)["services"]
+    drafter, verifier = services["drafter"], services["verifier"]
+    # The compose network is the boundary: nothing outside it reaches the drafter.
+    assert "ports" not in drafter
+    environment = drafter_container_environment(drafter["environment"])
+    assert environment["SPECDEC_DRAFTER_HOST"] == "0.0.0.0"
+    assert environment["SPECDEC_DRAFTER_INSECURE"] == "1"
+    # `docker compose up` with nothing set: the drafter starts (an empty token is none) ...
+    assert drafter_refusal(environment, monkeypatch, capsys) is None
+    # ... which it would refuse on 0.0.0.0 without SPECDEC_DRAFTER_INSECURE.
+    refusal = drafter_refusal({k: v for k, v in environment.items() if k != "SPECDEC_DRAFTER_INSECURE"}, monkeypatch, capsys)
+    assert refusal is not None and "--insecure" in refusal, refusal
+    # Whatever token the drafter is given (none, or one from .env), the verifier presents the same.
+    assert verifier["environment"]["SPECDEC_VERIFIER_DRAFTER_TOKEN"] == drafter["environment"]["SPECDEC_DRAFTER_CLIENT_TOKEN"]
+
+
+@pytest.fixture(scope="module")
+def validated_with_secrets(tmp_path_factory) -> Path:
+    """The resolved Compose models with SPECDEC_DRAFTER_TOKEN and SPECDEC_SCOPE_SECRET set, as a .env would."""
+    merged = tmp_path_factory.mktemp("compose-resolved-secrets")
+    result = run_validate(REPO, MERGED_OUT=str(merged), SPECDEC_DRAFTER_TOKEN="t" * 64, SPECDEC_SCOPE_SECRET="s" * 64)
+    assert result.returncode == 0, report(result)
+    return merged
+
+
+@pytest.mark.parametrize("name", ["compose.json", "compose.cpu.json"])
+def test_compose_token_and_scope_secret_reach_both_services(validated_with_secrets, name, monkeypatch, capsys):
+    services = resolved(validated_with_secrets, name)["services"]
+    drafter, verifier = services["drafter"]["environment"], services["verifier"]["environment"]
+    assert drafter["SPECDEC_DRAFTER_CLIENT_TOKEN"] == verifier["SPECDEC_VERIFIER_DRAFTER_TOKEN"] == "t" * 64
+    assert verifier["SPECDEC_VERIFIER_SCOPE_SECRET"] == "s" * 64
+    assert drafter_refusal(drafter_container_environment(drafter), monkeypatch, capsys) is None
+
+
 def test_compose_health_checks_ask_grpc_health_on_each_health_port(validated):
     services = resolved(validated)["services"]
     for name, port in (("drafter", 50061), ("verifier", 50062)):
@@ -368,6 +427,10 @@ def test_drafter_image_settings():
     assert instruction(commands, "FROM")[0].value[0] == "python:3.11-slim"
     environment = env_of(commands)
     assert environment["SPECDEC_DRAFTER_DB"].startswith("/data/")
+    # Listening on 0.0.0.0, the image refuses to start until the deployment gives it a
+    # token (or declares the network private): nothing here opts out for it.
+    assert environment["SPECDEC_DRAFTER_HOST"] == "0.0.0.0"
+    assert not {"SPECDEC_DRAFTER_INSECURE", "SPECDEC_DRAFTER_CLIENT_TOKEN", "SPECDEC_DRAFTER_CLIENT_TOKEN_FILE"} & environment.keys()
     installs = " ".join(" ".join(command.value) for command in instruction(commands, "RUN"))
     assert "pip install --no-deps ." in installs
     names = set(re.search(r"pinned_requirements\.py\s+(.*?)\s*>", installs, re.DOTALL).group(1).split())
@@ -502,6 +565,17 @@ def env_value(container: dict, name: str) -> str:
     return next(item["value"] for item in container["env"] if item["name"] == name)
 
 
+def env_secret(container: dict, name: str) -> dict:
+    """The secretKeyRef the variable ``name`` is read from."""
+    return next(item["valueFrom"]["secretKeyRef"] for item in container["env"] if item["name"] == name)
+
+
+def create_secret_commands(manifest: str) -> dict[str, str]:
+    """{Secret name: its key} for each `kubectl -n specdec create secret generic` a manifest's comments give."""
+    text = (DEPLOY / "k8s" / manifest).read_text()
+    return dict(re.findall(r"#\s+kubectl -n specdec create secret generic (\S+) --from-literal=(\w+)=", text))
+
+
 def test_k8s_everything_lives_in_the_specdec_namespace():
     objects = k8s_objects()
     assert ("Namespace", "specdec") in objects
@@ -577,6 +651,35 @@ def test_k8s_verifier_gets_a_gpu_time_to_load_and_the_drafter_service():
     assert verifier_service["spec"]["selector"].items() <= verifier["spec"]["template"]["metadata"]["labels"].items()
     budget = objects[("PodDisruptionBudget", "verifier")]
     assert budget["spec"]["selector"]["matchLabels"].items() <= verifier["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_k8s_drafter_requires_a_token_from_a_secret_that_the_verifiers_present(monkeypatch, capsys):
+    objects = k8s_objects()
+    drafter = only_container(objects[("StatefulSet", "drafter")])
+    verifier = only_container(objects[("Deployment", "verifier")])
+    token = env_secret(drafter, "SPECDEC_DRAFTER_CLIENT_TOKEN")
+    # Not optional: without the Secret the pod does not start, rather than start open.
+    assert (token["name"], token["key"]) == ("specdec-drafter-token", "token") and not token.get("optional", False)
+    assert env_secret(verifier, "SPECDEC_VERIFIER_DRAFTER_TOKEN") == token
+    assert "SPECDEC_DRAFTER_INSECURE" not in {item["name"] for item in drafter["env"]}
+    # The comment's command creates that Secret with that key.
+    assert create_secret_commands("drafter.yaml") == {token["name"]: token["key"]}
+    # With the Secret's token the drafter starts on 0.0.0.0; with the Secret optional and absent it would not.
+    environment = {item["name"]: item.get("value", "a-token-from-the-secret") for item in drafter["env"]}
+    environment = drafter_container_environment(environment)
+    assert environment["SPECDEC_DRAFTER_HOST"] == "0.0.0.0"
+    assert drafter_refusal(environment, monkeypatch, capsys) is None
+    without = {k: v for k, v in environment.items() if k != "SPECDEC_DRAFTER_CLIENT_TOKEN"}
+    assert drafter_refusal(without, monkeypatch, capsys) is not None
+
+
+def test_k8s_verifiers_key_scopes_with_a_shared_optional_secret():
+    verifier = only_container(k8s_objects()[("Deployment", "verifier")])
+    secret = env_secret(verifier, "SPECDEC_VERIFIER_SCOPE_SECRET")
+    # Optional: without it each replica keeps a secret of its own (learning stays per pod).
+    assert secret == {"name": "specdec-scope-secret", "key": "secret", "optional": True}
+    assert create_secret_commands("verifier.yaml") == {"specdec-scope-secret": "secret"}
+    assert env_secret(verifier, "SPECDEC_VERIFIER_API_KEY") == {"name": "specdec-api-keys", "key": "keys", "optional": True}
 
 
 def policy_peers(policy: dict, direction: str) -> dict[int, list]:

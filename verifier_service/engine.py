@@ -74,7 +74,7 @@ from verifier_service.generation import (
 )
 from verifier_service.kv_cache import STEP_KWARG, SlotKVCache, is_chain, plan_step, tree_depths, use_slot_attention
 from verifier_service.linear_kernels import engaged, use_linear_kernels
-from verifier_service.processing import Prefixes, TokenLogprob, chain_paths, shape_logits, token_logprobs, tree_paths
+from verifier_service.processing import Prefixes, TokenHistory, TokenLogprob, chain_paths, shape_logits, token_logprobs, tree_paths
 from verifier_service.rejection import (
     accept_greedy,
     accept_sampled,
@@ -182,6 +182,7 @@ class _Sequence:
     predictions: Predictions | None = None  # the target's at the positions the previous step scored, for the drafter
     head_feature: torch.Tensor | None = None  # the target's feature at its last token, for the draft head's next step
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when the request asks
+    history: TokenHistory = field(default_factory=TokenHistory)  # its prompt and output as penalties read them
     proposed: bool = False  # the proposer has a session for it
     stops: StopStringMatcher | None = None
     finish_reason: str | None = None
@@ -756,7 +757,7 @@ class SpeculativeEngine:
         position from its own prefix."""
         sequence, draft = row.sequence, row.draft[: row.verify]
         paths = tree_paths(draft, row.parents[: row.verify]) if row.tree else chain_paths(draft)
-        where = Prefixes(sequence.request.prompt_ids, sequence.generated, paths)
+        where = Prefixes(sequence.request.prompt_ids, sequence.generated, paths, sequence.history)
         return shape_logits(logits, sequence.request.sampling, where, self.eos_token_ids)
 
     @torch.inference_mode()
@@ -1063,7 +1064,7 @@ class SpeculativeEngine:
     def _sample_first(self, sequence: _Sequence, logits: torch.Tensor) -> tuple[int, int]:
         """A prompt's first token from its last position's logits [1, vocab]."""
         sampling = sequence.request.sampling
-        logits = shape_logits(logits, sampling, Prefixes(sequence.request.prompt_ids, [], [[]]), self.eos_token_ids)
+        logits = shape_logits(logits, sampling, Prefixes(sequence.request.prompt_ids, [], [[]], sequence.history), self.eos_token_ids)
         if sampling.greedy:
             return 0, int(logits[0].argmax())
         return accept_sampled(warp_probs(logits, sampling), [], sequence.seed, first_position=len(sequence.generated))

@@ -27,6 +27,14 @@ OpenAI's and transformers' definitions:
 Temperature, top-k and top-p come after (``rejection.warp_probs``).
 Log-probabilities returned to clients are the target's own, before any of
 this (vLLM's default, ``raw_logprobs``).
+
+Cost: a sequence's ``TokenHistory`` keeps its prompt as a mask [vocab] and
+its output's counts [vocab], each token read once (the prompt when the
+first position is shaped, an output token on the step after it is
+emitted). So shaping a row costs a few passes over its [positions, vocab]
+logits, as sampling from them does, whatever the length of its context:
+rebuilt from the token lists at every step, a 100k-token prompt alone
+cost milliseconds per row per step.
 """
 
 from __future__ import annotations
@@ -38,6 +46,40 @@ import torch
 from verifier_service.rejection import SamplingParams
 
 
+class TokenHistory:
+    """One sequence's prompt and output as the penalties read them, kept between steps:
+    which tokens the prompt holds ([vocab] bool) and how often each occurs in the output
+    ([vocab] float32, exact integers), extended by the tokens emitted since the last call.
+
+    A sequence's own: its prompt never changes and its output only grows, so the
+    tokens past ``counted`` are the new ones. Prompt [4, 4], output [7] then [7, 4]:
+    mask True at 4; counts 1 at 7, then 1 at 7 and 1 at 4 (only the 4 read again)."""
+
+    def __init__(self) -> None:
+        self._prompt_mask: torch.Tensor | None = None  # [vocab] bool
+        self._counts: torch.Tensor | None = None  # [vocab] float32
+        self.counted = 0  # output tokens in _counts
+        self.tokens_read = 0  # prompt and output tokens read so far, each once
+
+    def prompt_mask(self, prompt: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+        if self._prompt_mask is None:
+            mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+            if prompt:
+                mask[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+            self._prompt_mask, self.tokens_read = mask, self.tokens_read + len(prompt)
+        return self._prompt_mask
+
+    def output_counts(self, generated: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+        if self._counts is None:
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        new = generated[self.counted :]
+        if new:
+            # Whole numbers in float32, exact up to 2**24: the same counts one bincount of the whole output gives.
+            self._counts += torch.bincount(torch.tensor(new, dtype=torch.long), minlength=vocab).to(device=device, dtype=torch.float32)
+            self.counted, self.tokens_read = len(generated), self.tokens_read + len(new)
+        return self._counts
+
+
 @dataclass(frozen=True)
 class Prefixes:
     """Where each row of a pass stands: the prompt, the output so far, and per scored
@@ -46,6 +88,8 @@ class Prefixes:
     prompt: list[int]
     generated: list[int]
     paths: list[list[int]]  # per position: the drafts on the way to it (the root: [])
+    # The sequence's, kept between its steps; None: read the lists afresh (the reference).
+    history: TokenHistory | None = None
 
 
 def chain_paths(draft: list[int]) -> list[list[int]]:
@@ -83,11 +127,10 @@ def shape_logits(logits: torch.Tensor, params: SamplingParams, where: Prefixes, 
             eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=logits.device)
             shaped[torch.tensor(early, device=logits.device)[:, None], eos] = float("-inf")
     if params.penalised:
-        counts = _output_counts(where, vocab, logits.device)
+        history = where.history if where.history is not None else TokenHistory()
+        counts = _output_counts(where, history, vocab, logits.device)
         if params.repetition_penalty != 1.0:
-            seen = counts > 0
-            if where.prompt:
-                seen[:, torch.tensor(where.prompt, dtype=torch.long, device=logits.device)] = True
+            seen = (counts > 0) | history.prompt_mask(where.prompt, vocab, logits.device)
             penalty = params.repetition_penalty
             shaped = torch.where(seen, torch.where(shaped > 0, shaped / penalty, shaped * penalty), shaped)
         if params.frequency_penalty:
@@ -97,11 +140,10 @@ def shape_logits(logits: torch.Tensor, params: SamplingParams, where: Prefixes, 
     return shaped
 
 
-def _output_counts(where: Prefixes, vocab: int, device: torch.device) -> torch.Tensor:
+def _output_counts(where: Prefixes, history: TokenHistory, vocab: int, device: torch.device) -> torch.Tensor:
     """[positions, vocab]: how often each token occurs in each position's output prefix."""
     rows = len(where.paths)
-    base = torch.bincount(torch.tensor(where.generated, dtype=torch.long), minlength=vocab).to(torch.float32)
-    counts = base.to(device).expand(rows, vocab).clone()
+    counts = history.output_counts(where.generated, vocab, device).expand(rows, vocab).clone()
     row_index = [row for row, path in enumerate(where.paths) for _ in path]
     if row_index:
         tokens = [token for path in where.paths for token in path]

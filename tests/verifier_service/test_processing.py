@@ -21,7 +21,7 @@ from tests.verifier_service.test_engine_adaptive import FrozenStepCost
 from tests.verifier_service.test_trees import FLAT, PROMPTS, TreeProposer, branch_tree, engine_for, wrong
 from verifier_service.drafting import SessionProposer
 from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.processing import Prefixes, chain_paths, shape_logits, token_logprobs, tree_paths
+from verifier_service.processing import Prefixes, TokenHistory, chain_paths, shape_logits, token_logprobs, tree_paths
 from verifier_service.rejection import MIN_SAMPLING_TEMPERATURE, REPETITION_PENALTY_RANGE, SamplingParams, warp_probs
 
 EOS = 1
@@ -83,6 +83,22 @@ def test_each_position_is_shaped_from_its_own_prefix(name):
         expected = reference_shaped(logits[row], params, prompt, generated + path, frozenset({EOS}))
         torch.testing.assert_close(shaped[row], expected, rtol=0, atol=1e-6)
     assert not torch.equal(shaped, logits)  # the rule did something
+
+
+def test_a_sequences_history_reads_each_token_once_and_shapes_bit_for_bit_as_the_lists_do():
+    """Penalties read from the token lists took the whole prompt and output at every step (a
+    100k-token prompt cost milliseconds per row per step); a sequence's TokenHistory reads the
+    prompt once and each output token once, and shapes exactly as the lists do."""
+    params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=-0.5)
+    prompt, generated, history = [3, 7, 7, 20] * 50, [], TokenHistory()
+    random = torch.Generator().manual_seed(2)
+    for step in range(6):
+        paths = tree_paths([9, 12, 9], [-1, 0, -1])
+        logits = torch.randn(len(paths), 64, generator=random) * 4
+        kept = shape_logits(logits, params, Prefixes(prompt, generated, paths, history), frozenset({EOS}))
+        assert torch.equal(kept, shape_logits(logits, params, Prefixes(prompt, generated, paths), frozenset({EOS})))
+        assert history.tokens_read == len(prompt) + len(generated)  # nothing read twice
+        generated += [10 + step % 3, 9]  # as the engine's output grows: appended to
 
 
 @pytest.mark.parametrize("penalty", [REPETITION_PENALTY_RANGE[0], REPETITION_PENALTY_RANGE[1]])

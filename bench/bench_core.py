@@ -94,7 +94,7 @@ class ReferenceOracle:
         return drafts
 
     def close(self, finished) -> None:
-        for session_id, _ in finished:
+        for session_id, *_ in finished:
             self._sessions.pop(session_id, None)
 
 

@@ -186,6 +186,10 @@ def peer_host(peer: str) -> str:
     return host.strip("[]") if host and port.isdigit() else address
 
 
+# How caller_identity names a caller known by its client certificate.
+CERTIFICATE_CALLER = "certificate "
+
+
 def bearer(authorization: str | None) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` value; None for any other value."""
     scheme, _, token = (authorization or "").strip().partition(" ")
@@ -197,7 +201,7 @@ def caller_identity(context) -> str:
     under mutual TLS, else the peer's host (its port changes per connection)."""
     names = context.auth_context().get("x509_common_name")
     if names:
-        return "certificate " + names[0].decode("utf-8", "replace")
+        return CERTIFICATE_CALLER + names[0].decode("utf-8", "replace")
     return peer_host(context.peer() or "unknown")
 
 

@@ -7,6 +7,12 @@ reconnects in the background. A drafter that restarted has forgotten our
 sessions: every session is then re-opened, under a fresh id, with its whole
 context, so the new drafter answers from the first step after it is back.
 
+Each sequence drafts from, and is learned into, its request's learning scope
+(``DraftRequest.scope``: an opaque id, ``verifier_service.scopes``), and every
+sequence also reads the verifier's shared scope, if it has one. With
+``--drafter-token`` every call carries it (``authorization: Bearer``), which a
+drafter with ``--client-token`` requires before it takes declared scopes.
+
 Finished sequences are observed into the drafter's global table by a
 background thread, off the decoding path, with a unique ``observe_id`` per
 sequence that makes retries idempotent. The queue is bounded: when the
@@ -22,6 +28,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -29,7 +36,7 @@ from specdec import serving, settings, telemetry
 from specdec.flags import check_minimums, derived, setting
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR
-from verifier_service.drafting import DraftEvidence, DraftRequest, Predictions, ProposedDraft
+from verifier_service.drafting import DraftEvidence, DraftRequest, FinishedSequence, Predictions, ProposedDraft
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,15 @@ class DrafterClientConfig:
 
     target: str | None = setting(None, flag="drafter", help="host:port of the drafter service (none: no speculation)")
     vocabulary: str = derived("")  # 16-hex-digit fingerprint of the verifier's tokenizer
+    shared_scope: str = derived("")  # the drafter's id of --shared-scope ("": none), read by every sequence
+    # Not in the config's repr (the start-up log).
+    token: str | None = setting(
+        None,
+        repr=False,
+        help="token sent to the drafter ('authorization: Bearer TOKEN'), for a drafter started with --client-token. "
+        "Prefer the variable or --drafter-token-file",
+    )
+    token_file: str | None = setting(None, help="file holding --drafter-token (its first line)")
     # Per Propose: a step costs >= ~50 ms on CPU (a few ms on a GPU) and the
     # drafter answers in ~2 ms, so waiting longer than this costs more than drafts save.
     timeout_s: float = setting(0.1, minimum=0.001, help="seconds a step waits for drafts")
@@ -84,6 +100,21 @@ class DrafterClientConfig:
         settings.check_tls(
             self.tls_cert, self.tls_key, self.tls_ca, ("--drafter-tls-cert", "--drafter-tls-key", "--drafter-tls-ca"), client=True
         )
+        self.bearer()  # fail fast: an unreadable token file is a usage error
+
+    def bearer(self) -> str | None:
+        """--drafter-token, else the first line of --drafter-token-file (ValueError when unreadable or empty)."""
+        if self.token:
+            return self.token.strip()
+        if not self.token_file:
+            return None
+        try:
+            token = Path(self.token_file).read_text(encoding="utf-8").partition("\n")[0].strip()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"cannot read --drafter-token-file {self.token_file}: {error}") from None
+        if not token:
+            raise ValueError(f"--drafter-token-file {self.token_file} holds no token on its first line")
+        return token
 
 
 class RemoteDrafter:
@@ -92,6 +123,8 @@ class RemoteDrafter:
         self.config = config
         self.channel = serving.channel(config.target, config.tls_ca, RECONNECT_OPTIONS, config.tls_cert, config.tls_key)
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
+        token = config.bearer()
+        self._auth: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         # This verifier's sessions are named <instance>-<sequence>-<generation>:
         # verifiers sharing a drafter never collide, and a re-opened session
         # never meets its stale namesake.
@@ -127,9 +160,9 @@ class RemoteDrafter:
         updates = [self._update(request, sent) for request in chosen]
         try:
             response = self.stub.Propose(
-                drafter_pb2.ProposeRequest(vocabulary=self.config.vocabulary, sequences=updates),
+                drafter_pb2.ProposeRequest(vocabulary=self.config.vocabulary, sequences=updates, shared_scope=self.config.shared_scope),
                 timeout=self.config.timeout_s + opening * self.config.open_seconds_per_token,
-                metadata=telemetry.outgoing_metadata(),  # the drafter's span joins the caller's trace
+                metadata=(*telemetry.outgoing_metadata(), *self._auth),  # the drafter's span joins the caller's trace
             )
         except grpc.RpcError as error:
             self._on_error(error)
@@ -140,10 +173,10 @@ class RemoteDrafter:
             drafts[request.session_id] = _draft(message)
         return [drafts.get(request.session_id, ProposedDraft([])) for request in requests]
 
-    def close(self, finished: list[tuple[str, list[int]]]) -> None:
-        """Observe the finished sequences and close their sessions, both in the background."""
+    def close(self, finished: list[FinishedSequence]) -> None:
+        """Observe the finished sequences (each into its scope) and close their sessions, both in the background."""
         with self._wake:
-            for session_id, tokens in finished:
+            for session_id, tokens, scope in (FinishedSequence(*ended) for ended in finished):
                 if session_id in self._sent:
                     self._closing.append(self._session(session_id))
                     del self._sent[session_id]
@@ -152,6 +185,7 @@ class RemoteDrafter:
                         vocabulary=self.config.vocabulary,
                         observe_id=f"{self._instance}-{uuid.uuid4().hex}",
                         sequences=[drafter_pb2.TokenSequence(tokens=tokens)],
+                        scope=scope,
                     )
                 )
                 while len(self._observations) > self.config.max_pending_observations:
@@ -186,6 +220,7 @@ class RemoteDrafter:
                 num_draft_tokens=request.k,
                 max_tree_nodes=request.max_nodes,
                 predictions=_predictions(request.predictions),
+                scope=request.scope,
             )
         return drafter_pb2.SequenceUpdate(
             session_id=self._session(request.session_id),
@@ -228,7 +263,7 @@ class RemoteDrafter:
             if request is None:
                 continue
             try:
-                self.stub.Observe(request, timeout=self.config.observe_timeout_s)
+                self.stub.Observe(request, timeout=self.config.observe_timeout_s, metadata=self._auth)
             except grpc.RpcError as error:
                 if error.code() == grpc.StatusCode.INVALID_ARGUMENT:  # never succeeds: drop it
                     log.error("drafter refused an observation: %s", error.details())
@@ -252,6 +287,7 @@ class RemoteDrafter:
                 self.stub.CloseSessions(
                     drafter_pb2.CloseSessionsRequest(vocabulary=self.config.vocabulary, session_ids=unique[start : start + CLOSE_BATCH]),
                     timeout=self.config.observe_timeout_s,
+                    metadata=self._auth,
                 )
             except grpc.RpcError:
                 pass

@@ -45,6 +45,17 @@ class DraftRequest:
     max_nodes: int = 0
     # The target's predictions at the positions scored since the previous call.
     predictions: Predictions | None = None
+    # The learning scope it drafts from and is learned into (GenerationRequest.scope).
+    scope: str = ""
+
+
+class FinishedSequence(NamedTuple):
+    """A sequence that ended, for ``DraftProposer.close``: the drafter learns its tokens
+    into its scope. A plain (session_id, tokens) pair reads as the default scope's."""
+
+    session_id: str
+    tokens: list[int]
+    scope: str = ""
 
 
 class DraftEvidence(NamedTuple):
@@ -74,8 +85,8 @@ class DraftProposer(Protocol):
     def propose(self, requests: list[DraftRequest]) -> list[ProposedDraft]:
         """A draft (possibly empty) per request, in order; never raises for drafter trouble."""
 
-    def close(self, finished: list[tuple[str, list[int]]]) -> None:
-        """Sessions that ended, with their full tokens (the drafter learns from them)."""
+    def close(self, finished: list[FinishedSequence]) -> None:
+        """Sessions that ended, with their full tokens (the drafter learns from them, in their scopes)."""
 
 
 class SessionDrafter(Protocol):
@@ -107,8 +118,8 @@ class SessionProposer:
             drafts.append(ProposedDraft(list(draft.tokens), evidence, list(getattr(draft, "parents", ()))))
         return drafts
 
-    def close(self, finished: list[tuple[str, list[int]]]) -> None:
-        for session_id, tokens in finished:
+    def close(self, finished: list[FinishedSequence]) -> None:
+        for session_id, tokens, _ in (FinishedSequence(*ended) for ended in finished):  # one process, one scope
             if session_id in self._sent:
                 self.drafter.propose(session_id, self._new_tokens(session_id, tokens), 0)  # the last tokens too
                 del self._sent[session_id]

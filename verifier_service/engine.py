@@ -55,7 +55,7 @@ from specdec.flags import setting
 from verifier_service.adaptive import HEAD_PROBABILITY_BUCKETS, SOURCE_HEAD, Planner, SequenceCalibration, evidence_bucket
 from verifier_service.calibration import StepCostModel, calibrated_step_cost
 from verifier_service.draft_head import FeatureCapture, HeadDrafter
-from verifier_service.drafting import DraftEvidence, DraftProposer, DraftRequest, Predictions, ProposedDraft
+from verifier_service.drafting import DraftEvidence, DraftProposer, DraftRequest, FinishedSequence, Predictions, ProposedDraft
 from verifier_service.errors import InvalidRequest
 from verifier_service.generation import (
     FINISH_CANCELLED,
@@ -480,7 +480,7 @@ class SpeculativeEngine:
 
     def _close_sessions(self, ended: list[_Sequence]) -> None:
         """Tell the proposer these sequences ended. Drafting is an optimisation: its failure is logged, never raised."""
-        sessions = [(seq.session_id, seq.tokens) for seq in ended if seq.proposed]
+        sessions = [FinishedSequence(seq.session_id, seq.tokens, seq.request.scope) for seq in ended if seq.proposed]
         if sessions and self.proposer is not None:
             try:
                 self.proposer.close(sessions)
@@ -509,6 +509,7 @@ class SpeculativeEngine:
                     accepted=sequence.accepted,
                     max_nodes=max_nodes,
                     predictions=sequence.predictions,
+                    scope=sequence.request.scope,
                 )
             )
             sequence.predictions = None

@@ -39,6 +39,9 @@ class GenerationRequest:
     request_id: str = ""
     # None: no log-probabilities; n: each generated token's, with the target's top n.
     logprobs: int | None = None
+    # The learning scope its drafts come from and its text is learned into: its caller's,
+    # as the front door found it (verifier_service.scopes); "" is the default scope.
+    scope: str = ""
 
 
 @dataclass

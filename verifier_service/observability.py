@@ -35,7 +35,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link
 
 from specdec.telemetry import Tracing
-from verifier_service.drafting import DraftProposer, DraftRequest, ProposedDraft
+from verifier_service.drafting import DraftProposer, DraftRequest, FinishedSequence, ProposedDraft
 from verifier_service.generation import StepOutcome, StepReport
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.scheduler import RequestHandle
@@ -132,5 +132,5 @@ class _TracedProposer:
         with self.observer.tracer.start_as_current_span("specdec.propose", attributes=attributes):
             return self.proposer.propose(requests)
 
-    def close(self, finished: list[tuple[str, list[int]]]) -> None:
+    def close(self, finished: list[FinishedSequence]) -> None:
         self.proposer.close(finished)

@@ -366,7 +366,7 @@ class OpenAIApi:
         traced = span_context.__enter__()
         traced.span.set_attribute("http.request.id", request.scope["state"]["request_id"])  # _RequestIds'
         try:
-            handles = self._submit(generations, traced.span, chat)
+            handles = self._submit(generations, traced.span, chat, caller)
         except BaseException as error:
             span_context.__exit__(type(error), error, error.__traceback__)
             raise
@@ -420,9 +420,9 @@ class OpenAIApi:
         echo = not chat and bool(body.echo)
         return generations, stream, _take(options, "include_usage", (bool,), "true or false", False), echo
 
-    def _submit(self, generations: list[GenerationRequest], span, chat: bool) -> list[RequestHandle]:
+    def _submit(self, generations: list[GenerationRequest], span, chat: bool, caller: str) -> list[RequestHandle]:
         try:
-            return self.service.submit_group(generations, span)
+            return self.service.submit_group(generations, span, caller)
         except InvalidRequest as error:
             param = (OPENAI_CHAT_FIELDS if chat else OPENAI_FIELDS).get(error.field, error.field)
             raise ApiError(400, error.named(param), param=param) from None

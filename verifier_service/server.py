@@ -69,6 +69,7 @@ from verifier_service.openai_api import HttpLimits, HttpServer, OpenAIApi, beare
 from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import Cancelled, QueueFull, RequestHandle, Scheduler, SchedulerConfig, ShuttingDown
+from verifier_service.scopes import KeyEntry, parse_key_line
 from verifier_service.service import CHAT, TEXT_COMPLETION, RequestStats, VerifierService
 from verifier_service.text import IncrementalText
 
@@ -135,7 +136,25 @@ class VerifierConfig:
         help="API key(s), comma-separated, that /v1 and gRPC Generate/GenerateStream require as "
         "'authorization: Bearer KEY' (none: open). A command line is visible to local users: prefer the variable or --api-key-file",
     )
-    api_key_file: str | None = setting(None, help="file of API keys, one a line ('#' comments and blank lines skipped); adds to --api-key")
+    api_key_file: str | None = setting(
+        None,
+        help="file of API keys, one a line, each optionally followed by scope=NAME: keys of one scope share what the drafter "
+        "learns from them, and each other key learns alone ('#' comments and blank lines skipped); adds to --api-key",
+    )
+    # The drafter is told a keyed hash of each caller's scope, never a key: without the
+    # secret nobody can name another caller's scope. Not in the config's repr.
+    scope_secret: str | None = setting(
+        None,
+        repr=False,
+        help="secret (16+ characters) that learning scopes' ids are keyed with; verifiers sharing a drafter share what "
+        "they learn for a key only with one secret (none: --scope-secret-file, else one kept in the cache folder)",
+    )
+    scope_secret_file: str | None = setting(None, help="file holding --scope-secret (its first line)")
+    # A fleet-wide table of text that is safe to share: every caller's drafts read it,
+    # only its own keys write it.
+    shared_scope: str | None = setting(
+        None, help="a scope named in --api-key-file whose learned text every caller's drafts also read (none: each reads its own only)"
+    )
     # Half of the default batch and queue (16 + 64): one client cannot take every
     # slot and queue place, while 16-client benchmarks from one host still fit.
     max_requests_per_caller: int = setting(
@@ -209,7 +228,9 @@ class VerifierConfig:
 
     def __post_init__(self) -> None:
         settings.check_tls(self.tls_cert, self.tls_key, self.tls_client_ca, settings.SERVER_TLS_FLAGS, client=False)
-        self.api_keys()  # fail fast: an unreadable key file or a malformed key is a usage error
+        entries = self.key_entries()  # fail fast: an unreadable key file or a malformed key is a usage error
+        if self.shared_scope is not None and self.shared_scope not in {entry.scope for entry in entries}:
+            raise ValueError(f"--shared-scope {self.shared_scope!r} is no scope of --api-key-file (a line 'KEY scope=NAME' names one)")
         self.origins()
         self.hosts()
 
@@ -241,24 +262,30 @@ class VerifierConfig:
         return frozenset(host_name(name) for name in names)
 
     def api_keys(self) -> tuple[str, ...]:
-        """The configured keys, from --api-key and --api-key-file (ValueError naming where,
-        never the key, for a key that cannot travel in a header, or an unreadable file)."""
+        """The configured keys, from --api-key and --api-key-file (``key_entries``)."""
+        return tuple(entry.key for entry in self.key_entries())
+
+    def key_entries(self) -> tuple[KeyEntry, ...]:
+        """The configured keys with their scopes' names (ValueError naming where, never the
+        key, for a key that cannot travel in a header, a malformed line, or an unreadable file)."""
         keys = [(key.strip(), f"key {index} of --api-key") for index, key in enumerate((self.api_key or "").split(","), 1)]
-        keys = [(key, where) for key, where in keys if key]
+        entries = [KeyEntry(key, None) for key, where in keys if key]
+        wheres = [where for key, where in keys if key]
         if self.api_key_file:
             try:
                 lines = Path(self.api_key_file).read_text(encoding="utf-8").splitlines()
             except (OSError, UnicodeDecodeError) as error:
                 raise ValueError(f"cannot read --api-key-file {self.api_key_file}: {error}") from None
             listed = [(line.strip(), f"line {number} of --api-key-file") for number, line in enumerate(lines, 1)]
-            listed = [(key, where) for key, where in listed if key and not key.startswith("#")]
+            listed = [(line, where) for line, where in listed if line and not line.startswith("#")]
             if not listed:
                 raise ValueError(f"--api-key-file {self.api_key_file} holds no key")
-            keys += listed
-        for key, where in keys:
-            if not KEY_PATTERN.fullmatch(key):
+            entries += [parse_key_line(line, where) for line, where in listed]
+            wheres += [where for _, where in listed]
+        for entry, where in zip(entries, wheres):
+            if not KEY_PATTERN.fullmatch(entry.key):
                 raise ValueError(f"{where}: an API key is printable ASCII without spaces or commas")
-        return tuple(key for key, _ in keys)
+        return tuple(entries)
 
 
 # What an HTTP header and gRPC metadata carry unchanged, less the --api-key separator.
@@ -303,9 +330,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     # -- RPCs ---------------------------------------------------------------------
 
     def Generate(self, request, context):
-        self._admit(context)
+        caller = self._admit(context)
         with self._request_span(request, context) as traced:
-            handle = self._submit(request, context, traced.span)
+            handle = self._submit(request, context, traced.span, caller)
             result = self._result(handle, context)
             stats = self.service.finished(handle, result, traced)
             return verifier_pb2.GenerateResponse(
@@ -317,9 +344,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
 
     def GenerateStream(self, request, context):
-        self._admit(context)
+        caller = self._admit(context)
         with self._request_span(request, context) as traced:
-            handle = self._submit(request, context, traced.span)
+            handle = self._submit(request, context, traced.span, caller)
             text = IncrementalText(self.service.tokenizer, handle.request.stop)
             for chunk in handle.stream():
                 sources = [TOKEN_SOURCES[source] for source in chunk.sources]
@@ -346,7 +373,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
         return self.service.request_span(telemetry.incoming_context(context), CHAT if request.chat else TEXT_COMPLETION, error_type)
 
-    def _admit(self, context) -> None:
+    def _admit(self, context) -> str:
         """The call's caller, checked (UNAUTHENTICATED without a valid key when keys are
         configured) and admitted under --max-requests-per-caller (RESOURCE_EXHAUSTED beyond)
         until the call ends."""
@@ -358,6 +385,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise AssertionError("abort raises")  # for the type checker
         if not context.add_callback(release):  # the call already ended
             release()
+        return caller
 
     def _caller(self, context) -> str:
         """Who calls: the API key when keys are configured; else the client certificate's
@@ -373,11 +401,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return caller
         return serving.caller_identity(context)
 
-    def _submit(self, request, context, span) -> RequestHandle:
+    def _submit(self, request, context, span, caller: str) -> RequestHandle:
         if not self.service.ready.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health reports SERVING")
         try:
-            handle = self.service.submit(self._generation_request(request), span)
+            handle = self.service.submit(self._generation_request(request), span, caller)
         except InvalidRequest as error:  # the engine's rules and the proto's shape: the client's to fix
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.named(GRPC_FIELDS.get(error.field, error.field)))
         except QueueFull as error:
@@ -465,7 +493,7 @@ class VerifierServer:
         # Uncalibrated: every step costs the same (as on an idle GPU), refined by real step times.
         step_cost = None if config.calibrate else StepCostModel({1: 1.0, 1024: 1.0})
         if config.drafter.target:
-            link = replace(config.drafter, vocabulary=tokenizer_fingerprint(loaded.tokenizer))
+            link = replace(config.drafter, vocabulary=tokenizer_fingerprint(loaded.tokenizer), shared_scope=self.service.shared_scope)
             drafter = self.drafter = RemoteDrafter(link)
             self.service.metrics.watch(
                 "drafter_fallbacks", "Steps run without drafts because the drafter failed or was backed off", lambda: drafter.fallbacks

@@ -6,8 +6,9 @@ bad one raises ``InvalidRequest`` naming the engine's field, which each
 front door names its own way), cancels them, traces them (``request_span``)
 and records how each ended (``recorded``: ``RequestStats``, engine-side
 numbers that gRPC turns into its proto and HTTP into JSON). Callers are
-identified and limited here too (``ApiKeys``, ``CallerLimit``). ``server.py``
-(gRPC) and ``openai_api.py`` (HTTP) are thin layers over it.
+identified and limited here too (``ApiKeys``, ``CallerLimit``), and each request
+is given its caller's learning scope (``scope_of``: ``verifier_service.scopes``).
+``server.py`` (gRPC) and ``openai_api.py`` (HTTP) are thin layers over it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
@@ -28,11 +29,14 @@ from opentelemetry.semconv.attributes import error_attributes
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdec import telemetry
+from specdec.serving import CERTIFICATE_CALLER
 from verifier_service.engine import SpeculativeEngine
 from verifier_service.errors import InvalidRequest
 from verifier_service.generation import FINISH_CANCELLED, GenerationRequest, GenerationResult
 from verifier_service.metrics import PROVIDER, VerifierMetrics
+from verifier_service.model_loading import cache_root
 from verifier_service.scheduler import RequestHandle, Scheduler
+from verifier_service.scopes import DEFAULT_SCOPE, ScopeIds, load_secret
 
 if TYPE_CHECKING:
     from verifier_service.server import VerifierConfig
@@ -86,10 +90,16 @@ class RequestStats:
 class ApiKeys:
     """The keys a caller must present, when any are configured. No gRPC and no HTTP here."""
 
-    def __init__(self, keys: Sequence[str]) -> None:
+    def __init__(self, keys: Sequence[str], scopes: Sequence[str] = ()) -> None:
         # Compared as digests, so neither a key's length nor where a guess first
         # differs from it shows in the time a check takes.
         self._digests = [hashlib.sha256(key.encode()).digest() for key in keys]
+        # The Nth key's learning scope id (verifier_service.scopes), by its caller name.
+        self._scopes = {f"api key #{index}": scope for index, scope in enumerate(scopes, 1)}
+
+    def scope(self, caller: str) -> str:
+        """The learning scope of a caller ``caller`` named (the default scope for none)."""
+        return self._scopes.get(caller, DEFAULT_SCOPE)
 
     @property
     def required(self) -> bool:
@@ -187,7 +197,14 @@ class VerifierService:
         self.ready = threading.Event()
         self.engine: SpeculativeEngine | None = None
         self.scheduler: Scheduler | None = None
-        self.keys = ApiKeys(config.api_keys())
+        entries = config.key_entries()
+        # Scopes other than the default need the secret their ids are keyed with.
+        scoped = bool(entries) or config.tls_client_ca is not None
+        self.scope_ids = ScopeIds(load_secret(config.scope_secret, config.scope_secret_file, cache_root())) if scoped else None
+        scopes = [self.scope_ids.of_key(entry.key, entry.scope) for entry in entries] if self.scope_ids is not None else []
+        self.keys = ApiKeys([entry.key for entry in entries], scopes)
+        # The drafter's id of --shared-scope: every sequence's drafts also read it.
+        self.shared_scope = self.scope_ids.of_name(config.shared_scope) if self.scope_ids and config.shared_scope else DEFAULT_SCOPE
         self.callers = CallerLimit(config.max_requests_per_caller)
         self.max_prompt_chars = config.max_prompt_chars or 1
 
@@ -278,16 +295,28 @@ class VerifierService:
             }
         )
 
-    def submit(self, generation: GenerationRequest, span) -> RequestHandle:
-        """Validate and queue a request from any front door (gRPC, HTTP): raises InvalidRequest
-        (the client's to fix), QueueFull or ShuttingDown. Call only once ``ready`` is set."""
+    def scope_of(self, caller: str) -> str:
+        """A caller's learning scope: its API key's when keys are configured; else, under
+        mutual TLS, its certificate's (caller "certificate NAME"); else the default scope."""
+        if self.keys.required:
+            return self.keys.scope(caller)
+        if self.scope_ids is not None and caller.startswith(CERTIFICATE_CALLER):
+            return self.scope_ids.of_certificate(caller.removeprefix(CERTIFICATE_CALLER))
+        return DEFAULT_SCOPE
+
+    def submit(self, generation: GenerationRequest, span, caller: str = "") -> RequestHandle:
+        """Validate and queue a request from any front door (gRPC, HTTP) for ``caller`` (its
+        scope is ``scope_of(caller)``): raises InvalidRequest (the client's to fix), QueueFull
+        or ShuttingDown. Call only once ``ready`` is set."""
+        generation = replace(generation, scope=self.scope_of(caller))
         self._validate(generation)
         self._annotate_request(generation, span)
         assert self.scheduler is not None  # ready: attach set it
         return self.scheduler.submit(generation, trace.set_span_in_context(span))
 
-    def submit_group(self, generations: list[GenerationRequest], span) -> list[RequestHandle]:
+    def submit_group(self, generations: list[GenerationRequest], span, caller: str = "") -> list[RequestHandle]:
         """``submit`` for requests that make one answer (HTTP's ``n`` choices): all queued or none."""
+        generations = [replace(generation, scope=self.scope_of(caller)) for generation in generations]
         for generation in generations:
             self._validate(generation)
         self._annotate_request(generations[0], span)  # the request as sent: choice 0 has its own seed

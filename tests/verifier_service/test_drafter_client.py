@@ -14,7 +14,7 @@ from drafter_service.server import DrafterConfig, create_server
 from specdec.v1 import drafter_pb2 as pb
 from specdec.v1 import drafter_pb2_grpc as rpc
 from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
-from verifier_service.drafting import DraftEvidence, DraftRequest, Predictions
+from verifier_service.drafting import DraftEvidence, DraftRequest, FinishedSequence, Predictions
 
 VOCABULARY = "00112233445566aa"
 # Upper bound on waiting for background work (observations, reconnects); never a pass/fail threshold.
@@ -45,14 +45,16 @@ class RecordingStub:
         self.stub = stub
         self.proposes: list[pb.ProposeRequest] = []
         self.observe_outcomes: list[str] = []
+        self.observes: list[pb.ObserveRequest] = []
 
     def Propose(self, request, timeout=None, metadata=None):
         self.proposes.append(request)
         return self.stub.Propose(request, timeout=timeout, metadata=metadata)
 
-    def Observe(self, request, timeout=None):
+    def Observe(self, request, timeout=None, metadata=None):
+        self.observes.append(request)
         try:
-            response = self.stub.Observe(request, timeout=timeout)
+            response = self.stub.Observe(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as error:
             self.observe_outcomes.append(error.code().name)
             raise
@@ -69,9 +71,10 @@ class Drafters:
     def __init__(self, tmp_path) -> None:
         self.tmp_path, self.servers, self.channels, self.count = tmp_path, [], [], 0
 
-    def start(self, port: int = 0):
+    def start(self, port: int = 0, **settings):
         self.count += 1
-        server = create_server(DrafterConfig(port=port, db=str(self.tmp_path / f"db{self.count}"), grace_s=0, metrics_port=None))
+        config = DrafterConfig(port=port, db=str(self.tmp_path / f"db{self.count}"), grace_s=0, metrics_port=None, **settings)
+        server = create_server(config)
         self.servers.append(server)
         return server
 
@@ -394,7 +397,7 @@ def test_closing_many_sessions_stays_within_the_drafters_per_call_limits():
         def __init__(self) -> None:
             self.calls: list[list[str]] = []
 
-        def CloseSessions(self, request, timeout=None):
+        def CloseSessions(self, request, timeout=None, metadata=None):
             self.calls.append(list(request.session_ids))
 
     client = RemoteDrafter(DrafterClientConfig(target="127.0.0.1:1", vocabulary=VOCABULARY))
@@ -424,3 +427,51 @@ def test_trees_and_predictions_travel_both_ways(drafters, clients):
     # (5, 6) -> 50 best, 51 second: a root with two children; nothing is known after either.
     assert (draft.tokens, draft.parents) == ([50, 51], [-1, -1])
     assert [evidence.source for evidence in draft.evidence] == ["successor", "successor"]
+
+
+ALICE, BOB, FLEET = "a" * 32, "b" * 32, "f" * 32
+
+
+def test_each_sequence_drafts_and_learns_in_its_own_scope(drafters, clients):
+    server = drafters.start()
+    client = clients(server.port)
+    secret = [10, 11, 12, 13, 14, 15, 16]
+    client.propose([DraftRequest("alice-1", secret[:5], 2, scope=ALICE)])
+    assert client.stub.proposes[0].sequences[0].scope == ALICE  # declared when the session opens
+    client.close([FinishedSequence("alice-1", secret, ALICE)])
+    wait_until(lambda: drafters.stats(server).observed_tokens == len(secret), "the observation is stored")
+    assert [request.scope for request in client.stub.observes] == [ALICE]
+    # Bob's scope, and the default one, never draft alice's text; alice's does.
+    assert tokens(client.propose([DraftRequest("bob-1", secret[:4], 3, scope=BOB), DraftRequest("anon-1", secret[:4], 3)])) == [[], []]
+    assert tokens(client.propose([DraftRequest("alice-2", secret[:4], 3, scope=ALICE)])) == [[14, 15, 16]]
+
+
+def test_the_shared_scope_is_read_by_every_sequence(drafters, clients):
+    server = drafters.start()
+    fleet = clients(server.port)
+    fleet.propose([DraftRequest("fleet-1", [30, 31, 32, 33], 0, scope=FLEET)])
+    fleet.close([FinishedSequence("fleet-1", [30, 31, 32, 33, 34, 35, 36], FLEET)])
+    wait_until(lambda: drafters.stats(server).observed_tokens == 7, "the fleet's text is stored")
+    reader = clients(server.port, shared_scope=FLEET)
+    assert tokens(reader.propose([DraftRequest("bob-1", [30, 31, 32, 33], 3, scope=BOB)])) == [[34, 35, 36]]
+    assert reader.stub.proposes[0].shared_scope == FLEET
+
+
+def test_a_drafter_with_a_client_token_takes_scopes_only_from_verifiers_that_send_it(drafters, clients, caplog):
+    server = drafters.start(client_token="drafter-token")
+    trusted = clients(server.port, token="drafter-token")
+    assert tokens(trusted.propose([DraftRequest("s", CONTEXT, 3, scope=ALICE)])) == [[4, 2, 3]]
+    assert trusted.fallbacks == 0
+    stranger = clients(server.port)
+    with caplog.at_level(logging.WARNING, logger="verifier_service.drafter_client"):
+        assert tokens(stranger.propose([DraftRequest("s", CONTEXT, 3, scope=ALICE)])) == [[]]  # plain decoding, never an error
+    assert stranger.fallbacks == 1
+    assert "PERMISSION_DENIED" in caplog.text and "--client-token" in caplog.text
+
+
+def test_the_token_can_come_from_a_file(tmp_path):
+    (tmp_path / "token").write_text("from-a-file\n")
+    assert DrafterClientConfig(token_file=str(tmp_path / "token")).bearer() == "from-a-file"
+    assert DrafterClientConfig(token="flag", token_file=str(tmp_path / "token")).bearer() == "flag"
+    with pytest.raises(ValueError, match="cannot read --drafter-token-file"):
+        DrafterClientConfig(token_file=str(tmp_path / "missing"))

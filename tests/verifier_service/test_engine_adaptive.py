@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from verifier_service.calibration import StepCostModel
-from verifier_service.drafting import DraftRequest, ProposedDraft
+from verifier_service.drafting import DraftRequest, FinishedSequence, ProposedDraft
 from verifier_service.engine import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
@@ -70,8 +70,8 @@ class RecordingProposer:
             drafts.append(ProposedDraft(draft))
         return drafts
 
-    def close(self, finished: list[tuple[str, list[int]]]) -> None:
-        self.closed.extend((session_id, list(tokens)) for session_id, tokens in finished)
+    def close(self, finished: list[FinishedSequence]) -> None:
+        self.closed.extend((session_id, list(tokens)) for session_id, tokens, _ in finished)
 
     def calls_for(self, session_id: str) -> list[Call]:
         return [call for call in self.calls if call.session_id == session_id]

@@ -410,7 +410,7 @@ def test_a_lone_surrogate_is_named_with_its_field(client):
 
 
 def test_an_unexpected_exception_is_a_500_in_openais_shape_and_one_log_line(open_service, client, monkeypatch, caplog):
-    def broken(generations, span):
+    def broken(generations, span, caller=""):
         raise RuntimeError("the engine fell over")
 
     monkeypatch.setattr(open_service, "submit_group", broken)

@@ -253,9 +253,7 @@ class SessionTable:
             elif session.busy:
                 raise SessionError(BUSY, f"sequences[{index}]: session {sid!r} is in use by another call; retry")
             elif scope is not None and scope != session.scope:
-                raise SessionError(
-                    WRONG_SCOPE, f"sequences[{index}]: session {sid!r} was opened in another scope; it keeps that one"
-                )
+                raise SessionError(WRONG_SCOPE, f"sequences[{index}]: session {sid!r} was opened in another scope; it keeps that one")
             else:
                 held, drafted = len(session.context.tokens), len(session.last_sources)
             if held + len(update.new_tokens) > limits.max_session_tokens:

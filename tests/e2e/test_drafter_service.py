@@ -55,16 +55,18 @@ def tables(db) -> list[str]:
     return sorted(p.name for p in Path(db).iterdir() if p.is_dir())
 
 
-def propose(stub, session, tokens, k, open_=False, vocabulary=VOCABULARY):
+def propose(stub, session, tokens, k, open_=False, vocabulary=VOCABULARY, scope=""):
     request = pb.ProposeRequest(
         vocabulary=vocabulary,
-        sequences=[pb.SequenceUpdate(session_id=session, new_tokens=tokens, open=open_, num_draft_tokens=k)],
+        sequences=[pb.SequenceUpdate(session_id=session, new_tokens=tokens, open=open_, num_draft_tokens=k, scope=scope)],
     )
     return stub.Propose(request, timeout=5).drafts[0]
 
 
-def observe(stub, observe_id, *sequences, vocabulary=VOCABULARY):
-    request = pb.ObserveRequest(vocabulary=vocabulary, observe_id=observe_id, sequences=[pb.TokenSequence(tokens=s) for s in sequences])
+def observe(stub, observe_id, *sequences, vocabulary=VOCABULARY, scope=""):
+    request = pb.ObserveRequest(
+        vocabulary=vocabulary, observe_id=observe_id, sequences=[pb.TokenSequence(tokens=s) for s in sequences], scope=scope
+    )
     return stub.Observe(request, timeout=10)
 
 
@@ -177,9 +179,27 @@ def test_backup_is_a_consistent_copy_that_serves_the_same_drafts(tmp_path):
         assert server.terminate() == 0
     restored = tmp_path / "restored"
     restored.mkdir()
-    (tmp_path / "backups" / "copy").rename(restored / VOCABULARY)
+    assert [entry.name for entry in (tmp_path / "backups" / "copy").iterdir()] == [VOCABULARY]  # one folder per table, as in --db
+    (tmp_path / "backups" / "copy" / VOCABULARY).rename(restored / VOCABULARY)
     with drafter(restored) as server:
         assert list(propose(server.stub, "y", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]
+
+
+def test_every_scope_survives_kill_9_and_is_in_the_backup(tmp_path):
+    db, alice, bob = tmp_path / "db", "a" * 32, "b" * 32
+    with drafter(db, "--backup-dir", str(tmp_path / "backups")) as server:
+        assert observe(server.stub, "a1", [5, 6, 7, 8, 9, 10], scope=alice).applied
+        assert observe(server.stub, "b1", [5, 6, 7, 8, 20, 21], scope=bob).applied
+        server.kill()
+    assert tables(db) == [f"{VOCABULARY}-{alice}", f"{VOCABULARY}-{bob}"]  # no default-scope table: nobody wrote one
+    with drafter(db, "--backup-dir", str(tmp_path / "backups")) as server:
+        assert list(propose(server.stub, "a", [5, 6, 7, 8], 2, open_=True, scope=alice).tokens) == [9, 10]
+        assert list(propose(server.stub, "b", [5, 6, 7, 8], 2, open_=True, scope=bob).tokens) == [20, 21]
+        assert list(propose(server.stub, "c", [5, 6, 7, 8], 2, open_=True).tokens) == []
+        assert server.stub.Stats(pb.StatsRequest(), timeout=5).scopes == 2
+        server.stub.Backup(pb.BackupRequest(vocabulary=VOCABULARY, destination="both"), timeout=30)
+        assert server.terminate() == 0
+    assert tables(tmp_path / "backups" / "both") == tables(db)
 
 
 def test_stats_count_table_and_hits(tmp_path):

@@ -84,6 +84,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from specdec.serving import CERTIFICATE_CALLER, bearer
 from verifier_service.errors import InvalidRequest
 from verifier_service.generation import FINISH_LENGTH, GenerationRequest
 from verifier_service.model_loading import chat_ids
@@ -778,7 +779,9 @@ class _Hosts:
 class _Callers:
     """Who calls each ``/v1`` route, in ``scope["state"]["caller"]``: the API key's name when
     keys are configured (a 401 in OpenAI's shape, with ``WWW-Authenticate: Bearer``, without
-    a valid one), else the peer's host. Other paths (the live view, /health) pass open."""
+    a valid one), else its client certificate's common name under mutual TLS (as the gRPC
+    door names it: ``serving.caller_identity``), else the peer's host. Other paths (the live
+    view, /health) pass open."""
 
     def __init__(self, app, keys) -> None:
         self.app, self.keys = app, keys
@@ -796,6 +799,8 @@ class _Callers:
                 )
                 await refused.response()(scope, receive, send)
                 return
+        elif scope.get("state", {}).get(CERTIFICATE_STATE):
+            caller = CERTIFICATE_CALLER + scope["state"][CERTIFICATE_STATE]
         else:
             client = scope.get("client")
             caller = client[0] if client else "unknown"
@@ -803,10 +808,18 @@ class _Callers:
         await self.app(scope, receive, send)
 
 
-def bearer(authorization: str | None) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` value; None for any other value."""
-    scheme, _, token = (authorization or "").strip().partition(" ")
-    return (token.strip() or None) if scheme.lower() == "bearer" else None
+# Where _LimitedH11 puts a request's client-certificate common name (mutual TLS) for _Callers.
+CERTIFICATE_STATE = "client_certificate"
+
+
+def _common_name(ssl_object) -> str | None:
+    """The verified client certificate's common name on a TLS connection (None: no TLS, or no certificate)."""
+    certificate = ssl_object.getpeercert() if ssl_object is not None else None
+    for rdn in (certificate or {}).get("subject", ()):
+        for name, value in rdn:
+            if name == "commonName":
+                return value
+    return None
 
 
 class _EventStream(EventSourceResponse):
@@ -1079,6 +1092,7 @@ class _LimitedH11(H11Protocol):
     limits: ClassVar[HttpLimits]  # HttpServer's subclass sets them
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
+        self._certificate: str | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: object = None  # h11's state of the client: IDLE (sending headers), SEND_BODY, ...
         self._heard = False  # bytes came in this phase
@@ -1090,6 +1104,7 @@ class _LimitedH11(H11Protocol):
             transport.close()
             return
         super().connection_made(transport)
+        self._certificate = _common_name(transport.get_extra_info("ssl_object"))
         self._watch()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -1102,6 +1117,10 @@ class _LimitedH11(H11Protocol):
 
     def handle_events(self) -> None:
         super().handle_events()
+        # The request just read (h11 reads one at a time) carries its connection's client
+        # certificate to _Callers; its task has been created, not yet run.
+        if self._certificate and getattr(self, "scope", None) is not None:
+            self.scope.setdefault("state", {})[CERTIFICATE_STATE] = self._certificate  # type: ignore[typeddict-unknown-key]
         self._watch()
 
     def send_400_response(self, msg: str) -> None:

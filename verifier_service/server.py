@@ -65,7 +65,7 @@ from verifier_service.generation import (
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.model_loading import DEFAULT_MODEL, cache_root, chat_prompt_ids, load_model
 from verifier_service.observability import ServiceObserver
-from verifier_service.openai_api import HttpLimits, HttpServer, OpenAIApi, bearer, host_name
+from verifier_service.openai_api import HttpLimits, HttpServer, OpenAIApi, host_name
 from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import Cancelled, QueueFull, RequestHandle, Scheduler, SchedulerConfig, ShuttingDown
@@ -393,7 +393,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         keys = self.service.keys
         if keys.required:
             values = [value for name, value in context.invocation_metadata() if name == "authorization"]
-            token = bearer(values[0]) if values else None
+            token = serving.bearer(values[0]) if values else None
             caller = keys.caller(token)
             if caller is None:
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, keys.refusal(bool(values)))

@@ -13,6 +13,7 @@ import json
 import time
 from concurrent import futures
 
+import anyio
 import grpc
 import pytest
 from starlette.testclient import TestClient
@@ -25,11 +26,11 @@ from specdec.vocabulary import tokenizer_fingerprint
 from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
 from verifier_service.engine import EngineConfig, SpeculativeEngine
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.openai_api import OpenAIApi
+from verifier_service.openai_api import CERTIFICATE_STATE, OpenAIApi, _Callers, _common_name
 from verifier_service.scheduler import Scheduler, SchedulerConfig
 from verifier_service.scopes import DEFAULT_SCOPE, SECRET_FILE_NAME, KeyEntry, ScopeIds, load_secret, parse_key_line
 from verifier_service.server import VerifierConfig, VerifierServicer
-from verifier_service.service import VerifierService
+from verifier_service.service import ApiKeys, VerifierService
 
 SECRET = "a-server-secret-of-32-characters"
 # Upper bound on waiting for background work (the drafter storing an observation); never a pass/fail threshold.
@@ -214,3 +215,41 @@ def test_another_keys_http_stream_never_carries_a_keys_text(two_keys):
 
     assert global_drafts(stream("bob", retold)) == 0
     assert global_drafts(stream("alice", retold)) > 0  # her own scope still drafts it
+
+
+# -- HTTP under mutual TLS: the certificate names the caller, as on gRPC
+
+
+class PeerCertificate:
+    """What ``ssl.SSLObject.getpeercert()`` returns for a verified client certificate."""
+
+    def __init__(self, subject) -> None:
+        self.subject = subject
+
+    def getpeercert(self):
+        return {"subject": self.subject} if self.subject is not None else None
+
+
+def test_an_http_connections_client_certificate_names_its_caller():
+    subject = ((("countryName", "NL"),), (("commonName", "team-a"),))
+    assert _common_name(PeerCertificate(subject)) == "team-a"
+    assert _common_name(PeerCertificate(None)) is None  # TLS without a client certificate
+    assert _common_name(None) is None  # plain HTTP
+
+
+@pytest.mark.parametrize(
+    ("state", "client", "caller"),
+    [({CERTIFICATE_STATE: "team-a"}, ("10.0.0.7", 5), "certificate team-a"), ({}, ("10.0.0.7", 5), "10.0.0.7")],
+)
+def test_http_callers_without_keys_are_their_certificate_else_their_host(state, client, caller):
+    seen = {}
+
+    async def app(scope, receive, send):
+        seen["caller"] = scope["state"]["caller"]
+
+    scope = {"type": "http", "path": "/v1/completions", "client": client, "state": dict(state), "headers": []}
+    anyio.run(_Callers(app, ApiKeys([])), scope, None, None)
+    assert seen["caller"] == caller
+    config = VerifierConfig(scope_secret=SECRET, tls_cert="c", tls_key="k", tls_client_ca="ca")
+    service = VerifierService(config, telemetry.Tracing("test"), VerifierMetrics(config.model))
+    assert (service.scope_of(seen["caller"]) != DEFAULT_SCOPE) == bool(state)

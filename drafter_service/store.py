@@ -6,17 +6,20 @@ that followed it — but on disk: it survives restarts and kill -9, stays within
 a configured size, forgets stale n-grams, and serves lookups from many threads
 while one thread writes.
 
-On-disk format, version 3 (``FORMAT_VERSION``)
+On-disk format, version 4 (``FORMAT_VERSION``)
 ----------------------------------------------
 One LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``) with
-five named sub-databases. Every integer is big-endian, so byte order is
+six named sub-databases. Every integer is big-endian, so byte order is
 numeric order and keys sharing a prefix sort together. No pickle anywhere.
 
 ``meta``
-    ``b"format_version"`` -> uint8, 2. ``b"epoch"`` -> uint32, the current
+    ``b"format_version"`` -> uint8, 4. ``b"epoch"`` -> uint32, the current
     epoch. ``b"epoch_tokens"`` -> uint64, tokens applied since it began.
     ``b"tracked_bytes"`` -> uint64, see *Size*. ``b"evictions"`` -> uint64,
-    records evicted so far.
+    records evicted so far. ``b"successor_tick"`` -> uint32, the successor
+    clock (see *The successor table's bound*). ``b"successor_tick_writes"`` ->
+    uint64, successor keys written since that tick began.
+    ``b"successor_evictions"`` -> uint64, successor records evicted so far.
 ``ngrams``
     key = namespace (8 bytes) | n (uint8) | n tokens (uint32 each).
     value = value version (uint8, 1: ``VALUE_VERSION``) | last-touched epoch (uint32) | total (uint32)
@@ -34,20 +37,31 @@ numeric order and keys sharing a prefix sort together. No pickle anywhere.
 ``successors`` (the *successor table*: the target's own predictions)
     key = namespace (8 bytes) | n (uint8, 1 or 2) | n tokens (uint32 each):
     the current token, or the previous and the current one.
-    value = value version (uint8, 1: ``SUCCESSOR_VERSION``) | k tokens
-    (uint32 each), 1 <= k <= ``MAX_SUCCESSORS``: the target's top k
-    predictions for the token after that key, best first, as a verifier last
-    computed them. The newest replace what was there (Token Recycling's rule:
-    the latest predictions are the best guess). Bounded by count,
-    ``max_successor_entries``: once full, only keys already held are
-    updated; these records are not in ``tracked_bytes`` and are never evicted.
+    value = value version (uint8, 2: ``SUCCESSOR_VERSION``) | stamp (uint32:
+    the successor tick when the key was last written) | k tokens (uint32
+    each), 1 <= k <= ``MAX_SUCCESSORS``: the target's top k predictions for
+    the token after that key, best first, as a verifier last computed them.
+    The newest replace what was there (Token Recycling's rule: the latest
+    predictions are the best guess). Not in ``tracked_bytes``: bounded by
+    count, ``max_successor_entries`` (see *The successor table's bound*).
+``successor_recency``
+    key = stamp (uint32) | the ``successors`` key; value empty. Exactly one
+    per ``successors`` record, under the stamp its value holds: this sub-db's
+    key order (oldest tick first, then key bytes) is the successor table's
+    eviction order.
 
-Opening a file whose ``format_version`` is 3 reads it; 2 is migrated in place
-(the ``successors`` sub-database is added, nothing else changes); 1 too (its
-``applied`` ids were keyed by decay epoch: those ids are dropped, logged, so a
-retry in flight across the upgrade may be counted twice); anything else, or a
-value whose version byte is not 1, raises ``StoreFormatError``. Code before
-format 3 refuses a version 3 file with that message.
+Opening a file whose ``format_version`` is 4 reads it. Older ones are migrated
+in place, in one transaction (all of it or nothing), as ``MIGRATIONS``
+summarises: 3's successor values (version 1: the tokens without a stamp) are
+rewritten as version 2 with stamp 0, each with its ``successor_recency``
+entry, and the clock starts at tick 1, so every record migrated is older than
+any written since and nothing learned is lost; 2 gains the two successor
+sub-databases; 1 too, and its ``applied`` ids were keyed by decay epoch: those
+ids are dropped, logged, so a retry in flight across the upgrade may be
+counted twice. Every migration adds the three successor meta records.
+Anything else, or a value whose version byte is not its sub-database's,
+raises ``StoreFormatError``. Code before format 4 refuses a version 4 file
+with that message.
 
 De-duplication window
 ---------------------
@@ -129,6 +143,28 @@ transaction each. An item that still finds no room is not stored and
 ``StoreFull`` says which: the caller retries it under the same id. Nothing is
 evicted below the low-water mark because of it: readers, not data, take the room.
 
+The successor table's bound
+---------------------------
+Successor keys are made up by callers as easily as real ones, so the table is
+never left to fill and freeze: it keeps the ``max_successor_entries`` keys
+written most recently. A clock stamps them: ``successor_tick`` advances by one
+per ``successor_writes_per_tick`` keys written (``max_successor_entries //
+SUCCESSOR_TICKS_PER_BOUND``, at least 1), checked at the end of each call,
+and saturates at 2**32-1. Each ``record_successors`` call, in one transaction:
+1. Keeps the newest predictions per key of the call and, if it holds more keys
+   than the bound, only its last ``max_successor_entries`` of them.
+2. Evicts, while the table's records plus the call's new keys exceed the bound,
+   the first ``successor_recency`` entry and its record, passing over the keys
+   the call writes: the keys least recently written go first.
+3. Writes each key's value stamped with the current tick; a key already stamped
+   with it keeps its ``successor_recency`` entry (rewriting a key within a tick
+   touches no index entry), any other moves to the current tick.
+So after every call the table holds at most ``max_successor_entries`` records,
+and a call costs at most one eviction and one skipped entry per key it writes
+(an eviction per new key, a skipped entry per held one).
+A table reopened under a smaller bound is trimmed to it when it opens, in
+transactions of ``eviction_chunk_records``.
+
 Checking a table, and damage
 ----------------------------
 LMDB keeps no checksums and trusts its pages: a damaged one reads as an error
@@ -140,11 +176,14 @@ above: keys rising and shaped as specified; each ``ngrams`` value of version 1 w
 1..255 pairs, distinct tokens, counts most frequent first summing to its total
 (saturated), touched no later than the current epoch, and with its ``coldness``
 entry; as many ``coldness`` entries as n-grams; empty ``coldness`` and ``applied``
-values; the five meta records. ``max_records`` bounds it (shared out in proportion
-to the sub-databases' sizes, each walked from its first key): measured here ~1 s
-per million records with the file cached, ~2 s from disk, so a 1 GiB table (~24
-million records) takes ~25-50 s whole. ``walk_tables`` runs walks in child
-processes, so an abort condemns the table, not the caller. The free-page database
+values; the meta records of the file's version; each ``successors`` value of its
+format's version with 1..16 tokens and (format 4) stamped no later than the current
+tick, with its ``successor_recency`` entry; as many of those entries as successor
+records. ``max_records`` bounds it (shared out in proportion to the sub-databases'
+sizes, each walked from its first key): measured here ~1 s per million records
+with the file cached, ~2 s from disk, so a 1 GiB table (~24 million records) takes
+~25-50 s whole. ``walk_tables`` runs walks in child processes, so an abort condemns
+the table, not the caller. The free-page database
 is not walked (py-lmdb cannot open it): damage there surfaces at the next write.
 
 A store given ``on_corruption`` reports a damaged page or record met by any call to
@@ -186,13 +225,25 @@ import lmdb
 from drafter_service.ngram import Continuation, best_of
 from specdec.vocabulary import FINGERPRINT_BYTES, vocabulary_fingerprint  # noqa: F401 (part of the store's API)
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # The older formats a store opens, migrating them in place (see the docstring).
 MIGRATED_FORMAT_VERSION = 1
 SUCCESSORLESS_FORMAT_VERSION = 2
-# Version byte of a ``successors`` value, and the most predictions one holds.
-SUCCESSOR_VERSION = 1
+UNSTAMPED_FORMAT_VERSION = 3
+# What opening a table of an older format changes in it (the check tells operators).
+MIGRATIONS = {
+    MIGRATED_FORMAT_VERSION: "its observe ids are dropped, a successor table is added",
+    SUCCESSORLESS_FORMAT_VERSION: "a successor table is added",
+    UNSTAMPED_FORMAT_VERSION: "each successor record is stamped as the oldest, for eviction",
+}
+# Version byte of a ``successors`` value (format 3's, unstamped, is migrated), and the most predictions one holds.
+SUCCESSOR_VERSION = 2
+UNSTAMPED_SUCCESSOR_VERSION = 1
 MAX_SUCCESSORS = 16
+# Successor-clock ticks per max_successor_entries keys written: eviction takes the oldest
+# 1/256th of a table's worth of writes first, and a key rewritten within its tick (a
+# common token, rewritten every step) costs no index update for that many writes.
+SUCCESSOR_TICKS_PER_BOUND = 256
 # Version byte of an ``ngrams`` value (its encoding has not changed since format 1).
 VALUE_VERSION = 1
 NAMESPACE_BYTES = FINGERPRINT_BYTES
@@ -219,11 +270,12 @@ MIN_MAP_BYTES = 64 << 20
 # Continuations kept per key at most: a drafter uses the first; 255 is far
 # beyond any useful ranking and bounds a value to 9 + 2040 bytes.
 MAX_CONTINUATIONS = 255
-# Named sub-databases: ngrams, coldness, applied, meta, successors.
-SUB_DATABASES = 5
-# Map bytes reserved per successor record: key 17 + value <= 65 + LMDB's
-# header, in pages about half full, with copy-on-write copies.
-SUCCESSOR_MAP_BYTES = 512
+# Named sub-databases: ngrams, coldness, applied, meta, successors, successor_recency.
+SUB_DATABASES = 6
+# Map bytes reserved per successor record: key 17 + value <= 69 and its recency
+# entry's key 21, with LMDB's headers (~130 bytes), in pages about half full, with
+# copy-on-write copies.
+SUCCESSOR_MAP_BYTES = 640
 
 _COUNT = itemgetter(1)  # of a (token, count) pair
 _HEADER = struct.Struct(">BII")  # version, last-touched epoch, total
@@ -236,12 +288,16 @@ _PAIRS = [struct.Struct(f">{2 * n}I") for n in range(MAX_CONTINUATIONS + 1)]
 _UINT64 = struct.Struct(">Q")
 # A successor key after its namespace (n, then n tokens), for n = 1, 2; a value's k tokens.
 _SUCCESSOR_KEYS = {n: struct.Struct(f">B{n}I") for n in (1, 2)}
+_SUCCESSOR_HEADER = struct.Struct(">BI")  # version, stamp
 _TOKENS = [struct.Struct(f">{n}I") for n in range(MAX_SUCCESSORS + 1)]
 _META_VERSION = b"format_version"
 _META_EPOCH = b"epoch"
 _META_EPOCH_TOKENS = b"epoch_tokens"
 _META_TRACKED = b"tracked_bytes"
 _META_EVICTIONS = b"evictions"
+_META_SUCCESSOR_TICK = b"successor_tick"
+_META_SUCCESSOR_TICK_WRITES = b"successor_tick_writes"
+_META_SUCCESSOR_EVICTIONS = b"successor_evictions"
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +354,8 @@ _LMDB_PAGE_SIZE = struct.Struct("<I")  # at +40
 _LMDB_LAST_PAGE_AND_TXN = struct.Struct("<QQ")  # at +136
 # Sub-databases a store's main database names; anything else is not ours.
 _SUCCESSORLESS_DATABASES = {b"ngrams", b"coldness", b"applied", b"meta"}  # formats 1 and 2
-_OUR_DATABASES = {*_SUCCESSORLESS_DATABASES, b"successors"}
+_UNSTAMPED_DATABASES = {*_SUCCESSORLESS_DATABASES, b"successors"}  # format 3
+_OUR_DATABASES = {*_UNSTAMPED_DATABASES, b"successor_recency"}
 
 
 def file_problem(path: str | os.PathLike[str]) -> str | None:
@@ -398,7 +455,8 @@ class StoreConfig:
     # so this must cover the serving thread pool.
     max_readers: int = 512
     # Successor-table keys: one per token (49K for the default model) plus one
-    # per (previous, current) pair seen; 1 Mi pairs is ~100 MB of pages.
+    # per (previous, current) pair seen; 1 Mi pairs is ~130 MB of pages. Beyond,
+    # the keys least recently written are evicted.
     max_successor_entries: int = 1 << 20
 
     def __post_init__(self) -> None:
@@ -425,6 +483,11 @@ class StoreConfig:
         if self.map_size is not None:
             return self.map_size
         return max(MAP_BYTES_PER_MAX_BYTE * self.max_bytes, MIN_MAP_BYTES) + SUCCESSOR_MAP_BYTES * self.max_successor_entries
+
+    @property
+    def successor_writes_per_tick(self) -> int:
+        """Successor keys written per tick of the successor clock (see the module docstring)."""
+        return max(1, self.max_successor_entries // SUCCESSOR_TICKS_PER_BOUND)
 
     @property
     def high_water_bytes(self) -> int:
@@ -541,6 +604,13 @@ class _Meta:
     evictions: int
 
 
+@dataclass
+class _SuccessorMeta:
+    tick: int
+    tick_writes: int
+    evictions: int
+
+
 class _Observation(NamedTuple):
     observe_id: bytes | None  # UTF-8
     tokens: list[int]
@@ -602,10 +672,10 @@ class StoreSnapshot:
             return None
         if value is None:
             return None
-        count, odd = divmod(len(value) - 1, 4)
+        count, odd = divmod(len(value) - _SUCCESSOR_HEADER.size, 4)
         if odd or not 0 < count <= MAX_SUCCESSORS or value[0] != SUCCESSOR_VERSION:
             return None
-        return _TOKENS[count].unpack_from(value, 1)
+        return _TOKENS[count].unpack_from(value, _SUCCESSOR_HEADER.size)
 
     def observe(self, tokens: Sequence[int]) -> None:
         raise TypeError("a snapshot is read-only; observe through the store")
@@ -649,6 +719,7 @@ class LMDBNGramStore:
                 self._applied = self._env.open_db(b"applied", txn=txn)
                 self._meta = self._env.open_db(b"meta", txn=txn)
                 self._successors = self._env.open_db(b"successors", txn=txn)
+                self._recency = self._env.open_db(b"successor_recency", txn=txn)
                 self._initialise_meta(txn)
         except BaseException:  # not ours, another version, damaged: leave nothing open
             self._env.close()
@@ -703,34 +774,72 @@ class LMDBNGramStore:
 
     def record_successors(self, updates: Iterable[tuple[tuple[int, ...], Sequence[int]]]) -> int:
         """Store the target's top predictions after each key ((current,) or (previous,
-        current)), best first, in one transaction: the newest replace what was held. A new
-        key is skipped once the table holds ``max_successor_entries``. Returns how many were
-        stored. Raises ValueError, writing nothing, for a key or prediction list it cannot hold.
+        current)), best first, in one transaction: the newest replace what was held, and
+        beyond ``max_successor_entries`` the keys least recently written are evicted (see
+        *The successor table's bound*). Returns how many keys were stored: all distinct keys
+        but, of a call holding more than the bound, its oldest. Raises ValueError, writing
+        nothing, for a key or prediction list it cannot hold.
         """
-        records = []
+        records: dict[bytes, bytes] = {}  # key -> its tokens, packed: the newest, in the order last given
         for key, tokens in updates:
             packer = _SUCCESSOR_KEYS.get(len(key))
             if packer is None or not 0 < len(tokens) <= MAX_SUCCESSORS:
                 raise ValueError(f"a successor key has 1 or 2 tokens and 1..{MAX_SUCCESSORS} predictions, got {key} -> {len(tokens)}")
             try:
-                records.append(
-                    (self.config.namespace + packer.pack(len(key), *key), bytes((SUCCESSOR_VERSION,)) + _TOKENS[len(tokens)].pack(*tokens))
-                )
+                packed = self.config.namespace + packer.pack(len(key), *key)
+                records.pop(packed, None)
+                records[packed] = _TOKENS[len(tokens)].pack(*tokens)
             except struct.error:
                 raise ValueError(f"successor key {key} or its predictions hold a token id outside uint32") from None
+        bound = self.config.max_successor_entries
+        if len(records) > bound:
+            records = dict(islice(records.items(), len(records) - bound, None))
         if not records:
             return 0
-        stored = 0
         with self._use() as env, self._write_lock, env.begin(write=True) as txn:
-            entries = txn.stat(self._successors)["entries"]
-            for packed, value in records:
-                held = txn.get(packed, db=self._successors) is not None
-                if not held and entries >= self.config.max_successor_entries:
-                    continue
-                txn.put(packed, value, db=self._successors)
-                entries += not held
-                stored += 1
-        return stored
+            meta = self._read_successor_meta(txn)
+            stamps = {packed: self._successor_stamp(txn, packed) for packed in sorted(records)}  # key order: neighbours share pages
+            excess = txn.stat(self._successors)["entries"] + sum(stamp is None for stamp in stamps.values()) - bound
+            if excess > 0:
+                self._evict_successors(txn, meta, excess, records)
+            stamp = _UINT32.pack(meta.tick)
+            for packed, held in stamps.items():
+                if held != meta.tick:  # within its tick, a key keeps its recency entry
+                    if held is not None:
+                        txn.delete(_UINT32.pack(held) + packed, db=self._recency)
+                    txn.put(stamp + packed, b"", db=self._recency)
+                txn.put(packed, bytes((SUCCESSOR_VERSION,)) + stamp + records[packed], db=self._successors)
+            ticks, meta.tick_writes = divmod(meta.tick_writes + len(records), self.config.successor_writes_per_tick)
+            meta.tick = min(UINT32_MAX, meta.tick + ticks)
+            self._write_successor_meta(txn, meta)
+        return len(records)
+
+    def _successor_stamp(self, txn: lmdb.Transaction, key: bytes) -> int | None:
+        """The stamp of the successor record ``key``, or None when none is held."""
+        value = txn.get(key, db=self._successors)
+        if value is None:
+            return None
+        if len(value) < _SUCCESSOR_HEADER.size or value[0] != SUCCESSOR_VERSION:
+            raise StoreFormatError(f"successor value of {key.hex()} is not version {SUCCESSOR_VERSION} with a stamp")
+        return int(_SUCCESSOR_HEADER.unpack_from(value)[1])
+
+    def _evict_successors(self, txn: lmdb.Transaction, meta: _SuccessorMeta, count: int, keep: Mapping[bytes, bytes]) -> int:
+        """Evict up to ``count`` successor records, least recently written first, none of ``keep``."""
+        removed = 0
+        recency = txn.cursor(db=self._recency)
+        found = recency.first()
+        while found and removed < count:
+            index_key = recency.key()
+            key = index_key[_UINT32.size :]
+            if key in keep:
+                found = recency.next()
+                continue
+            txn.delete(key, db=self._successors)
+            recency.delete()
+            removed += 1
+            found = recency.set_range(index_key)  # the entry after the one deleted
+        meta.evictions += removed
+        return removed
 
     def advance_epoch(self, epochs: int = 1) -> None:
         """Age every count by ``epochs`` epochs now (tests; a time-based policy)."""
@@ -749,7 +858,8 @@ class LMDBNGramStore:
             entries = txn.stat(self._ngrams)["entries"]
             applied_ids = txn.stat(self._applied)["entries"]
             successor_entries = txn.stat(self._successors)["entries"]
-            dbs = (None, self._ngrams, self._coldness, self._applied, self._meta, self._successors)
+            successor = self._read_successor_meta(txn)
+            dbs = (None, self._ngrams, self._coldness, self._applied, self._meta, self._successors, self._recency)
             pages = sum(_tree_pages(txn.stat(db) if db is not None else txn.stat()) for db in dbs)
         return {
             "entries": entries,  # n-gram keys, all namespaces
@@ -760,7 +870,8 @@ class LMDBNGramStore:
             "epoch_tokens": meta.epoch_tokens,
             "evictions": meta.evictions,
             "applied_ids": applied_ids,
-            "successor_entries": successor_entries,
+            "successor_entries": successor_entries,  # keys, all namespaces: at most max_successor_entries
+            "successor_evictions": successor.evictions,
         }
 
     def backup(self, destination_path: str | os.PathLike[str]) -> None:
@@ -848,32 +959,45 @@ class LMDBNGramStore:
         if version is None:
             txn.put(_META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
             self._write_meta(txn, _Meta(epoch=0, epoch_tokens=0, tracked_bytes=0, evictions=0))
-        elif version == bytes((SUCCESSORLESS_FORMAT_VERSION,)):  # the successors sub-database is new (opened above): nothing else changes
-            txn.put(_META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
-            log.info(
-                "%s: migrated store format %d to %d (a successor table added)",
-                self.config.path,
-                SUCCESSORLESS_FORMAT_VERSION,
-                FORMAT_VERSION,
-            )
-        elif version == bytes((MIGRATED_FORMAT_VERSION,)):  # ids keyed by decay epoch: drop them, the rest is unchanged
+            self._write_successor_meta(txn, _SuccessorMeta(tick=0, tick_writes=0, evictions=0))
+        elif version[0] in MIGRATIONS and len(version) == 1:
+            self._migrate(txn, version[0])
+        elif version != bytes((FORMAT_VERSION,)):
+            raise StoreFormatError(f"{self.config.path} has store format version {version[0]}; this code reads version {FORMAT_VERSION}")
+
+    def _migrate(self, txn: lmdb.Transaction, version: int) -> None:
+        """Bring a file of an older ``version`` to this format, in the opening transaction (see the docstring)."""
+        dropped = 0
+        if version == MIGRATED_FORMAT_VERSION:  # ids keyed by decay epoch: drop them
             meta = self._read_meta(txn)
-            cursor, dropped = txn.cursor(db=self._applied), 0
+            cursor = txn.cursor(db=self._applied)
             while cursor.first():
                 meta.tracked_bytes -= record_bytes(cursor.key(), b"")
                 cursor.delete()
                 dropped += 1
             self._write_meta(txn, meta)
-            txn.put(_META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
-            log.warning(
-                "%s: migrated store format %d to %d (dropped %d observe ids kept by epoch)",
-                self.config.path,
-                MIGRATED_FORMAT_VERSION,
-                FORMAT_VERSION,
-                dropped,
-            )
-        elif version != bytes((FORMAT_VERSION,)):
-            raise StoreFormatError(f"{self.config.path} has store format version {version[0]}; this code reads version {FORMAT_VERSION}")
+        stamped = 0
+        if version == UNSTAMPED_FORMAT_VERSION:  # every record gets stamp 0: older than anything written from now on
+            oldest = _UINT32.pack(0)
+            cursor = txn.cursor(db=self._successors)
+            for key, value in cursor:
+                if not value or value[0] != UNSTAMPED_SUCCESSOR_VERSION:
+                    raise StoreFormatError(f"successor value of {key.hex()} is not version {UNSTAMPED_SUCCESSOR_VERSION}")
+                cursor.put(key, bytes((SUCCESSOR_VERSION,)) + oldest + value[1:])
+                txn.put(oldest + key, b"", db=self._recency)
+                stamped += 1
+        self._write_successor_meta(txn, _SuccessorMeta(tick=1, tick_writes=0, evictions=0))
+        txn.put(_META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
+        log.log(
+            logging.WARNING if dropped else logging.INFO,
+            "%s: migrated store format %d to %d (%s: dropped %d observe ids kept by epoch, stamped %d successor records)",
+            self.config.path,
+            version,
+            FORMAT_VERSION,
+            MIGRATIONS[version],
+            dropped,
+            stamped,
+        )
 
     def _read_meta(self, txn: lmdb.Transaction) -> _Meta:
         def get(key: bytes, layout: struct.Struct) -> int:
@@ -885,6 +1009,21 @@ class LMDBNGramStore:
             tracked_bytes=get(_META_TRACKED, _UINT64),
             evictions=get(_META_EVICTIONS, _UINT64),
         )
+
+    def _read_successor_meta(self, txn: lmdb.Transaction) -> _SuccessorMeta:
+        def get(key: bytes, layout: struct.Struct) -> int:
+            return layout.unpack(txn.get(key, db=self._meta))[0]  # type: ignore[arg-type]  # written at creation or migration
+
+        return _SuccessorMeta(
+            tick=get(_META_SUCCESSOR_TICK, _UINT32),
+            tick_writes=get(_META_SUCCESSOR_TICK_WRITES, _UINT64),
+            evictions=get(_META_SUCCESSOR_EVICTIONS, _UINT64),
+        )
+
+    def _write_successor_meta(self, txn: lmdb.Transaction, meta: _SuccessorMeta) -> None:
+        txn.put(_META_SUCCESSOR_TICK, _UINT32.pack(meta.tick), db=self._meta)
+        txn.put(_META_SUCCESSOR_TICK_WRITES, _UINT64.pack(meta.tick_writes), db=self._meta)
+        txn.put(_META_SUCCESSOR_EVICTIONS, _UINT64.pack(meta.evictions), db=self._meta)
 
     def _write_meta(self, txn: lmdb.Transaction, meta: _Meta) -> None:
         txn.put(_META_EPOCH, _UINT32.pack(meta.epoch), db=self._meta)
@@ -1030,8 +1169,24 @@ class LMDBNGramStore:
     def _evict_if_needed(self) -> None:
         with self._env.begin() as txn:
             tracked = self._read_meta(txn).tracked_bytes
+            successors = txn.stat(self._successors)["entries"]
         if tracked > self.config.high_water_bytes:
             self._evict_to(self.config.low_water_bytes)
+        if successors > self.config.max_successor_entries:
+            self._trim_successors()
+
+    def _trim_successors(self) -> None:
+        """Evict the successor records beyond max_successor_entries, least recently written
+        first, one bounded transaction at a time (a file last written under a larger bound)."""
+        chunk = self.config.eviction_chunk_records
+        while True:
+            with self._env.begin(write=True) as txn:
+                excess = txn.stat(self._successors)["entries"] - self.config.max_successor_entries
+                meta = self._read_successor_meta(txn)
+                self._evict_successors(txn, meta, min(excess, chunk), {})
+                self._write_successor_meta(txn, meta)
+            if excess <= chunk:
+                return
 
     def _evict_to(self, target_bytes: int) -> None:
         """Evict coldest-first, one bounded transaction at a time, until tracked <= target."""
@@ -1090,9 +1245,16 @@ def _tree_pages(stat: Mapping[str, Any]) -> int:
 # reaches SERVING in seconds, not minutes; a table of up to ~40 MB tracked (~44 bytes a
 # record) holds fewer and is walked whole.
 STARTUP_WALK_RECORDS = 1_000_000
-# The meta records (see the format above) and each one's length.
-_META_LAYOUT = {_META_VERSION: 1, _META_EPOCH: 4, _META_EPOCH_TOKENS: 8, _META_TRACKED: 8, _META_EVICTIONS: 8}
-_READABLE_VERSIONS = (MIGRATED_FORMAT_VERSION, SUCCESSORLESS_FORMAT_VERSION, FORMAT_VERSION)
+# The meta records (see the format above) and each one's length: formats 1-3, and this one.
+_OLDER_META_LAYOUT = {_META_VERSION: 1, _META_EPOCH: 4, _META_EPOCH_TOKENS: 8, _META_TRACKED: 8, _META_EVICTIONS: 8}
+_META_LAYOUT = {**_OLDER_META_LAYOUT, _META_SUCCESSOR_TICK: 4, _META_SUCCESSOR_TICK_WRITES: 8, _META_SUCCESSOR_EVICTIONS: 8}
+# The sub-databases of each format a store reads.
+_DATABASES_OF_VERSION = {
+    MIGRATED_FORMAT_VERSION: _SUCCESSORLESS_DATABASES,
+    SUCCESSORLESS_FORMAT_VERSION: _SUCCESSORLESS_DATABASES,
+    UNSTAMPED_FORMAT_VERSION: _UNSTAMPED_DATABASES,
+    FORMAT_VERSION: _OUR_DATABASES,
+}
 _NGRAM_KEY_MAX = NAMESPACE_BYTES + 1 + 4 * MAX_N
 # Signals LMDB dies of on a damaged page: an assertion (abort), or a pointer into nowhere.
 _DAMAGE_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
@@ -1126,7 +1288,7 @@ class _Walker:
 
     def __init__(self, env: lmdb.Environment, max_records: int | None) -> None:
         self.env, self.max_records = env, max_records
-        self.records = self.entries = 0
+        self.records = self.entries = self.meta_records = 0
         self.version: int | None = None
 
     def walk(self) -> None:
@@ -1137,16 +1299,21 @@ class _Walker:
         names = set(self.txn.cursor().iternext(keys=True, values=False))
         if not names:
             return  # an environment never written (creation cut short): the store sets it up
-        if names != _OUR_DATABASES and names != _SUCCESSORLESS_DATABASES:
+        if names not in _DATABASES_OF_VERSION.values():
             raise _Unsound(f"its sub-databases are {sorted(names)}, not this store's")
         dbs = {name: self.env.open_db(name, txn=self.txn, create=False) for name in names}
-        epoch = self._meta(dbs[b"meta"])
-        if (b"successors" in names) != (self.version == FORMAT_VERSION):
+        epoch, tick = self._meta(dbs[b"meta"])
+        if names != _DATABASES_OF_VERSION[self.version]:  # type: ignore[index]  # _meta set it
             raise _Unsound(f"format version {self.version} with sub-databases {sorted(names)}")
-        sizes = {name: self.txn.stat(dbs[name])["entries"] for name in (b"ngrams", b"coldness", b"applied", b"successors") if name in dbs}
-        self.entries = len(_META_LAYOUT) + sum(sizes.values())
+        walked = (b"ngrams", b"coldness", b"applied", b"successors", b"successor_recency")
+        sizes = {name: self.txn.stat(dbs[name])["entries"] for name in walked if name in dbs}
+        self.entries = self.meta_records + sum(sizes.values())
         if sizes[b"ngrams"] != sizes[b"coldness"]:
             raise _Unsound(f"it holds {sizes[b'ngrams']} n-gram records but {sizes[b'coldness']} coldness entries (one each)")
+        if b"successor_recency" in sizes and sizes[b"successors"] != sizes[b"successor_recency"]:
+            raise _Unsound(
+                f"it holds {sizes[b'successors']} successor records but {sizes[b'successor_recency']} successor-recency entries (one each)"
+            )
         limits = dict(sizes)
         if self.max_records is not None and sum(sizes.values()) > self.max_records:
             # Rounded up: every sub-database holding records has some walked.
@@ -1155,19 +1322,25 @@ class _Walker:
         self._coldness(dbs[b"coldness"], limits[b"coldness"], sizes[b"coldness"], epoch)
         self._applied(dbs[b"applied"], limits[b"applied"], sizes[b"applied"])
         if b"successors" in dbs:
-            self._successors(dbs[b"successors"], limits[b"successors"], sizes[b"successors"])
+            recency = dbs.get(b"successor_recency")
+            self._successors(dbs[b"successors"], recency, limits[b"successors"], sizes[b"successors"], tick)
+        if b"successor_recency" in dbs:
+            self._recency(dbs[b"successor_recency"], limits[b"successor_recency"], sizes[b"successor_recency"], tick)
 
-    def _meta(self, db: Any) -> int:
-        """Check the meta records; the current epoch."""
+    def _meta(self, db: Any) -> tuple[int, int | None]:
+        """Check the meta records; the current epoch and successor tick (None before format 4)."""
         records = dict(self.txn.cursor(db=db))
         self.records += len(records)
         version = records.get(_META_VERSION)
-        if version is None or len(version) != 1 or version[0] not in _READABLE_VERSIONS:
-            raise _Unsound(f"format version {version!r}; this code reads {FORMAT_VERSION} (and 1 and 2, migrating them)")
+        if version is None or len(version) != 1 or version[0] not in _DATABASES_OF_VERSION:
+            raise _Unsound(f"format version {version!r}; this code reads {FORMAT_VERSION} (and 1 to 3, migrating them)")
         self.version = version[0]
-        if {key: len(value) for key, value in records.items()} != _META_LAYOUT:
-            raise _Unsound(f"its meta records are {sorted(records)}, not this format's")
-        return _UINT32.unpack(records[_META_EPOCH])[0]
+        layout = _META_LAYOUT if self.version == FORMAT_VERSION else _OLDER_META_LAYOUT
+        if {key: len(value) for key, value in records.items()} != layout:
+            raise _Unsound(f"its meta records are {sorted(records)}, not format {self.version}'s")
+        self.meta_records = len(layout)
+        tick = _UINT32.unpack(records[_META_SUCCESSOR_TICK])[0] if self.version == FORMAT_VERSION else None
+        return _UINT32.unpack(records[_META_EPOCH])[0], tick
 
     def _cursor(self, db: Any, limit: int) -> Iterator[tuple[bytes, bytes]]:
         return islice(self.txn.cursor(db=db), limit)
@@ -1237,20 +1410,43 @@ class _Walker:
                 raise _Unsound(f"applied id {key.hex()} is not UTF-8") from None
         self._walked("applied-id", walked, limit, entries)
 
-    def _successors(self, db: Any, limit: int, entries: int) -> None:
-        previous, head = b"", NAMESPACE_BYTES + 1  # namespace, n
+    def _successors(self, db: Any, recency: Any, limit: int, entries: int, tick: int | None) -> None:
+        """Format 4's successor records (``recency`` given), or format 3's unstamped ones."""
+        get, previous, head = self.txn.get, b"", NAMESPACE_BYTES + 1  # namespace, n
+        version, header = (SUCCESSOR_VERSION, _SUCCESSOR_HEADER.size) if recency is not None else (UNSTAMPED_SUCCESSOR_VERSION, 1)
         walked = 0
         for key, value in self._cursor(db, limit):
             walked += 1
             if key <= previous:
                 raise _Unsound(f"successor keys out of order at {key.hex()}")
             previous = key
-            count, odd = divmod(len(value) - 1, 4)
+            count, odd = divmod(len(value) - header, 4)
             if len(key) < head or key[head - 1] not in (1, 2) or len(key) != head + 4 * key[head - 1]:
                 raise _Unsound(f"successor key {key.hex()} is not namespace | n (1 or 2) | n tokens")
-            if odd or not 0 < count <= MAX_SUCCESSORS or value[0] != SUCCESSOR_VERSION:
-                raise _Unsound(f"successor value of {key.hex()} is not version {SUCCESSOR_VERSION} and 1..{MAX_SUCCESSORS} tokens")
+            if odd or not 0 < count <= MAX_SUCCESSORS or value[0] != version:
+                raise _Unsound(f"successor value of {key.hex()} is not version {version} and 1..{MAX_SUCCESSORS} tokens")
+            if recency is None:
+                continue
+            stamp = value[1:header]
+            if _UINT32.unpack(stamp)[0] > tick:  # type: ignore[operator]  # format 4: a tick
+                raise _Unsound(f"successor record {key.hex()} is stamped after the current tick {tick}")
+            if get(stamp + key, db=recency) is None:
+                raise _Unsound(f"successor record {key.hex()} has no successor-recency entry")
         self._walked("successor", walked, limit, entries)
+
+    def _recency(self, db: Any, limit: int, entries: int, tick: int | None) -> None:
+        previous, head = b"", _UINT32.size + NAMESPACE_BYTES + 1  # stamp, namespace, n
+        walked = 0
+        for key, value in self._cursor(db, limit):
+            walked += 1
+            if key <= previous:
+                raise _Unsound(f"successor-recency keys out of order at {key.hex()}")
+            previous = key
+            if value or len(key) < head or key[head - 1] not in (1, 2) or len(key) != head + 4 * key[head - 1]:
+                raise _Unsound(f"successor-recency entry {key.hex()} is not stamp | successor key, with no value")
+            if _UINT32.unpack_from(key)[0] > tick:  # type: ignore[operator]  # format 4: a tick
+                raise _Unsound(f"successor-recency entry {key.hex()} is stamped after the current tick {tick}")
+        self._walked("successor-recency", walked, limit, entries)
 
 
 def _sound_pairs(flat: tuple[int, ...], total: int) -> bool:

@@ -102,10 +102,30 @@ def test_an_unknown_file_version_is_refused_on_open(tmp_path):
     LMDBNGramStore(config).close()
     env = lmdb.open(config.path, max_dbs=4)
     with env.begin(write=True) as txn:
-        txn.put(b"format_version", bytes([4]), db=env.open_db(b"meta", txn=txn))
+        txn.put(b"format_version", bytes([5]), db=env.open_db(b"meta", txn=txn))
     env.close()
-    with pytest.raises(StoreFormatError, match="store format version 4"):
+    with pytest.raises(StoreFormatError, match="store format version 5; this code reads version 4"):
         LMDBNGramStore(config)
+
+
+def as_older_format(path: str, version: int) -> None:
+    """Rewrite a table of this format as format ``version`` (1, 2 or 3) left it, by each one's
+    layout (the module docstring's history): 3 had successor values of version 1 (the tokens,
+    unstamped), no successor_recency and no successor meta records; 2 and 1 no successor table."""
+    env = lmdb.open(path, max_dbs=6, map_size=1 << 30)  # sparse: room to rewrite a big table
+    with env.begin(write=True) as txn:
+        meta, successors = env.open_db(b"meta", txn=txn), env.open_db(b"successors", txn=txn)
+        txn.drop(env.open_db(b"successor_recency", txn=txn), delete=True)
+        for key in (b"successor_tick", b"successor_tick_writes", b"successor_evictions"):
+            assert txn.delete(key, db=meta)
+        cursor = txn.cursor(db=successors)
+        for key, value in cursor:
+            assert value[0] == 2
+            cursor.put(key, b"\x01" + value[5:])  # version 1 | tokens: the stamp goes
+        if version < 3:
+            txn.drop(successors, delete=True)
+        txn.put(b"format_version", bytes([version]), db=meta)
+    env.close()
 
 
 def test_a_value_too_short_for_one_pair_is_a_format_error(tmp_path):
@@ -230,19 +250,21 @@ def test_a_format_1_store_is_migrated_and_its_epoch_keyed_ids_dropped(tmp_path, 
     config = make_config(tmp_path, n_min=2, n_max=2)
     with LMDBNGramStore(config) as store:
         store.apply([("a", [1, 2, 3])])
-    env = lmdb.open(config.path, max_dbs=4)  # as format 1 left it: version 1, ids under epoch 0
+    as_older_format(config.path, 1)
+    env = lmdb.open(config.path, max_dbs=4)  # as format 1 left it: ids under epoch 0
     with env.begin(write=True) as txn:
         applied = env.open_db(b"applied", txn=txn)
         txn.drop(applied, delete=False)
         txn.put(struct.pack(">I", 0) + NAMESPACE + b"a", b"", db=applied)
-        txn.put(b"format_version", b"\x01", db=env.open_db(b"meta", txn=txn))
     env.close()
+    assert walk_table(config.path) == TableWalk(None, records=8, entries=8, version=1)  # a bigram, its coldness, an id, 5 meta
     with caplog.at_level(logging.WARNING, logger="drafter_service.store"), LMDBNGramStore(config) as store:
-        assert "migrated store format 1 to 3 (dropped 1 observe ids" in caplog.text
+        assert "migrated store format 1 to 4 (its observe ids are dropped, a successor table is added: dropped 1 observe ids" in caplog.text
         assert store.continuations((1, 2)) == {3: 1}  # n-grams untouched
         assert store.stats()["applied_ids"] == 0
         assert store.apply([("a", [1, 2, 3])]) == [True]
-    with LMDBNGramStore(config) as store:  # now format 3: opens as is
+    assert walk_table(config.path).version == 4
+    with LMDBNGramStore(config) as store:  # now format 4: opens as is
         assert store.apply([("a", [1, 2, 3])]) == [False]
 
 
@@ -721,10 +743,10 @@ def test_the_walk_reads_every_record_of_a_sound_table_or_as_many_as_it_is_allowe
         store.apply([("a", [1, 2, 3, 4]), ("b", [1, 2, 5])])
         store.advance_epoch()
         store.observe([1, 2, 3])
-    # 2 bigrams ((1, 2) -> 3, 5; (2, 3) -> 4), each with its coldness entry, 2 applied ids, 5 meta records.
-    assert walk_table(config.path) == TableWalk(None, records=11, entries=11, version=3)
+    # 2 bigrams ((1, 2) -> 3, 5; (2, 3) -> 4), each with its coldness entry, 2 applied ids, 8 meta records.
+    assert walk_table(config.path) == TableWalk(None, records=14, entries=14, version=4)
     # 2 shared out by size, rounded up: one n-gram, one coldness entry, one applied id.
-    assert walk_table(config.path, max_records=2) == TableWalk(None, records=8, entries=11, version=3)
+    assert walk_table(config.path, max_records=2) == TableWalk(None, records=11, entries=14, version=4)
     assert walk_tables([config.path, config.path], max_records=2) == [walk_table(config.path, max_records=2)] * 2
 
 

@@ -4,6 +4,7 @@ n-gram table, written by the one writer, drafted from where n-grams have nothing
 from __future__ import annotations
 
 import logging
+import random
 import struct
 import time
 
@@ -12,11 +13,12 @@ import lmdb
 import pytest
 from test_hostile_callers import aborted, running  # noqa: F401  (a fixture)
 from test_servicer_overload import VOCABULARY, FakeContext
+from test_store import as_older_format
 
 from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR, Evidence, InMemoryNGramTable, NGramConfig, propose_tree
 from drafter_service.sessions import ContextIndex
 from drafter_service.storage import DiskSpace
-from drafter_service.store import LMDBNGramStore, StoreConfig, walk_table
+from drafter_service.store import LMDBNGramStore, StoreConfig, TableWalk, walk_table
 from drafter_service.writer import ObservationWriter
 from specdec.v1 import drafter_pb2 as pb
 
@@ -43,12 +45,59 @@ def test_the_newest_predictions_replace_the_old_and_survive_a_reopen(tmp_path):
     assert walk_table(store.config.path).problem is None
 
 
-def test_once_full_only_held_keys_are_updated(tmp_path):
-    with make_store(tmp_path, max_successor_entries=2) as store:
-        assert store.record_successors([((1,), (7,)), ((2,), (7,)), ((3,), (7,))]) == 2
-        assert store.successors((3,)) is None
-        assert store.record_successors([((1,), (8,)), ((4,), (8,))]) == 1
-        assert store.successors((1,)) == (8,) and store.stats()["successor_entries"] == 2
+def held(store, keys):
+    return [key for key in keys if store.successors(key) is not None]
+
+
+def test_a_full_table_keeps_taking_new_keys_and_evicts_the_least_recently_written(tmp_path):
+    # Was: once full, new keys were refused for good, so a client that filled the table
+    # with made-up keys froze it. Bound 4: each call is a tick of its own (4 // 256 < 1).
+    with make_store(tmp_path, max_successor_entries=4) as store:
+        for token in (1, 2, 3, 4):
+            assert store.record_successors([((token,), (7,))]) == 1
+        assert store.record_successors([((5,), (8,)), ((6,), (8,))]) == 2
+        assert held(store, [(t,) for t in range(1, 7)]) == [(3,), (4,), (5,), (6,)]  # 1 and 2 were the oldest
+        store.record_successors([((3,), (9,))])  # rewritten: now the newest
+        store.record_successors([((7,), (8,))])
+        assert held(store, [(t,) for t in range(1, 8)]) == [(3,), (5,), (6,), (7,)]  # 4 went, not 3
+        assert store.successors((3,)) == (9,)
+        stats = store.stats()
+        assert (stats["successor_entries"], stats["successor_evictions"]) == (4, 3)
+    assert walk_table(store.config.path).problem is None
+
+
+def test_a_call_with_more_keys_than_the_bound_keeps_its_newest_and_evicts_none_of_them(tmp_path):
+    with make_store(tmp_path, max_successor_entries=3) as store:
+        store.record_successors([((1,), (7,)), ((2,), (7,))])
+        # Five keys, (2,) among them: the last three stay, and the held (1,) and (2,) make room.
+        assert store.record_successors([((2,), (8,)), ((3,), (8,)), ((4,), (8,)), ((5,), (8,)), ((6,), (8,))]) == 3
+        assert held(store, [(t,) for t in range(1, 7)]) == [(4,), (5,), (6,)]
+        assert store.stats()["successor_evictions"] == 2
+
+
+def test_within_its_tick_a_rewritten_key_keeps_its_place_and_the_bound_holds_after_every_call(tmp_path):
+    rng = random.Random(3)
+    # Bound 512: two keys per tick, so rewrites within a tick leave the index alone.
+    with make_store(tmp_path, max_successor_entries=512) as store:
+        assert store.config.successor_writes_per_tick == 2
+        for _ in range(200):
+            updates = [((rng.randrange(400), rng.randrange(400)), (rng.randrange(50),)) for _ in range(rng.randrange(1, 40))]
+            store.record_successors(updates)
+            assert store.stats()["successor_entries"] <= 512
+        assert store.stats()["successor_evictions"] > 0
+        last = updates[-1]
+        assert store.successors(last[0]) == last[1]  # the newest call's keys are all held
+    assert walk_table(store.config.path).problem is None
+
+
+def test_a_table_reopened_under_a_smaller_bound_is_trimmed_oldest_first(tmp_path):
+    with make_store(tmp_path, max_successor_entries=8) as store:
+        for token in range(8):
+            store.record_successors([((token,), (1,))])
+    with make_store(tmp_path, max_successor_entries=3, eviction_chunk_records=2) as store:  # trimmed in three transactions
+        assert held(store, [(t,) for t in range(8)]) == [(5,), (6,), (7,)]
+        assert store.stats()["successor_evictions"] == 5
+    assert walk_table(store.config.path).problem is None
 
 
 @pytest.mark.parametrize("key, tokens", [((1, 2, 3), (4,)), ((1,), ()), ((1,), tuple(range(17))), ((1 << 32,), (4,))])
@@ -63,39 +112,91 @@ def test_a_format_2_table_is_migrated_and_keeps_its_n_grams(tmp_path, caplog):
     with make_store(tmp_path, n_min=2, n_max=2) as store:
         store.observe([1, 2, 3])
         path = store.config.path
-    env = lmdb.open(path, max_dbs=5)  # as format 2 left it: no successors sub-database
-    with env.begin(write=True) as txn:
-        txn.drop(env.open_db(b"successors", txn=txn), delete=True)
-        txn.put(b"format_version", b"\x02", db=env.open_db(b"meta", txn=txn))
-    env.close()
+    as_older_format(path, 2)
     assert walk_table(path).version == 2 and walk_table(path).problem is None
     with caplog.at_level(logging.INFO, logger="drafter_service.store"), make_store(tmp_path, n_min=2, n_max=2) as store:
-        assert "migrated store format 2 to 3" in caplog.text
+        assert "migrated store format 2 to 4 (a successor table is added" in caplog.text
         assert store.continuations((1, 2)) == {3: 1}
         store.record_successors([((3,), (4,))])
-    assert walk_table(path).version == 3 and walk_table(path).problem is None
+    assert walk_table(path).version == 4 and walk_table(path).problem is None
+
+
+def test_a_format_3_table_is_migrated_keeping_every_record_each_older_than_any_written_since(tmp_path, caplog):
+    with make_store(tmp_path, n_min=2, n_max=2, max_successor_entries=3) as store:
+        store.observe([1, 2, 3])
+        store.record_successors([((5,), (1, 2, 3)), ((4, 5), (2, 1)), ((6,), (9,))])
+        path = store.config.path
+    as_older_format(path, 3)  # version 1 values, no stamps, no successor_recency
+    assert walk_table(path) == TableWalk(None, records=10, entries=10, version=3)  # 1 n-gram, its coldness, 3 successors, 5 meta
+    logs = caplog.at_level(logging.INFO, logger="drafter_service.store")
+    with logs, make_store(tmp_path, n_min=2, n_max=2, max_successor_entries=3) as store:
+        assert "migrated store format 3 to 4 (each successor record is stamped as the oldest" in caplog.text
+        assert "stamped 3 successor records" in caplog.text
+        assert (store.successors((5,)), store.successors((4, 5)), store.successors((6,))) == ((1, 2, 3), (2, 1), (9,))
+        assert store.continuations((1, 2)) == {3: 1}
+        # The records written under format 3 are the oldest: (5,), rewritten now, outlives them
+        # when two new keys need room in a table of 3.
+        store.record_successors([((5,), (7,))])
+        store.record_successors([((8,), (1,)), ((9,), (1,))])
+        assert held(store, [(4, 5), (5,), (6,), (8,), (9,)]) == [(5,), (8,), (9,)]
+        assert store.successors((5,)) == (7,)
+    walk = walk_table(path)
+    # (1, 2) and its coldness entry, 3 records, their 3 recency entries, 8 meta records.
+    assert (walk.problem, walk.version, walk.entries) == (None, 4, 2 + 3 + 3 + 8)
+
+
+STAMP_0 = struct.pack(">I", 0)
 
 
 @pytest.mark.parametrize(
-    "key, value, problem",
+    "key, value, problem, served",
     [
-        (b"\x01" + struct.pack(">I", 5), b"\x02" + struct.pack(">I", 7), "is not version 1"),
-        (b"\x01" + struct.pack(">I", 5), b"\x01", "is not version 1 and 1..16 tokens"),
-        (b"\x03" + struct.pack(">3I", 1, 2, 5), b"\x01" + struct.pack(">I", 7), "is not namespace | n (1 or 2)"),
+        (b"\x01" + struct.pack(">I", 5), b"\x01" + STAMP_0 + struct.pack(">I", 7), "is not version 2", None),
+        (b"\x01" + struct.pack(">I", 5), b"\x02" + STAMP_0, "is not version 2 and 1..16 tokens", None),
+        (b"\x03" + struct.pack(">3I", 1, 2, 5), b"\x02" + STAMP_0 + struct.pack(">I", 7), "is not namespace | n (1 or 2)", None),
+        (b"\x01" + struct.pack(">I", 5), b"\x02" + struct.pack(">2I", 9, 7), "is stamped after the current tick 0", (7,)),
     ],
-    ids=["value version", "no tokens", "three-token key"],
+    ids=["value version", "no tokens", "three-token key", "future stamp"],
 )
-def test_the_walk_finds_a_successor_record_that_breaks_the_format(tmp_path, key, value, problem):
+def test_the_walk_finds_a_successor_record_that_breaks_the_format(tmp_path, key, value, problem, served):
     with make_store(tmp_path) as store:
         path = store.config.path
-    env = lmdb.open(path, max_dbs=5)
-    with env.begin(write=True) as txn:
+    env = lmdb.open(path, max_dbs=6)
+    with env.begin(write=True) as txn:  # the record with its recency entry, so that they count as one each
         txn.put(NAMESPACE + key, value, db=env.open_db(b"successors", txn=txn))
+        txn.put(value[1:5] + NAMESPACE + key, b"", db=env.open_db(b"successor_recency", txn=txn))
     env.close()
     walk = walk_table(path)
     assert walk.problem is not None and problem in walk.problem
     with make_store(tmp_path) as store:  # served meanwhile: an unreadable record reads as none
-        assert store.successors((5,)) is None
+        assert store.successors((5,)) == served
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ("drop the entry", "it holds 2 successor records but 1 successor-recency entries (one each)"),
+        ("add an entry", "it holds 2 successor records but 3 successor-recency entries (one each)"),
+        ("restamp the entry", "has no successor-recency entry"),
+    ],
+)
+def test_the_walk_finds_a_missing_or_extra_successor_recency_entry(tmp_path, change, problem):
+    with make_store(tmp_path) as store:
+        store.record_successors([((5,), (6,)), ((6,), (7,))])  # both stamped 0
+        path = store.config.path
+    assert walk_table(path).problem is None
+    env = lmdb.open(path, max_dbs=6)
+    with env.begin(write=True) as txn:
+        recency = env.open_db(b"successor_recency", txn=txn)
+        entry = STAMP_0 + NAMESPACE + b"\x01" + struct.pack(">I", 5)
+        if change != "add an entry":
+            assert txn.delete(entry, db=recency)
+        if change != "drop the entry":  # a second entry for (5,), or (after the delete) one under another stamp
+            txn.put(struct.pack(">I", 1) + entry[4:], b"", db=recency)
+            txn.put(b"successor_tick", struct.pack(">I", 1), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    walk = walk_table(path)
+    assert walk.problem is not None and problem in walk.problem, walk.problem
 
 
 def test_a_backup_holds_the_successor_table(tmp_path):
@@ -218,8 +319,7 @@ def test_malformed_predictions_are_invalid_argument_naming_the_field(running, pr
 
 def test_the_check_says_what_opening_an_older_table_will_do():
     from drafter_service.check import verdict
-    from drafter_service.store import TableWalk
 
-    assert "migrates it to 3 when it opens it (a successor table is added), 11 records" in verdict("t", TableWalk(None, 11, 11, 2))
-    assert "(its observe ids are dropped)" in verdict("t", TableWalk(None, 11, 11, 1))
-    assert verdict("t", TableWalk(None, 11, 11, 3)) == "t: ok, format 3 (current), 11 records"
+    assert "migrates it to 4 when it opens it (a successor table is added), 11 records" in verdict("t", TableWalk(None, 11, 11, 2))
+    assert "(its observe ids are dropped" in verdict("t", TableWalk(None, 11, 11, 1))
+    assert verdict("t", TableWalk(None, 11, 11, 4)) == "t: ok, format 4 (current), 11 records"

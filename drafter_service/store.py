@@ -100,14 +100,31 @@ Merging an apply (one write transaction; E is the epoch it started in)
    under the current hour.
 2. The epoch advances by the new items' tokens, to E'. First, so that a
    batch crossing a boundary is merged fresh at E', not aged as it lands.
-3. The new items' n-grams are counted together, as
-   ``InMemoryNGramTable.observe`` counts them (per key: next-token counts in
-   first-seen order).
+3. The new items' n-grams are counted together (per key: next-token counts
+   in first-seen order), each (n-gram, next token) pair at most once per
+   call (see *One vote per call*).
 4. Per key: decay the stored pairs to E', add the new counts (tokens not yet
    stored go after the stored ones), sort by count descending (stable) and
    keep the first ``max_continuations``; last-touched becomes E'.
 5. Eviction (below), in the same transaction.
 An empty batch does nothing.
+
+One vote per call
+-----------------
+A call adds at most 1 to any (n-gram, next token) count, however often the
+pair occurs in it: 50 copies of [1, 2, 3, 4, 9] in one call count
+(1, 2, 3, 4) -> 9 once, as one copy does. Counts are votes of calls, so one
+call's repetitions cannot outvote what other calls observed (an Observe
+holding 50 copies of another caller's 4-gram followed by junk used to turn
+that caller's 8-token draft into the junk). An apply item is one call by
+itself; an item that is one part of a call (one of its sequences, or one
+chunk of a long one) carries ``counted``: per n in [n_min, n_max], a mask
+over its tokens marking the positions whose pair occurs there first in the
+whole call (``first_occurrences``), and only those count. So a call counts
+each pair once whether its parts land in one transaction or several, and a
+retry counts only the pairs first seen in the parts not yet applied.
+(``InMemoryNGramTable``, the in-process table of benchmarks and of a drafter
+without a store, counts every occurrence.)
 
 Size and eviction
 -----------------
@@ -211,12 +228,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from itertools import chain, islice
+from itertools import accumulate, chain, compress, islice
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -558,27 +574,63 @@ def _ranked(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def count_ngrams(
-    sequences: Iterable[tuple[Sequence[int], bytes, int]], namespace: bytes, n_min: int, n_max: int
+    sequences: Iterable[tuple[Sequence[int], bytes, int, Sequence[bytes] | None]], namespace: bytes, n_min: int, n_max: int
 ) -> dict[bytes, dict[int, int]]:
-    """Next-token counts per ``ngrams`` key over (tokens, packed tokens, start) triples.
+    """Next-token counts per ``ngrams`` key over (tokens, packed tokens, start, counted)
+    tuples, each sequence adding at most 1 per (key, next token) pair (see *One vote per call*).
 
-    tokens [5, 6, 7], n_min=1, n_max=2 counts (5,)->6, (6,)->7, (5, 6)->7,
-    as InMemoryNGramTable.observe does, keyed by namespace | n | tokens. Only
-    n-grams whose next token is at index >= start count: the tokens before are
-    a chunk's context, whose own n-grams an earlier chunk counted.
+    tokens [5, 6, 7], n_min=1, n_max=2 counts (5,)->6, (6,)->7, (5, 6)->7, keyed by
+    namespace | n | tokens. tokens [1, 2, 1, 2, 1, 3], n_min=n_max=1 counts (1,)->2 once
+    though it occurs twice: {(1,): {2: 1, 3: 1}, (2,): {1: 1}}. Only n-grams whose next
+    token is at index >= start count: the tokens before are a chunk's context, whose own
+    n-grams an earlier chunk counted. With ``counted`` (per n, a mask over the tokens: see
+    ``first_occurrences``), only the positions it marks count.
     """
     counts: dict[bytes, dict[int, int]] = {}
-    for tokens, packed, start in sequences:
+    for tokens, packed, start, counted in sequences:
         for n in range(n_min, n_max + 1):
             prefix = namespace + bytes((n,))
             first = max(n, start)
-            keys = [prefix + packed[4 * (position - n) : 4 * position] for position in range(first, len(tokens))]
-            # Counter keeps first-seen order, so each key's continuations stay in
-            # the order they first followed it, as in InMemoryNGramTable.
-            for (key, following), count in Counter(zip(keys, tokens[first:])).items():
+            positions: Iterable[int] = range(first, len(tokens))
+            following: Iterable[int] = tokens[first:]
+            if counted is not None:
+                positions, following = compress(positions, counted[n - n_min][first:]), compress(following, counted[n - n_min][first:])
+            keys = [prefix + packed[4 * (position - n) : 4 * position] for position in positions]
+            # dict.fromkeys: each pair once, in first-seen order, so each key's
+            # continuations stay in the order they first followed it.
+            for key, token in dict.fromkeys(zip(keys, following)):
                 continuation = counts.setdefault(key, {})
-                continuation[following] = continuation.get(following, 0) + count
+                continuation[token] = continuation.get(token, 0) + 1
     return counts
+
+
+def first_occurrences(sequences: Sequence[Sequence[int]], n_min: int, n_max: int) -> list[tuple[bytes, ...]]:
+    """Per sequence of one call, per n in [n_min, n_max], a mask over its tokens: 1 at each
+    position p >= n whose pair (tokens[p-n:p], tokens[p]) occurs there first in the call
+    (its sequences in order), else 0. ``apply`` counts only the positions marked.
+
+    [[1, 2, 1, 2], [2, 1, 3]], n_min=n_max=1: (1,)->2 first at 1, (2,)->1 at 2, (1,)->2
+    again at 3 -> bytes([0, 1, 1, 0]); then (2,)->1 is not new, (1,)->3 is -> bytes([0, 0, 1]).
+    Raises ValueError for a token id outside uint32.
+    """
+    try:
+        packed = [struct.pack(f">{len(tokens)}I", *tokens) for tokens in sequences]
+    except struct.error:
+        raise ValueError("token ids must be integers in [0, 2**32)") from None
+    offsets = list(accumulate((len(tokens) for tokens in sequences), initial=0))  # of each sequence, in the call
+    masks = []
+    for n in range(n_min, n_max + 1):
+        pairs = chain.from_iterable(
+            (sequence[4 * (position - n) : 4 * (position + 1)] for position in range(n, len(sequence) // 4)) for sequence in packed
+        )
+        where = chain.from_iterable(range(offset + n, end) for offset, end in zip(offsets, offsets[1:]))
+        # Built backwards, a dict keeps each pair's last assignment: its first position.
+        first = dict(zip(reversed(list(pairs)), reversed(list(where))))
+        mask = bytearray(offsets[-1])
+        for position in first.values():
+            mask[position] = 1
+        masks.append(mask)
+    return [tuple(bytes(mask[low:high]) for mask in masks) for low, high in zip(offsets, offsets[1:])]
 
 
 def record_bytes(key: bytes, value: bytes) -> int:
@@ -594,6 +646,15 @@ def applied_key(hour: int, namespace: bytes, observe_id: bytes) -> bytes:
 
 
 # --- the store --------------------------------------------------------------
+
+
+class ApplyItem(NamedTuple):
+    """One item of ``apply``: an observation, or one chunk or sequence of a larger call."""
+
+    observe_id: str | None
+    tokens: Sequence[int]
+    start: int = 0  # tokens before it are a chunk's context (see count_ngrams)
+    counted: Sequence[bytes] | None = None  # per n, the positions that count (first_occurrences); None: the item is a call
 
 
 @dataclass
@@ -616,6 +677,7 @@ class _Observation(NamedTuple):
     tokens: list[int]
     packed: bytes  # tokens as big-endian uint32
     start: int  # the first index whose n-grams count (see count_ngrams)
+    counted: tuple[bytes, ...] | None  # per n, the positions that count (see first_occurrences); None: all
 
 
 class StoreSnapshot:
@@ -750,12 +812,14 @@ class LMDBNGramStore:
 
     # -- writing
 
-    def apply(self, batch: Sequence[tuple[str | None, Sequence[int]] | tuple[str | None, Sequence[int], int]]) -> list[bool]:
-        """Count a batch of (observe id or None, tokens[, start]) in one transaction.
+    def apply(self, batch: Sequence[ApplyItem | tuple[str | None, Sequence[int]] | tuple[str | None, Sequence[int], int]]) -> list[bool]:
+        """Count a batch of (observe id or None, tokens[, start[, counted]]) in one transaction.
 
         With ``start``, the tokens before index ``start`` are context only: a long
         observation is applied in chunks (each under its own id), a chunk carrying
-        the n_max tokens before it so that no n-gram is lost or counted twice.
+        the n_max tokens before it so that no n-gram is lost or counted twice. Each
+        item is one call (each pair counts once in it) unless it carries ``counted``,
+        its positions that count as part of a larger call (``first_occurrences``).
 
         Returns per item True if counted now, False if its id was already
         applied (a retry). Raises StoreFull when items found no room in the map
@@ -1033,7 +1097,9 @@ class LMDBNGramStore:
 
     # -- internals: applying
 
-    def _validate(self, observe_id: str | None, tokens: Sequence[int], start: int = 0) -> _Observation:
+    def _validate(
+        self, observe_id: str | None, tokens: Sequence[int], start: int = 0, counted: Sequence[bytes] | None = None
+    ) -> _Observation:
         id_bytes = None if observe_id is None else observe_id.encode("utf-8")
         if id_bytes is not None and not 0 < len(id_bytes) <= MAX_OBSERVE_ID_BYTES:
             raise ValueError(f"observe id must be 1..{MAX_OBSERVE_ID_BYTES} UTF-8 bytes, got {len(id_bytes)}")
@@ -1044,7 +1110,12 @@ class LMDBNGramStore:
             raise ValueError(f"token ids must be integers in [0, 2**32), got {tokens[:8]}...") from None
         if not 0 <= start <= len(tokens):
             raise ValueError(f"start {start} is outside the {len(tokens)} tokens")
-        return _Observation(id_bytes, tokens, packed, start)
+        if counted is not None:
+            counted = tuple(counted)
+            masks = self.config.n_max - self.config.n_min + 1
+            if len(counted) != masks or any(len(mask) != len(tokens) for mask in counted):
+                raise ValueError(f"counted must hold {masks} masks (n {self.config.n_min}..{self.config.n_max}) of {len(tokens)} bytes")
+        return _Observation(id_bytes, tokens, packed, start, counted)
 
     def _commit_with_recovery(self, observations: list[_Observation]) -> list[bool]:
         for attempt in range(2):
@@ -1083,9 +1154,9 @@ class LMDBNGramStore:
             hour = int(self.config.clock() // 3600)
             self._expire_ids(txn, meta, hour - self.config.dedup_window_hours)
             results = self._claim_ids(txn, observations, meta, hour)
-            fresh = [(item.tokens, item.packed, item.start) for item, new in zip(observations, results) if new]
+            fresh = [(item.tokens, item.packed, item.start, item.counted) for item, new in zip(observations, results) if new]
             # The epoch first: a batch that crosses a boundary lands fresh in the new one.
-            meta.epoch_tokens += sum(len(tokens) - start for tokens, _packed, start in fresh)
+            meta.epoch_tokens += sum(len(tokens) - start for tokens, _packed, start, _counted in fresh)
             epochs, meta.epoch_tokens = divmod(meta.epoch_tokens, self.config.epoch_observations)
             if epochs:
                 self._advance_epoch(txn, meta, epochs)

@@ -1,6 +1,6 @@
 """The drafter's one writer: ``ObservationWriter`` commits queued observations to
 their tables in groups (group commit), then acknowledges them. Knows no gRPC: a
-handler queues ``_Pending`` items and waits on each one's ``done``.
+handler queues one call's ``_Pending`` items and waits on each one's ``done``.
 
 Nothing waits without bound. The queue is bounded in observations and in
 tokens (``submit`` refuses beyond either, all or none: the caller retries).
@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from drafter_service.storage import DiskFull, DiskSpace
-from drafter_service.store import LMDBNGramStore, StoreClosed, StoreFull
+from drafter_service.store import ApplyItem, LMDBNGramStore, StoreClosed, StoreFull, first_occurrences
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,9 @@ class _Pending:
     next_chunk: int = 0  # chunks before it are committed
     deadline: float | None = None  # time.monotonic() when its caller gives up; None: never
     abandoned: bool = False  # its handler stopped waiting (deadline, cancel, the service's maximum)
+    # Per n, the positions whose n-gram counts: its call's first occurrences (store.first_occurrences);
+    # None: the item is a call by itself (the store counts each n-gram once in it).
+    counted: tuple[bytes, ...] | None = None
 
     def expired(self) -> bool:
         """Its caller has given up: nothing more of it is committed."""
@@ -61,16 +64,21 @@ class _Pending:
     def chunks(self) -> int:
         return max(1, -(-len(self.tokens) // CHUNK_TOKENS))
 
-    def chunk(self, index: int) -> tuple[str | None, list[int], int]:
-        """Chunk ``index`` as the store applies it: (id, tokens, start). Each chunk is
-        de-duplicated under its own id, so a retry after a partial commit stores only
-        the rest; it carries the n_max tokens before it as context (see count_ngrams)."""
+    def chunk(self, index: int) -> ApplyItem:
+        """Chunk ``index`` as the store applies it. Each chunk is de-duplicated under its
+        own id, so a retry after a partial commit stores only the rest; it carries the
+        n_max tokens before it as context (see count_ngrams), and the positions of it
+        that count (``counted``: so the chunks together count each n-gram once)."""
         if self.chunks == 1:
-            return self.observe_id, self.tokens, 0
+            return ApplyItem(self.observe_id, self.tokens, 0, self.counted)
+        if self.counted is None:  # a call of this one observation: its chunks are the parts
+            config = self.store.config
+            self.counted = first_occurrences([self.tokens], config.n_min, config.n_max)[0]
         low = index * CHUNK_TOKENS
         context = min(low, self.store.config.n_max)
         chunk_id = None if self.observe_id is None else f"{self.observe_id}#{index}"
-        return chunk_id, self.tokens[low - context : low + CHUNK_TOKENS], context
+        counted = tuple(mask[low - context : low + CHUNK_TOKENS] for mask in self.counted)
+        return ApplyItem(chunk_id, self.tokens[low - context : low + CHUNK_TOKENS], context, counted)
 
 
 class _Wake:
@@ -148,8 +156,9 @@ class ObservationWriter(threading.Thread):
             self.dropped_successors += len(updates) - stored
 
     def submit(self, items: list[_Pending]) -> None:
-        """Queue ``items``, all or none: ``WriteQueueFull`` beyond --max-pending-observations
-        or --max-pending-write-tokens (the caller answers RESOURCE_EXHAUSTED)."""
+        """Queue one call's ``items``, all or none: ``WriteQueueFull`` beyond --max-pending-observations
+        or --max-pending-write-tokens (the caller answers RESOURCE_EXHAUSTED). The items are one
+        call: together they count each n-gram once (store: *One vote per call*)."""
         tokens = sum(len(item.tokens) for item in items)
         with self._accounting:
             if self.pending + len(items) > self.max_pending:
@@ -164,6 +173,7 @@ class ObservationWriter(threading.Thread):
                 )
             self.pending += len(items)
             self.pending_tokens += tokens
+        _mark_first_occurrences(items)  # before the writer can take any of them
         for item in items:
             self.queue.put_nowait(item)
 
@@ -301,3 +311,20 @@ class ObservationWriter(threading.Thread):
     def stop(self) -> None:
         self.queue.put(None)
         self.join()
+
+
+def _mark_first_occurrences(items: list[_Pending]) -> None:
+    """Give the items of one call, when it has several parts (sequences or chunks), the
+    positions that count (``counted``): so the call counts each n-gram once in all."""
+    per_table: dict[LMDBNGramStore, list[_Pending]] = {}
+    for item in items:
+        per_table.setdefault(item.store, []).append(item)
+    for store, parts in per_table.items():
+        if len(parts) == 1 and parts[0].chunks == 1:
+            continue  # one part: the store counts each n-gram once in it
+        try:
+            masks = first_occurrences([item.tokens for item in parts], store.config.n_min, store.config.n_max)
+        except ValueError:
+            continue  # a token id out of range: the store refuses the item, naming it
+        for item, counted in zip(parts, masks):
+            item.counted = counted

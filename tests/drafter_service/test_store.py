@@ -38,7 +38,9 @@ from drafter_service.store import (
     StoreFormatError,
     StoreFull,
     TableWalk,
+    count_ngrams,
     decode_value,
+    first_occurrences,
     is_corruption,
     vocabulary_fingerprint,
     walk_table,
@@ -163,6 +165,53 @@ def test_observe_counts_what_the_in_memory_table_counts(tmp_path):
         assert store.stats()["entries"] == 3  # and nothing else was stored
         # The last token has no continuation; (6,) is below n_min; (5, 6, 7, 8) above n_max.
         assert contents(store, [(7, 8), (6,), (5, 6, 7, 8)]) == {(7, 8): None, (6,): None, (5, 6, 7, 8): None}
+
+
+def packed_sequence(tokens, start=0, counted=None):
+    return tokens, struct.pack(f">{len(tokens)}I", *tokens), start, counted
+
+
+def test_a_sequence_counts_each_pair_once_in_first_seen_order():
+    counts = count_ngrams([packed_sequence([1, 2, 1, 2, 1, 3])], b"", 1, 1)
+    # (1,)->2 occurs twice, counted once; 2 before 3 after (1,), as first seen.
+    assert counts == {b"\x01" + struct.pack(">I", 1): {2: 1, 3: 1}, b"\x01" + struct.pack(">I", 2): {1: 1}}
+    assert list(counts[b"\x01" + struct.pack(">I", 1)]) == [2, 3]
+    # Two sequences (two calls): once each.
+    assert count_ngrams([packed_sequence([1, 2])] * 2, b"", 1, 1) == {b"\x01" + struct.pack(">I", 1): {2: 2}}
+
+
+def test_first_occurrences_mark_where_each_pair_of_a_call_is_first_seen():
+    assert first_occurrences([[1, 2, 1, 2], [2, 1, 3]], 1, 1) == [(bytes([0, 1, 1, 0]),), (bytes([0, 0, 1]),)]
+    # n 1 and 2: (1, 2)->1 at 2, then (2, 1)->2 at 3; the second sequence repeats (1,)->2 and (1, 2)->1.
+    assert first_occurrences([[1, 2, 1, 2], [1, 2, 1]], 1, 2) == [
+        (bytes([0, 1, 1, 0]), bytes([0, 0, 1, 1])),
+        (bytes([0, 0, 0]), bytes([0, 0, 0])),
+    ]
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        first_occurrences([[1, 1 << 32]], 1, 1)
+
+
+def test_a_call_counts_an_n_gram_once_however_often_it_repeats(tmp_path):
+    # Was: an Observe of 50 copies of another caller's 4-gram followed by junk outvoted that
+    # caller's observation 50 to 1, and its 8-token draft became the junk.
+    victim = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    with LMDBNGramStore(make_config(tmp_path, n_min=4, n_max=4)) as store:
+        store.observe(victim)
+        store.observe([1, 2, 3, 4, 99] * 50)
+        assert list(store.continuations((1, 2, 3, 4)).items()) == [(5, 1), (99, 1)]  # a tie: the stored one first
+        store.apply([(None, [1, 2, 3, 4, 99]), (None, [1, 2, 3, 4, 99])])  # two calls: two votes
+        assert store.continuations((1, 2, 3, 4)) == {99: 3, 5: 1}
+
+
+def test_the_parts_of_a_call_count_only_the_positions_marked(tmp_path):
+    parts = [[1, 2, 3, 4, 9] * 50] * 3  # one call, three sequences of 50 copies each
+    with LMDBNGramStore(make_config(tmp_path, n_min=4, n_max=4)) as store:
+        masks = first_occurrences(parts, 4, 4)
+        assert store.apply([(f"o/{i}", tokens, 0, counted) for i, (tokens, counted) in enumerate(zip(parts, masks))]) == [True] * 3
+        # One vote per pair for the call: (1, 2, 3, 4)->9, (2, 3, 4, 9)->1, and so on.
+        assert store.continuations((1, 2, 3, 4)) == {9: 1} and store.continuations((2, 3, 4, 9)) == {1: 1}
+        with pytest.raises(ValueError, match=r"counted must hold 1 masks \(n 4..4\) of 5 bytes"):
+            store.apply([("p", [1, 2, 3, 4, 9], 0, [b"\x01" * 4])])
 
 
 def test_continuations_are_most_frequent_first_and_ties_keep_stored_order(tmp_path):
@@ -618,11 +667,14 @@ class StoreModel:
 
     def count(self, sequences):
         counts: dict[tuple[int, ...], dict[int, int]] = {}
-        for tokens in sequences:
+        for tokens in sequences:  # each one call: a pair counts once in it
+            pairs = {}  # ordered: first seen first
             for position in range(1, len(tokens)):
                 for n in range(self.config.n_min, min(self.config.n_max, position) + 1):
-                    following = counts.setdefault(tuple(tokens[position - n : position]), {})
-                    following[tokens[position]] = following.get(tokens[position], 0) + 1
+                    pairs[(tuple(tokens[position - n : position]), tokens[position])] = None
+            for key, token in pairs:
+                following = counts.setdefault(key, {})
+                following[token] = following.get(token, 0) + 1
         return counts
 
     def merge(self, key, additions) -> None:

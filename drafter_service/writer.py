@@ -2,8 +2,14 @@
 their tables in groups (group commit), then acknowledges them. Knows no gRPC: a
 handler queues one call's ``_Pending`` items and waits on each one's ``done``.
 
+Tables are served fairly: each transaction takes the tables' observations
+round-robin (``next_group``), the tables served longest ago first, so one
+table's many queued items never fill a transaction ahead of another table's
+first; and each table may hold only its share of the queue.
+
 Nothing waits without bound. The queue is bounded in observations and in
-tokens (``submit`` refuses beyond either, all or none: the caller retries).
+tokens, in all and per table (``submit`` refuses beyond any, all or none: the
+caller retries).
 A handler waits no longer than its caller's deadline (and the service's
 maximum), then marks its items ``abandoned``; an item whose caller has given
 up is dropped before its next chunk is committed, however few chunks it has,
@@ -12,8 +18,8 @@ stay (a retry under the same id skips them).
 
 The writer also stores the target's predictions that verifiers send with
 Propose (the successor table): ``submit_successors`` never blocks its caller,
-keeps the newest predictions per key, and drops keys beyond its bound
-(counted); the writer commits what is pending before each group of
+keeps the newest predictions per key, and drops keys beyond its bound, in all
+or for the table (counted); the writer commits what is pending before each group of
 observations, in one transaction per table. Predictions are hints, resent
 with every step, so a dropped or lost one costs a draft, never an output.
 """
@@ -39,6 +45,10 @@ CHUNK_TOKENS = 4096
 WRITE_BATCH_TOKENS = 8192
 # Bytes an observe id keeps free for a chunk's "#<index>" suffix.
 CHUNK_SUFFIX_BYTES = 8
+# The default share of each queue bound (observations, tokens, successor keys) one table
+# may hold: a flooding tenant leaves three quarters of the queue to the others, and still
+# has ~2.5 s of the writer's work queued (a quarter of --max-pending-write-tokens).
+TABLE_SHARE_OF_QUEUE = 4
 
 
 @dataclass(eq=False)  # hashed by identity
@@ -89,44 +99,60 @@ _WAKE = _Wake()
 
 
 class WriteQueueFull(Exception):
-    """The queue holds as many observations or tokens as it may; the message names the flag."""
+    """The queue, or the table's share of it, holds as many observations or tokens as it may; the message names the flag."""
 
 
 class ObservationWriter(threading.Thread):
     """The only writer: commits queued observations in groups, then acknowledges them.
 
-    Fair to small calls: each transaction takes the next chunk of every waiting
-    observation that fits in WRITE_BATCH_TOKENS, round-robin, so a small Observe
-    is stored in the first transaction after it arrives, whatever long ones are
-    in progress, and long ones always advance.
+    Fair to tables and to small calls: each transaction takes the next chunk of the
+    waiting observations that fit in WRITE_BATCH_TOKENS, round-robin over tables
+    (``next_group``), so a small Observe is stored in the first transaction after it
+    arrives, whatever long ones or other tables' floods are in progress, and long ones
+    always advance. ``*_per_table`` bound what one table (one scope) may hold queued;
+    None: a TABLE_SHARE_OF_QUEUE-th of the bound in all.
     """
 
-    def __init__(self, max_pending: int, disk: DiskSpace, max_pending_tokens: int = 1 << 20, max_pending_successors: int = 1 << 16) -> None:
+    def __init__(
+        self,
+        max_pending: int,
+        disk: DiskSpace,
+        max_pending_tokens: int = 1 << 20,
+        max_pending_successors: int = 1 << 16,
+        max_pending_per_table: int | None = None,
+        max_pending_tokens_per_table: int | None = None,
+        max_pending_successors_per_table: int | None = None,
+    ) -> None:
         super().__init__(name="drafter-writer", daemon=True)
         self.queue: queue.Queue[_Pending | _Wake | None] = queue.Queue()
         self.disk = disk
         self.max_pending, self.max_pending_tokens = max_pending, max_pending_tokens
+        self.max_pending_per_table = _share(max_pending, max_pending_per_table)
+        self.max_pending_tokens_per_table = _share(max_pending_tokens, max_pending_tokens_per_table)
         self.pending = self.pending_tokens = 0  # submitted and not yet done
+        self._queued: dict[LMDBNGramStore, list[int]] = {}  # per table with items not yet done: [items, tokens]
         self.dropped = 0  # items dropped because their caller gave up
         self._accounting = threading.Lock()
         # Successor-table updates waiting for the writer: per table, key -> predictions (the newest).
         self.max_pending_successors = max_pending_successors
-        self._successors: dict[int, tuple[LMDBNGramStore, dict[tuple[int, ...], tuple[int, ...]]]] = {}
+        self.max_pending_successors_per_table = _share(max_pending_successors, max_pending_successors_per_table)
+        self._successors: dict[LMDBNGramStore, dict[tuple[int, ...], tuple[int, ...]]] = {}
         self._successor_keys = 0  # keys in _successors
         self._woken = False  # a _WAKE is queued and not yet taken
-        self.dropped_successors = 0  # keys dropped: beyond the bound, the disk full, or the table gone
+        self.dropped_successors = 0  # keys dropped: beyond a bound, the disk full, or the table gone
         self.stored_successors = 0
+        self._turns: dict[LMDBNGramStore, int] = {}  # see next_group
 
     def submit_successors(self, store: LMDBNGramStore, updates: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
         """Queue the target's predictions for ``store`` (see the module docstring). Never blocks:
-        a key beyond --max-pending-successors is dropped and counted."""
+        a key beyond --max-pending-successors, or beyond the table's share of it, is dropped and counted."""
         if not updates:
             return
         with self._accounting:
-            pending = self._successors.setdefault(id(store), (store, {}))[1]
+            pending = self._successors.setdefault(store, {})
             for key, tokens in updates:
                 if key not in pending:
-                    if self._successor_keys >= self.max_pending_successors:
+                    if self._successor_keys >= self.max_pending_successors or len(pending) >= self.max_pending_successors_per_table:
                         self.dropped_successors += 1
                         continue
                     self._successor_keys += 1
@@ -139,7 +165,9 @@ class ObservationWriter(threading.Thread):
         """Commit the pending successor-table updates, one transaction per table."""
         with self._accounting:
             tables, self._successors, self._successor_keys, self._woken = self._successors, {}, 0, False
-        for store, updates in tables.values():
+        for store, updates in tables.items():
+            if not updates:
+                continue
             if self.disk.check():
                 self.dropped_successors += len(updates)
                 continue
@@ -157,30 +185,62 @@ class ObservationWriter(threading.Thread):
 
     def submit(self, items: list[_Pending]) -> None:
         """Queue one call's ``items``, all or none: ``WriteQueueFull`` beyond --max-pending-observations
-        or --max-pending-write-tokens (the caller answers RESOURCE_EXHAUSTED). The items are one
-        call: together they count each n-gram once (store: *One vote per call*)."""
+        or --max-pending-write-tokens, or beyond a table's share of them (the caller answers
+        RESOURCE_EXHAUSTED). The items are one call: together they count each n-gram once
+        (store: *One vote per call*)."""
         tokens = sum(len(item.tokens) for item in items)
+        per_table: dict[LMDBNGramStore, list[int]] = {}
+        for item in items:
+            added = per_table.setdefault(item.store, [0, 0])
+            added[0] += 1
+            added[1] += len(item.tokens)
         with self._accounting:
-            if self.pending + len(items) > self.max_pending:
-                raise WriteQueueFull(
-                    f"the drafter's write queue is full ({self.pending} observations queued, --max-pending-observations "
-                    f"{self.max_pending}); retry with backoff"
-                )
-            if self.pending_tokens + tokens > self.max_pending_tokens:
-                raise WriteQueueFull(
-                    f"the drafter's write queue is full ({self.pending_tokens} tokens queued, this call adds {tokens}, "
-                    f"--max-pending-write-tokens {self.max_pending_tokens}); retry with backoff, or send smaller calls"
-                )
+            self._check_room(len(items), tokens, per_table)
             self.pending += len(items)
             self.pending_tokens += tokens
+            for store, (count, table_tokens) in per_table.items():
+                queued = self._queued.setdefault(store, [0, 0])
+                queued[0] += count
+                queued[1] += table_tokens
         _mark_first_occurrences(items)  # before the writer can take any of them
         for item in items:
             self.queue.put_nowait(item)
+
+    def _check_room(self, items: int, tokens: int, per_table: dict[LMDBNGramStore, list[int]]) -> None:
+        """Raise WriteQueueFull, naming the flag, unless a call of ``items`` and ``tokens`` fits (under _accounting)."""
+        if self.pending + items > self.max_pending:
+            raise WriteQueueFull(
+                f"the drafter's write queue is full ({self.pending} observations queued, --max-pending-observations "
+                f"{self.max_pending}); retry with backoff"
+            )
+        if self.pending_tokens + tokens > self.max_pending_tokens:
+            raise WriteQueueFull(
+                f"the drafter's write queue is full ({self.pending_tokens} tokens queued, this call adds {tokens}, "
+                f"--max-pending-write-tokens {self.max_pending_tokens}); retry with backoff, or send smaller calls"
+            )
+        for store, (added, added_tokens) in per_table.items():
+            queued, queued_tokens = self._queued.get(store, (0, 0))
+            if queued + added > self.max_pending_per_table:
+                raise WriteQueueFull(
+                    f"this scope's share of the drafter's write queue is full ({queued} observations queued for its table, "
+                    f"this call adds {added}, --max-pending-observations-per-scope {self.max_pending_per_table}); retry with backoff"
+                )
+            if queued_tokens + added_tokens > self.max_pending_tokens_per_table:
+                raise WriteQueueFull(
+                    f"this scope's share of the drafter's write queue is full ({queued_tokens} tokens queued for its table, "
+                    f"this call adds {added_tokens}, --max-pending-write-tokens-per-scope {self.max_pending_tokens_per_table}); "
+                    "retry with backoff, or send smaller calls"
+                )
 
     def _finish(self, item: _Pending) -> None:
         with self._accounting:
             self.pending -= 1
             self.pending_tokens -= len(item.tokens)
+            queued = self._queued[item.store]
+            queued[0] -= 1
+            queued[1] -= len(item.tokens)
+            if not queued[0]:
+                del self._queued[item.store]
         item.done.set()
 
     def _drop_given_up(self, waiting: deque[_Pending]) -> None:
@@ -215,7 +275,7 @@ class ObservationWriter(threading.Thread):
                 continue
             group: list[tuple[_Pending, int]] = []
             try:
-                group = self._next_group(waiting)
+                group = next_group(waiting, self._turns)
                 self._commit(group)
             except Exception as error:  # a bug here must never leave callers waiting forever
                 log.exception("the observation writer failed; failing what it holds")
@@ -230,36 +290,6 @@ class ObservationWriter(threading.Thread):
                     waiting.append(item)
                 else:
                     self._finish(item)
-
-    @staticmethod
-    def _next_group(waiting: deque[_Pending]) -> list[tuple[_Pending, int]]:
-        """One transaction's chunks, within WRITE_BATCH_TOKENS: the next chunk of every
-        waiting observation that fits, in waiting order (always the first); then, with
-        room left, more chunks of those taken. Those that did not fit stay first in line."""
-        group: list[tuple[_Pending, int]] = []
-        tokens = 0
-
-        def size(item: _Pending) -> int:  # its next chunk's own tokens
-            return min(len(item.tokens) - item.next_chunk * CHUNK_TOKENS, CHUNK_TOKENS)
-
-        def take(item: _Pending) -> None:
-            nonlocal tokens
-            tokens += size(item)
-            group.append((item, item.next_chunk))
-            item.next_chunk += 1
-
-        skipped = []
-        while waiting:
-            item = waiting.popleft()
-            if group and tokens + size(item) > WRITE_BATCH_TOKENS:
-                skipped.append(item)
-            else:
-                take(item)
-        waiting.extend(skipped)
-        for item in list(dict.fromkeys(item for item, _ in group)):
-            while item.next_chunk < item.chunks and tokens + size(item) <= WRITE_BATCH_TOKENS:
-                take(item)
-        return group
 
     def _commit(self, group: list[tuple[_Pending, int]]) -> None:
         by_store: dict[int, list[tuple[_Pending, int]]] = {}
@@ -311,6 +341,67 @@ class ObservationWriter(threading.Thread):
     def stop(self) -> None:
         self.queue.put(None)
         self.join()
+
+
+def next_group(waiting: deque[_Pending], turns: dict[LMDBNGramStore, int] | None = None) -> list[tuple[_Pending, int]]:
+    """One transaction's chunks, within WRITE_BATCH_TOKENS, taken round-robin over the tables
+    waiting: the next chunk of each table's longest-waiting observation, then of each one's
+    second, and so on, so one table's many items never fill the batch ahead of another
+    table's first (the first chunk is always taken). Then, with room left, more chunks of
+    those taken. Those not taken keep their place in line.
+
+    Tables go in the order of their turns: ``turns`` (the writer's, updated here) holds the
+    number of the last group that took from each table waiting, and the tables served
+    longest ago (or never) go first, so a table whose items did not fit leads the next group.
+    Tables A (items a1, a2, a3 waiting, in that order) and B (b1, queued last), 3,000 tokens
+    each: [a1, b1] (in plain waiting order it would be [a1, a2], b1 waiting a group more).
+    """
+    turns = {} if turns is None else turns
+    lines: dict[LMDBNGramStore, deque[_Pending]] = {}
+    for item in waiting:
+        lines.setdefault(item.store, deque()).append(item)
+    order = sorted(lines, key=lambda table: turns.get(table, -1))  # stable: ties in waiting order
+    this_turn = max(turns.values(), default=-1) + 1
+    for table in list(turns):
+        if table not in lines:
+            del turns[table]  # nothing waiting: it goes first when it has
+    group: list[tuple[_Pending, int]] = []
+    tokens = 0
+
+    def size(item: _Pending) -> int:  # its next chunk's own tokens
+        return min(len(item.tokens) - item.next_chunk * CHUNK_TOKENS, CHUNK_TOKENS)
+
+    def take(item: _Pending) -> None:
+        nonlocal tokens
+        tokens += size(item)
+        group.append((item, item.next_chunk))
+        item.next_chunk += 1
+        turns[item.store] = this_turn
+
+    queues = [lines[table] for table in order]
+    while queues:
+        for line in queues:
+            item = line.popleft()
+            if not group or tokens + size(item) <= WRITE_BATCH_TOKENS:
+                take(item)
+        queues = [line for line in queues if line]
+    taken = {item for item, _ in group}
+    left = [item for item in waiting if item not in taken]
+    waiting.clear()
+    waiting.extend(left)
+    for item in list(dict.fromkeys(item for item, _ in group)):
+        while item.next_chunk < item.chunks and tokens + size(item) <= WRITE_BATCH_TOKENS:
+            take(item)
+    return group
+
+
+def _share(bound: int, per_table: int | None) -> int:
+    """A table's share of a queue bound: ``per_table``, or by default a TABLE_SHARE_OF_QUEUE-th of it."""
+    if per_table is None:
+        return max(1, bound // TABLE_SHARE_OF_QUEUE)
+    if per_table < 1:
+        raise ValueError(f"a table's share of the write queue must be >= 1, got {per_table}")
+    return per_table
 
 
 def _mark_first_occurrences(items: list[_Pending]) -> None:

@@ -110,7 +110,7 @@ def test_one_bad_item_in_a_write_group_fails_only_its_own_caller(tmp_path):
     try:
         store = stores.get(VOCABULARY)
         group = [_Pending(store, "good-1", [5, 6, 7]), _Pending(store, "x" * 600, [8, 9, 10]), _Pending(store, "good-2", [11, 12, 13])]
-        writer = ObservationWriter(4, stores.disk)
+        writer = ObservationWriter(4, stores.disk, max_pending_per_table=4)
         writer.submit(group)  # queued before the writer starts: one transaction
         writer.start()
         writer.stop()
@@ -299,7 +299,7 @@ def test_the_write_queue_is_bounded_in_tokens_all_or_none(tmp_path):
     stores = StoreRegistry(config)
     try:
         store = stores.get(VOCABULARY)
-        writer = ObservationWriter(100, stores.disk, max_pending_tokens=1000)  # never started: nothing drains
+        writer = ObservationWriter(100, stores.disk, max_pending_tokens=1000, max_pending_tokens_per_table=1000)  # never started
         writer.submit([_Pending(store, "a", [1] * 600)])
         with pytest.raises(WriteQueueFull, match="600 tokens queued, this call adds 500, --max-pending-write-tokens 1000"):
             writer.submit([_Pending(store, "b", [1] * 100), _Pending(store, "c", [1] * 400)])

@@ -218,7 +218,7 @@ def wait_for(condition, timeout_s: float = 10.0) -> None:
 
 
 def test_the_writer_stores_predictions_and_drops_keys_beyond_its_bound(tmp_path):
-    writer = ObservationWriter(16, DiskSpace(str(tmp_path), 0), max_pending_successors=2)
+    writer = ObservationWriter(16, DiskSpace(str(tmp_path), 0), max_pending_successors=2, max_pending_successors_per_table=2)
     with make_store(tmp_path) as store:
         writer.submit_successors(store, [((1,), (2,)), ((1,), (3,)), ((4,), (5,)), ((6,), (7,))])  # (1,) twice: the newest kept
         assert writer.dropped_successors == 1  # (6,): a third key while two wait

@@ -92,19 +92,25 @@ class ScopeIds:
 
 
 def load_secret(secret: str | None, secret_file: str | None, cache_folder: Path) -> bytes:
-    """The secret scope ids are keyed with: ``secret``, else ``secret_file``'s first line,
-    else the one kept in ``cache_folder`` (made there, readable by its owner only, on first
-    use). ValueError for one too short, or a file that cannot be read."""
+    """The secret scope ids are keyed with: ``given_secret``, else the one kept in
+    ``cache_folder`` (made there, readable by its owner only, on first use)."""
+    given = given_secret(secret, secret_file)
+    return given if given is not None else _kept_secret(cache_folder / SECRET_FILE_NAME)
+
+
+def given_secret(secret: str | None, secret_file: str | None) -> bytes | None:
+    """``secret``, else ``secret_file``'s first line, else None. ValueError for one too
+    short, or a file that cannot be read."""
     if secret is None and secret_file is not None:
         try:
             secret = Path(secret_file).read_text(encoding="utf-8").partition("\n")[0]
         except (OSError, UnicodeDecodeError) as error:
             raise ValueError(f"cannot read --scope-secret-file {secret_file}: {error}") from None
-    if secret is not None:
-        if len(secret.strip()) < MIN_SECRET_CHARS:
-            raise ValueError(f"the scope secret must be at least {MIN_SECRET_CHARS} characters (e.g. openssl rand -hex 32)")
-        return secret.strip().encode()
-    return _kept_secret(cache_folder / SECRET_FILE_NAME)
+    if secret is None:
+        return None
+    if len(secret.strip()) < MIN_SECRET_CHARS:
+        raise ValueError(f"the scope secret must be at least {MIN_SECRET_CHARS} characters (e.g. openssl rand -hex 32)")
+    return secret.strip().encode()
 
 
 def _kept_secret(path: Path) -> bytes:

@@ -69,7 +69,7 @@ from verifier_service.openai_api import HttpLimits, HttpServer, OpenAIApi, host_
 from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import Cancelled, QueueFull, RequestHandle, Scheduler, SchedulerConfig, ShuttingDown
-from verifier_service.scopes import KeyEntry, parse_key_line
+from verifier_service.scopes import KeyEntry, given_secret, parse_key_line
 from verifier_service.service import CHAT, TEXT_COMPLETION, RequestStats, VerifierService
 from verifier_service.text import IncrementalText
 
@@ -229,10 +229,13 @@ class VerifierConfig:
     def __post_init__(self) -> None:
         settings.check_tls(self.tls_cert, self.tls_key, self.tls_client_ca, settings.SERVER_TLS_FLAGS, client=False)
         entries = self.key_entries()  # fail fast: an unreadable key file or a malformed key is a usage error
+        given_secret(self.scope_secret, self.scope_secret_file)  # and so is a short secret, or an unreadable file
         if self.shared_scope is not None and self.shared_scope not in {entry.scope for entry in entries}:
             raise ValueError(f"--shared-scope {self.shared_scope!r} is no scope of --api-key-file (a line 'KEY scope=NAME' names one)")
         self.origins()
         self.hosts()
+        if self.head_vocabulary == 1:  # each drafting step takes the head's two best guesses
+            raise ValueError("--head-vocabulary is 0 (every token the head was trained on) or at least 2, got 1")
 
     def origins(self) -> list[str]:
         """The --allowed-origins, each a scheme://host[:port] or *."""

@@ -128,6 +128,10 @@ def test_an_optional_setting_takes_none(monkeypatch):
         (["--tls-client-ca", "ca.pem"], "--tls-client-ca needs --tls-cert and --tls-key"),
         (["--metrics-port", "-2"], "--metrics-port must be >= 0, got -2"),
         (["--drafter-timeout", "0"], "--drafter-timeout must be >= 0.001, got 0.0"),
+        (["--head-vocabulary", "1"], "--head-vocabulary is 0 (every token the head was trained on) or at least 2, got 1"),
+        (["--shared-scope", "docs"], "--shared-scope 'docs' is no scope of --api-key-file"),
+        (["--scope-secret", "short"], "the scope secret must be at least 16 characters"),
+        (["--scope-secret-file", "/nonexistent/secret"], "cannot read --scope-secret-file /nonexistent/secret"),
     ],
 )
 def test_a_bad_value_is_a_usage_error_naming_the_flag(argv, message, capsys):

@@ -8,9 +8,9 @@ version this code reads; every record of every sub-database is read through its 
 (a damaged page is an error, or kills the walk's own child process, never this one) and
 decodes per the format, each n-gram with its coldness entry, each successor-table
 record with its version and 1..16 predictions. Nothing is changed. It also lists the
-tables the drafter quarantined. Exit 0 when every table is sound, 1 otherwise. Format 1
-and 2 tables are sound: the drafter migrates them to format 3 when it opens them (a
-format 2 table gains the successor table; format 1 kept observe ids by decay epoch, and
+tables the drafter quarantined. Exit 0 when every table is sound, 1 otherwise. Format 1,
+2 and 3 tables are sound: the drafter migrates them to the current format when it opens them
+(``store.MIGRATIONS`` says how; format 1 kept observe ids by decay epoch, and
 those are dropped).
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from drafter_service.scopes import split_table_name
 from drafter_service.storage import LOCK_FILE_NAME
-from drafter_service.store import FORMAT_VERSION, TableWalk, walk_tables
+from drafter_service.store import FORMAT_VERSION, MIGRATIONS, TableWalk, walk_tables
 
 
 def verdict(name: str, walk: TableWalk) -> str:
@@ -32,8 +32,7 @@ def verdict(name: str, walk: TableWalk) -> str:
     if walk.version is None:
         return f"{name}: ok, empty (never written: the drafter sets it up when it opens it)"
     if walk.version != FORMAT_VERSION:
-        change = "its observe ids are dropped" if walk.version == 1 else "a successor table is added"
-        migration = f"the drafter migrates it to {FORMAT_VERSION} when it opens it ({change})"
+        migration = f"the drafter migrates it to {FORMAT_VERSION} when it opens it ({MIGRATIONS[walk.version]})"
         return f"{name}: ok, format {walk.version}: {migration}, {walk.records} records"
     return f"{name}: ok, format {FORMAT_VERSION} (current), {walk.records} records"
 

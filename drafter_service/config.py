@@ -98,7 +98,9 @@ class DrafterConfig:
     # The successor table (the target's own predictions, SequenceUpdate.predictions):
     # a verifier sends one record per position it scored, a few dozen per
     # sequence per step. One key per token plus one per (previous, current) pair seen.
-    max_successor_entries: int = setting(1 << 20, minimum=1, help="successor-table keys per table; once full, only held keys are updated")
+    max_successor_entries: int = setting(
+        1 << 20, minimum=1, help="successor-table keys per table; beyond, the keys least recently written are evicted"
+    )
     max_predicted_positions: int = setting(1024, minimum=1, help="positions of predictions one sequence may send per call")
     # A batch of 16 sends ~16 x 40 positions x k 4 ~ 2,600 a step: 64K is 25 such steps in
     # one call, and bounds a call's successor work (~65K keys) apart from its tokens.
@@ -107,6 +109,17 @@ class DrafterConfig:
     )
     # ~one busy second of a batch of 16's predictions: the writer stores them within milliseconds.
     max_pending_successors: int = setting(1 << 16, minimum=1, help="successor-table keys waiting for the writer; beyond, dropped (hints)")
+    # A quarter of each writer bound per scope (with room for one whole call): one scope's
+    # flood never takes the queue from the others.
+    max_pending_observations_per_scope: int | None = setting(
+        None, minimum=1, help="observations one scope may have queued for the writer (none: a quarter of --max-pending-observations)"
+    )
+    max_pending_write_tokens_per_scope: int | None = setting(
+        None, minimum=1, help="tokens one scope may have queued for the writer (none: a quarter of --max-pending-write-tokens)"
+    )
+    max_pending_successors_per_scope: int | None = setting(
+        None, minimum=1, help="successor-table keys one scope may have waiting (none: a quarter of --max-pending-successors)"
+    )
     # 128K uint32 tokens encode to at most ~0.7 MB.
     max_message_bytes: int = setting(8 << 20, minimum=1, help="gRPC message size cap, both ways, in bytes")
     grace_s: float = setting(5.0, minimum=0.0, help="seconds SIGTERM gives in-flight calls")
@@ -171,6 +184,12 @@ class DrafterConfig:
             )
         if self.max_calls_per_caller is not None and self.max_calls_per_caller > self.max_workers:
             raise ValueError(f"--max-calls-per-caller ({self.max_calls_per_caller}) cannot exceed --max-workers ({self.max_workers})")
+        for share, name, call, call_flag in (
+            (self.max_pending_observations_per_scope, "observations", self.max_sequences_per_call, "--max-sequences-per-call"),
+            (self.max_pending_write_tokens_per_scope, "write-tokens", self.max_tokens_per_call, "--max-tokens-per-call"),
+        ):
+            if share is not None and share < call:
+                raise ValueError(f"--max-pending-{name}-per-scope ({share}) must hold one call of {call_flag} ({call})")
         if self.verifier_identities is not None and self.tls_client_ca is None:
             raise ValueError("--verifier-identities names client certificates: it needs mutual TLS (--tls-client-ca)")
         if not self.insecure and not self.scope_gate_configured and not is_loopback(self.host):
@@ -183,6 +202,23 @@ class DrafterConfig:
             backups, db = Path(self.backup_dir).resolve(), Path(self.db).resolve()
             if backups == db or db in backups.parents:
                 raise ValueError(f"the backup directory {self.backup_dir!r} must lie outside the table directory {self.db!r}")
+
+    @property
+    def pending_observations_per_scope(self) -> int:
+        """--max-pending-observations-per-scope, or a quarter of --max-pending-observations but room
+        for one call of --max-sequences-per-call, within the whole: 4,096 -> 1,024."""
+        return self.max_pending_observations_per_scope or _share(self.max_pending_observations, self.max_sequences_per_call)
+
+    @property
+    def pending_write_tokens_per_scope(self) -> int:
+        """--max-pending-write-tokens-per-scope, or a quarter of --max-pending-write-tokens but room
+        for one call of --max-tokens-per-call, within the whole: 1 Mi -> 256 Ki."""
+        return self.max_pending_write_tokens_per_scope or _share(self.max_pending_write_tokens, self.max_tokens_per_call)
+
+    @property
+    def pending_successors_per_scope(self) -> int:
+        """--max-pending-successors-per-scope, or a quarter of --max-pending-successors: 64 Ki -> 16 Ki."""
+        return self.max_pending_successors_per_scope or max(1, self.max_pending_successors // 4)
 
     @property
     def scope_gate_configured(self) -> bool:
@@ -215,6 +251,11 @@ class DrafterConfig:
     def calls_per_caller(self) -> int:
         """--max-calls-per-caller, or half the threads: 32 -> 16, 2 -> 1."""
         return self.max_calls_per_caller if self.max_calls_per_caller is not None else max(1, self.max_workers // 2)
+
+
+def _share(whole: int, call: int) -> int:
+    """A scope's default share of a writer bound: a quarter of ``whole``, at least one ``call``, at most ``whole``."""
+    return min(whole, max(whole // 4, call))
 
 
 def is_loopback(host: str) -> bool:

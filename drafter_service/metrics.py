@@ -82,6 +82,14 @@ class DrafterMetrics:
         for vocabulary, stats in tables.items():
             evictions.add_metric([vocabulary], stats.get("evictions", 0))
         yield evictions
+        successor_evictions = CounterMetricFamily(
+            PREFIX + "table_successor_evictions",
+            "Successor-table keys evicted, least recently written first, to keep each table under --max-successor-entries",
+            labels=["vocabulary"],
+        )
+        for vocabulary, stats in tables.items():
+            successor_evictions.add_metric([vocabulary], stats.get("successor_evictions", 0))
+        yield successor_evictions
 
     def describe(self):
         return []  # dynamic: skip the registry's duplicate-name check at registration

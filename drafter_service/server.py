@@ -771,7 +771,15 @@ def create_server(config: DrafterConfig) -> DrafterServer:
     except BaseException:
         stores.close()
         raise
-    writer = ObservationWriter(config.max_pending_observations, stores.disk, config.max_pending_write_tokens, config.max_pending_successors)
+    writer = ObservationWriter(
+        config.max_pending_observations,
+        stores.disk,
+        config.max_pending_write_tokens,
+        config.max_pending_successors,
+        max_pending_per_table=config.pending_observations_per_scope,
+        max_pending_tokens_per_table=config.pending_write_tokens_per_scope,
+        max_pending_successors_per_table=config.pending_successors_per_scope,
+    )
     servicer = DrafterServicer(config, stores, writer)
     servicer.watch_streams(guard)
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer if admin_server is None else _ServingOnly(servicer), server)

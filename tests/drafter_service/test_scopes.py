@@ -12,6 +12,7 @@ import time
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 from test_servicer_overload import VOCABULARY, Aborted, FakeContext, started_writer
 
 from drafter_service.config import DrafterConfig
@@ -313,3 +314,25 @@ def test_a_drafter_reachable_from_a_network_needs_a_token_identities_or_insecure
     assert DrafterConfig(db=str(tmp_path), host="0.0.0.0", client_token_file=str(token_file)).token() == "from-a-file"
     with pytest.raises(ValueError, match="cannot read --client-token-file"):
         DrafterConfig(db=str(tmp_path), client_token_file=str(tmp_path / "missing"))
+
+
+def test_each_scope_has_a_share_of_the_writers_queue_that_holds_one_call(tmp_path):
+    config = DrafterConfig(db=str(tmp_path))
+    assert (config.pending_observations_per_scope, config.pending_write_tokens_per_scope) == (1024, 1 << 18)
+    assert config.pending_successors_per_scope == 1 << 14
+    small = DrafterConfig(db=str(tmp_path), max_pending_observations=1)
+    assert small.pending_observations_per_scope == 1  # never above the whole
+    with pytest.raises(ValueError, match=r"--max-pending-observations-per-scope \(10\) must hold one call of --max-sequences-per-call"):
+        DrafterConfig(db=str(tmp_path), max_pending_observations_per_scope=10)
+    with pytest.raises(ValueError, match=r"--max-pending-write-tokens-per-scope \(10\) must hold one call of --max-tokens-per-call"):
+        DrafterConfig(db=str(tmp_path), max_pending_write_tokens_per_scope=10)
+
+
+def test_metrics_count_scopes_and_never_name_them(open_drafter):
+    servicer, _ = open_drafter
+    observe(servicer, PREFIX, ALICE, "a")
+    observe(servicer, PREFIX, BOB, "b")
+    scrape = generate_latest(servicer.registry).decode()
+    assert f'specdec_drafter_table_scopes{{vocabulary="{VOCABULARY}"}} 2.0' in scrape
+    assert f'specdec_drafter_table_successor_evictions_total{{vocabulary="{VOCABULARY}"}} 0.0' in scrape
+    assert ALICE not in scrape and BOB not in scrape

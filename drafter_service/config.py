@@ -230,17 +230,7 @@ class DrafterConfig:
 
     def token(self) -> str | None:
         """--client-token, else the first line of --client-token-file (ValueError when unreadable or empty)."""
-        if self.client_token:
-            return self.client_token.strip()
-        if not self.client_token_file:
-            return None
-        try:
-            lines = Path(self.client_token_file).read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as error:
-            raise ValueError(f"cannot read --client-token-file {self.client_token_file}: {error}") from None
-        if not lines or not lines[0].strip():
-            raise ValueError(f"--client-token-file {self.client_token_file} holds no token on its first line")
-        return lines[0].strip()
+        return settings.secret(self.client_token, self.client_token_file, "--client-token")
 
     @property
     def write_calls(self) -> int:

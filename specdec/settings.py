@@ -5,6 +5,7 @@ drafter's offline ``check`` reads its config without importing gRPC."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from specdec.flags import setting
@@ -51,3 +52,20 @@ def check_tls(cert: object, key: object, trust: object, names: tuple[str, str, s
 
 
 SERVER_TLS_FLAGS = ("--tls-cert", "--tls-key", "--tls-client-ca")
+
+
+def secret(value: str | None, path: str | None, flag: str) -> str | None:
+    """A secret given as ``value`` (a flag or variable), else as the first line of the file
+    ``path`` (``flag``-file), else None; ValueError naming the flag when the file cannot be
+    read or its first line is empty. Files keep secrets off command lines and out of logs."""
+    if value:
+        return value.strip()
+    if not path:
+        return None
+    try:
+        first = Path(path).read_text(encoding="utf-8").partition("\n")[0].strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot read {flag}-file {path}: {error}") from None
+    if not first:
+        raise ValueError(f"{flag}-file {path} holds nothing on its first line")
+    return first

@@ -28,7 +28,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
@@ -104,17 +103,7 @@ class DrafterClientConfig:
 
     def bearer(self) -> str | None:
         """--drafter-token, else the first line of --drafter-token-file (ValueError when unreadable or empty)."""
-        if self.token:
-            return self.token.strip()
-        if not self.token_file:
-            return None
-        try:
-            token = Path(self.token_file).read_text(encoding="utf-8").partition("\n")[0].strip()
-        except (OSError, UnicodeDecodeError) as error:
-            raise ValueError(f"cannot read --drafter-token-file {self.token_file}: {error}") from None
-        if not token:
-            raise ValueError(f"--drafter-token-file {self.token_file} holds no token on its first line")
-        return token
+        return settings.secret(self.token, self.token_file, "--drafter-token")
 
 
 class RemoteDrafter:

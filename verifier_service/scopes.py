@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from specdec import settings
+
 log = logging.getLogger(__name__)
 
 DEFAULT_SCOPE = ""
@@ -101,16 +103,12 @@ def load_secret(secret: str | None, secret_file: str | None, cache_folder: Path)
 def given_secret(secret: str | None, secret_file: str | None) -> bytes | None:
     """``secret``, else ``secret_file``'s first line, else None. ValueError for one too
     short, or a file that cannot be read."""
-    if secret is None and secret_file is not None:
-        try:
-            secret = Path(secret_file).read_text(encoding="utf-8").partition("\n")[0]
-        except (OSError, UnicodeDecodeError) as error:
-            raise ValueError(f"cannot read --scope-secret-file {secret_file}: {error}") from None
+    secret = settings.secret(secret, secret_file, "--scope-secret")
     if secret is None:
         return None
-    if len(secret.strip()) < MIN_SECRET_CHARS:
+    if len(secret) < MIN_SECRET_CHARS:
         raise ValueError(f"the scope secret must be at least {MIN_SECRET_CHARS} characters (e.g. openssl rand -hex 32)")
-    return secret.strip().encode()
+    return secret.encode()
 
 
 def _kept_secret(path: Path) -> bytes:

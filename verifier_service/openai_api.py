@@ -56,6 +56,7 @@ and gives a request's headers and its body deadlines of their own
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import secrets
@@ -151,9 +152,10 @@ class OpenAIApi:
     """The routes, over a ``VerifierService`` (the gRPC front door's too: submitting and
     cancelling, readiness, spans, stats, API keys and the per-caller limit)."""
 
-    def __init__(self, service: VerifierService, model_id: str) -> None:
+    def __init__(self, service: VerifierService, model_id: str, aliases: Sequence[str] = ()) -> None:
         self.service = service
-        self.model_id = model_id
+        self.model_id = model_id  # what answers and /v1/models report
+        self.model_names = frozenset((model_id, *aliases))  # what a request may name
         self.created = int(time.time())
         self.page = VIEW.read_text(encoding="utf-8")
         # Waiting on a request's tokens blocks a thread: one per request that may be running or queued.
@@ -163,6 +165,7 @@ class OpenAIApi:
             routes=[
                 Route("/", self.view, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
@@ -218,25 +221,44 @@ class OpenAIApi:
             raise ApiError(503, "the model is still loading; retry when GET /health answers 200", kind="server_error", code="loading")
 
     async def health(self, request: Request) -> Response:
+        """200 once the model serves, with how it speculates: ``drafter`` is the drafter's address,
+        or null with a ``warning`` when there is none (every step is then plain decoding)."""
         self._ready()
-        return JSONResponse({"status": "ok"})
+        drafter = self.service.config.drafter.target
+        answer: dict[str, Any] = {"status": "ok", "drafter": drafter}
+        if drafter is None:
+            answer["warning"] = NO_DRAFTER_WARNING
+        return JSONResponse(answer)
 
-    def _model(self) -> dict:
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "specdec"}
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": _VERSION})
+
+    def _model(self, name: str) -> dict:
+        # max_model_len: prompt and output tokens one request may hold (vLLM's name).
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "specdec",
+            "root": self.service.config.model,
+            "max_model_len": self.service.capacity,
+        }
 
     async def models(self, request: Request) -> Response:
+        """Every name the model answers to (--served-model-name), the reported one first."""
         self._ready()
-        return JSONResponse({"object": "list", "data": [self._model()]})
+        names = [self.model_id, *sorted(self.model_names - {self.model_id})]
+        return JSONResponse({"object": "list", "data": [self._model(name) for name in names]})
 
     async def model(self, request: Request) -> Response:
         """``GET /v1/models/{id}``: the served model, or OpenAI's 404 for any other id."""
         self._ready()
         self._refuse_other_model(request.path_params["model"], _shown(request.path_params["model"]))
-        return JSONResponse(self._model())
+        return JSONResponse(self._model(request.path_params["model"]))
 
     def _refuse_other_model(self, model: str | None, shown: str) -> None:
         """OpenAI's 404 for a model id (``shown`` as the message renders it) not served here; None passes."""
-        if model is not None and model != self.model_id:
+        if model is not None and model not in self.model_names:
             raise ApiError(
                 404, f"model {shown} is not served here; GET /v1/models lists {self.model_id!r}", "model", code="model_not_found"
             )
@@ -806,6 +828,14 @@ class _Callers:
             caller = client[0] if client else "unknown"
         scope.setdefault("state", {})["caller"] = caller
         await self.app(scope, receive, send)
+
+
+# What /health and the start-up log say of a verifier with no drafter.
+NO_DRAFTER_WARNING = "no drafter (--drafter): every step is plain decoding, with no speculation"
+try:
+    _VERSION = importlib.metadata.version("specdec")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    _VERSION = "unknown"
 
 
 # Where _LimitedH11 puts a request's client-certificate common name (mutual TLS) for _Callers.

@@ -63,9 +63,9 @@ from verifier_service.generation import (
     GenerationStats,
 )
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.model_loading import DEFAULT_MODEL, cache_root, chat_prompt_ids, load_model
+from verifier_service.model_loading import DEFAULT_MODEL, DEFAULT_MODEL_HUB_NAME, cache_root, chat_prompt_ids, load_model
 from verifier_service.observability import ServiceObserver
-from verifier_service.openai_api import HttpLimits, HttpServer, OpenAIApi, host_name
+from verifier_service.openai_api import NO_DRAFTER_WARNING, HttpLimits, HttpServer, OpenAIApi, host_name
 from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import Cancelled, QueueFull, RequestHandle, Scheduler, SchedulerConfig, ShuttingDown
@@ -100,6 +100,12 @@ class VerifierConfig:
     port: int = setting(50052, help="gRPC port (0: a free one)")
     host: str = setting("127.0.0.1", help="address to bind")
     model: str = setting(DEFAULT_MODEL, help="the embedded default, or any Hugging Face causal LM path or name")
+    # vLLM's flag: clients name the model as they know it.
+    served_model_name: str | None = setting(
+        None,
+        help="names the HTTP API answers to, comma-separated; the first is the one it reports (none: --model, and for the "
+        f"default model also {DEFAULT_MODEL_HUB_NAME})",
+    )
     device: str | None = setting(None, help="cpu, cuda, cuda:1 (none: CUDA when present, else CPU)")
     # float32 keeps greedy output identical to transformers' own; see model_loading.DTYPES.
     dtype: str = setting(
@@ -236,6 +242,13 @@ class VerifierConfig:
         self.hosts()
         if self.head_vocabulary == 1:  # each drafting step takes the head's two best guesses
             raise ValueError("--head-vocabulary is 0 (every token the head was trained on) or at least 2, got 1")
+
+    def served_names(self) -> list[str]:
+        """The names the HTTP API answers to, the reported one first (--served-model-name)."""
+        names = [name.strip() for name in (self.served_model_name or "").split(",") if name.strip()]
+        if not names:
+            names = [self.model, DEFAULT_MODEL_HUB_NAME] if self.model == DEFAULT_MODEL else [self.model]
+        return list(dict.fromkeys(names))
 
     def origins(self) -> list[str]:
         """The --allowed-origins, each a scheme://host[:port] or *."""
@@ -588,7 +601,8 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     if config.metrics_port is not None:
         verifier._metrics_server, verifier.metrics_port = telemetry.start_metrics_server(metrics.registry, config.host, config.metrics_port)
     if config.http_port >= 0:
-        api = OpenAIApi(service, config.model)
+        names = config.served_names()
+        api = OpenAIApi(service, names[0], names[1:])
         limits = HttpLimits(config.http_max_connections, config.http_header_timeout_s, config.http_body_timeout_s)
         verifier.http = HttpServer(api.app, config.host, config.http_port, limits, http_tls(config), config.grace_s)
         verifier.http.start()
@@ -596,6 +610,8 @@ def create_server(config: VerifierConfig) -> VerifierServer:
         log.info("API keys required (%d configured) on /v1 and gRPC Generate/GenerateStream", len(service.keys))
     else:
         log.info("no API keys configured: /v1 and gRPC Generate/GenerateStream are open to any caller that reaches the port")
+    if config.drafter.target is None and config.draft_head == "none":
+        log.warning("%s; start a drafter and give its address", NO_DRAFTER_WARNING)
     return verifier
 
 

@@ -49,7 +49,8 @@ def test_models_and_health(server):
     [model] = server.client.models.list().data
     assert model.id == server.model
     health = httpx.get(server.base + "/health", timeout=10)
-    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert health.json()["drafter"] is None and "every step is plain decoding" in health.json()["warning"]  # started without one
 
 
 def test_greedy_chat_completion_equals_grpc_generate(server):

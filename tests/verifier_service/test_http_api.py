@@ -12,6 +12,7 @@ import asyncio
 import collections
 import copy
 import hmac
+import importlib.metadata
 import inspect
 import json
 import logging
@@ -35,8 +36,8 @@ from verifier_service import openai_api
 from verifier_service.engine import EngineConfig, SpeculativeEngine
 from verifier_service.errors import InvalidRequest
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.model_loading import chat_ids
-from verifier_service.openai_api import OpenAIApi
+from verifier_service.model_loading import DEFAULT_MODEL, DEFAULT_MODEL_HUB_NAME, chat_ids
+from verifier_service.openai_api import NO_DRAFTER_WARNING, OpenAIApi
 from verifier_service.openai_protocol import ChatCompletionRequest, CompletionRequest
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import Scheduler, SchedulerConfig
@@ -608,6 +609,7 @@ def test_the_labels_a_sender_puts_on_a_request_are_taken(client):
 
 def test_a_model_is_retrieved_by_its_id_and_another_is_openais_404(client):
     assert client.get(f"/v1/models/{MODEL}").json() == client.get("/v1/models").json()["data"][0]
+    assert client.get(f"/v1/models/{MODEL}").json()["max_model_len"] == CAPACITY
     error = assert_openai_error(client.get("/v1/models/org/other-model"), 404)
     assert (error["param"], error["code"]) == ("model", "model_not_found") and '"org/other-model"' in error["message"]
 
@@ -1120,3 +1122,26 @@ def test_a_server_on_all_interfaces_answers_any_host(tiny_model, chat_tokenizer)
         assert api(service).get("/health", headers={"host": "verifier.internal:8000"}).status_code == 200
     finally:
         service.scheduler.stop(1.0)
+
+
+def test_the_api_answers_to_every_served_name_and_reports_the_first(open_service):
+    named = TestClient(OpenAIApi(open_service, "smollm2", ["HuggingFaceTB/SmolLM2-135M-Instruct"]).app, base_url=BASE)
+    listed = named.get("/v1/models").json()["data"]
+    assert [card["id"] for card in listed] == ["smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert {card["max_model_len"] for card in listed} == {CAPACITY}
+    for name in ("smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        answer = named.post("/v1/completions", json=completion(model=name))
+        assert answer.status_code == 200 and answer.json()["model"] == "smollm2"
+    assert named.post("/v1/completions", json=completion(model="other")).status_code == 404
+
+
+def test_served_names_default_to_the_model_and_for_the_default_model_its_hub_name():
+    assert VerifierConfig().served_names() == [DEFAULT_MODEL, DEFAULT_MODEL_HUB_NAME]
+    assert VerifierConfig(model="org/model").served_names() == ["org/model"]
+    assert VerifierConfig(served_model_name="a, b,a").served_names() == ["a", "b"]
+
+
+def test_health_says_whether_a_drafter_speculates_and_version_says_the_release(client):
+    health = client.get("/health").json()
+    assert health == {"status": "ok", "drafter": None, "warning": NO_DRAFTER_WARNING}
+    assert client.get("/version").json()["version"] == importlib.metadata.version("specdec")

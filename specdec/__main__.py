@@ -56,7 +56,8 @@ def serve(argv: list[str]) -> int:
             if verifier.process.poll() is not None or drafter.process.poll() is not None:
                 raise RuntimeError("a service exited before the model served; its log is above")
         if not stopping.is_set():
-            print(f"ready: curl {http}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16, \"temperature\": 0}}'")
+            example = '{"prompt": "Hello", "max_tokens": 16, "temperature": 0}'
+            print(f"ready: curl {http}/v1/completions -H 'Content-Type: application/json' -d '{example}'")
             print("Ctrl-C stops both.", flush=True)
         while not stopping.wait(0.5):
             for process in processes:

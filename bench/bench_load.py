@@ -1,13 +1,20 @@
 """Load benchmark: both services under steady, excess and hostile load for a fixed time; latency, errors, memory.
 
     python -m bench.bench_load [--seconds 60] [--clients 16] [--overload-clients 96] [--max-new-tokens 32]
-        [--phases steady overload propose observe hostile] [--hostile-clients 64] [--hostile-mix KIND,KIND...]
-        [--model NAME_OR_PATH] [--api-key KEY] [--verifier-arg "FLAGS"] [--drafter-arg "FLAGS"] [--out bench/results]
+        [--phases steady overload propose observe hostile] [--hostile-clients 64] [--hostile-mix [N:]KIND,KIND... ...]
+        [--hostile-prompts 8] [--honest-keys 2] [--open-drafter] [--model NAME_OR_PATH] [--api-key KEY]
+        [--verifier-arg "FLAGS"] [--drafter-arg "FLAGS"] [--out bench/results]
 
 Starts the drafter and the verifier (``--model``, the default model unless
 given; its gRPC port and its HTTP API, both on 127.0.0.1) as real processes,
 warms the verifier up, then runs the ``--phases`` chosen (all by default, in
-this order), ``--seconds`` each:
+this order), ``--seconds`` each. Unless ``--api-key`` is given, the verifier
+requires ``--honest-keys`` API keys made for the run (0: none), which its
+callers' requests learn and draft in a scope each; and unless
+``--open-drafter``, the drafter takes declared scopes only from the
+verifier (a ``--client-token`` made for the run, given to the verifier as
+its ``--drafter-token``), so a client that reaches it directly learns in a
+scope of its own:
 
 * ``steady``: ``--clients`` threads each send greedy ``Generate`` requests
   (adaptive K, the grounded and open-ended service prompts in turn) back to
@@ -22,16 +29,28 @@ this order), ``--seconds`` each:
   sequence under a new ``observe_id`` (acknowledged once stored: the table grows);
 * ``hostile``: ``--clients`` honest clients, half greedy ``Generate`` over
   gRPC as in ``steady``, half ``POST /v1/completions`` (``max_tokens``,
-  temperature 0; ``--api-key`` as a bearer token when given), first alone
-  (``baseline``), then beside ``--hostile-clients`` abusers of
-  ``--hostile-mix`` (``bench.hostile``: idle streams, repeated closes, huge
-  and slow bodies, ...), then ``RECOVERY_S`` with neither. Honest clients
-  must not fail (any status but OK is a failure, by status and message);
-  abusers may, and their outcomes are counted by kind. Both processes'
-  memory is read before the baseline, at its end, every second under abuse
-  (the peak) and ``RECOVERY_S`` after the abusers stopped.
+  temperature 0; client i sends API key i mod ``--honest-keys``, or
+  ``--api-key``), asking ``--hostile-prompts`` of the prompts (0: all; few,
+  so that answers recur and what the drafter learned of them counts). Each
+  door and key asks each prompt once first (its scope learns the answers), then the
+  clients run alone (``baseline``), then beside each ``--hostile-mix`` in
+  turn (``bench.hostile``; ``N:`` abusers of its kinds, else
+  ``--hostile-clients``; by default the connection abusers together, 64 of
+  idle streams, repeated closes, huge and slow bodies, then
+  ``TENANT_ABUSERS`` of each tenant abuser alone: prediction flood,
+  successor fill, Observe flood, poisoning with n-grams of the honest gRPC
+  answers), then alone again (``again``, when a tenant abuser ran: what it
+  left in the drafter's tables outlives it), then ``RECOVERY_S`` with
+  neither. Per run: the honest requests' tokens per forward pass (their
+  response stats: generated tokens over target passes, prefill included),
+  latency p50/p95/p99, failures (any status but OK, by status and message);
+  the abusers' outcomes by kind and the tokens the drafter took from them;
+  and the drafter's Stats before and after (entries, successor keys,
+  evictions, scopes). Both processes' memory is read before the baseline,
+  at its end, every second under abuse (the peak) and ``RECOVERY_S`` after
+  the abusers stopped.
 
-Per phase: calls completed, their p50/p99 latency, errors by status (any
+Per phase: calls completed, their p50/p95/p99 latency, errors by status (any
 status but RESOURCE_EXHAUSTED is an error), and both processes' memory
 before and after: resident (VmRSS), anonymous (heap; must not grow with the
 work done) and file-backed (the drafter's mapped table, which grows as it
@@ -58,6 +77,7 @@ import platform
 import random
 import re
 import resource
+import secrets
 import select
 import shlex
 import signal
@@ -66,7 +86,9 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -76,6 +98,7 @@ from transformers import AutoTokenizer
 from bench import hostile
 from bench.bench_service import percentile
 from bench.workloads import service_prompts
+from drafter_service.ngram import NGramConfig
 from specdec.processes import ServiceProcess
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.v1 import verifier_pb2 as pb
@@ -93,6 +116,14 @@ RECOVERY_S = 10  # after the abusers stop, before the last memory reading
 MEMORY_SAMPLE_S = 1.0
 JOIN_SLACK_S = 30  # a phase's clients joined at most this long past their last request's deadline
 FAILURE_MESSAGE_CHARS = 160
+# A tenant abuser's calls are big (up to --max-predictions-per-call or half of --max-tokens-per-call
+# each): a few of them, paced as every abuser is, offer the drafter many times what it can store.
+TENANT_ABUSERS = 4
+DEFAULT_HOSTILE_MIXES = (hostile.Mix(hostile.DEFAULT_MIX), *(hostile.Mix((kind,), TENANT_ABUSERS) for kind in hostile.TENANT_KINDS))
+# A few prompts, so honest answers recur within a run, as a service's popular requests do.
+HOSTILE_PROMPTS = 8
+HONEST_KEYS = 2
+STATS_FIELDS = ("entries", "bytes", "evictions", "successor_entries", "scopes", "observed_tokens")
 
 
 def memory_mb(pid: int) -> dict[str, int]:
@@ -152,14 +183,15 @@ def describe_failure(error: BaseException) -> tuple[str, str]:
 
 class Phase:
     """``clients`` threads each calling ``work(client, n)`` until ``seconds`` pass; latencies and outcomes,
-    per front door when ``door`` (client -> its door's name) is given."""
+    per front door when ``door`` (client -> its door's name) is given, and the counts each completed
+    call's ``work`` returned, summed per door (``GENERATED``/``PASSES``: tokens per forward pass)."""
 
     def __init__(
         self,
         name: str,
         clients: int,
         seconds: float,
-        work: Callable[[int, int], None],
+        work: Callable[[int, int], Mapping[str, int] | None],
         door: Callable[[int], str] | None = None,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
@@ -167,6 +199,7 @@ class Phase:
         self.door = door or (lambda client: "all")
         self.request_timeout_s = request_timeout_s
         self.latencies_s: dict[str, list[float]] = {}
+        self.counts: dict[str, Counter] = {}  # per door
         self.outcomes: Counter = Counter()
         self.failures: Counter = Counter()  # (door, outcome, message)
         self.stragglers = 0  # clients still in a call when the join gave up
@@ -188,8 +221,9 @@ class Phase:
             if time.monotonic() >= deadline:
                 return
             started = time.perf_counter()
+            counts: Mapping[str, int] | None = None
             try:
-                self.work(client, n)
+                counts = self.work(client, n)
                 outcome, message = "OK", ""
             except (grpc.RpcError, HttpFailure, OSError, http.client.HTTPException, ValueError) as error:
                 outcome, message = describe_failure(error)
@@ -198,6 +232,7 @@ class Phase:
                 self.outcomes[outcome] += 1
                 if outcome == "OK":
                     self.latencies_s.setdefault(door, []).append(seconds)
+                    self.counts.setdefault(door, Counter()).update(counts or {})
                 else:
                     self.failures[door, outcome, message[:FAILURE_MESSAGE_CHARS]] += 1
             if outcome in (REFUSED.name, "HTTP 429"):
@@ -216,6 +251,7 @@ class Phase:
             "refused": self.outcomes[REFUSED.name],
             "errors": errors,
             **latency_ms(every),
+            **tokens_per_pass(sum(self.counts.values(), Counter())),
             "failures": [
                 {"door": door, "outcome": outcome, "message": message, "count": count}
                 for (door, outcome, message), count in self.failures.most_common()
@@ -224,7 +260,11 @@ class Phase:
         }
         if len({self.door(client) for client in range(self.clients)}) > 1:
             summary["by_door"] = {
-                door: {"completed": len(self.latencies_s.get(door, [])), **latency_ms(self.latencies_s.get(door, []))}
+                door: {
+                    "completed": len(self.latencies_s.get(door, [])),
+                    **latency_ms(self.latencies_s.get(door, [])),
+                    **tokens_per_pass(self.counts.get(door, Counter())),
+                }
                 for door in sorted({self.door(client) for client in range(self.clients)})
             }
         return summary
@@ -232,38 +272,62 @@ class Phase:
 
 def latency_ms(latencies_s: list[float]) -> dict:
     ms = [1000 * s for s in latencies_s]
-    return {
-        "p50_ms": round(percentile(ms, 0.5), 1) if ms else None,
-        "p99_ms": round(percentile(ms, 0.99), 1) if ms else None,
-    }
+    return {f"p{share}_ms": round(percentile(ms, share / 100), 1) if ms else None for share in (50, 95, 99)}
+
+
+GENERATED, PASSES = "generated_tokens", "target_forward_passes"  # a response's stats, as gRPC and HTTP name them
+
+
+def tokens_per_pass(counts: Mapping[str, int]) -> dict:
+    """Generated tokens over target forward passes (prefill included) of the requests counted, as
+    each response's own ``tokens_per_forward_pass`` is: {generated 30, passes 12} -> 2.5; nothing without passes."""
+    if not counts.get(PASSES):
+        return {}
+    return {"tokens_per_pass": round(counts[GENERATED] / counts[PASSES], 3), GENERATED: counts[GENERATED], PASSES: counts[PASSES]}
 
 
 class HonestClients:
     """The hostile run's honest clients: the first half (rounded up) greedy gRPC ``Generate`` with adaptive K
     (as ``steady``), the rest ``POST /v1/completions`` with ``max_tokens`` and temperature 0, each over a
-    keep-alive connection of its own; ``api_key`` as a bearer token on both doors when given."""
+    keep-alive connection of its own; client i sends ``api_keys[i mod len]`` as a bearer token on either
+    door (none without keys). Each call returns its response's stats (``GENERATED``, ``PASSES``); the gRPC
+    answers are kept per prompt, for the n-grams a poisoner would copy."""
 
-    def __init__(self, stub, http_port: int, prompts, max_new_tokens: int, clients: int, api_key: str | None, timeout_s: float) -> None:
+    def __init__(self, stub, http_port: int, prompts, max_new_tokens: int, clients: int, api_keys: Sequence[str], timeout_s: float) -> None:
         self.stub, self.http_port, self.prompts, self.max_new_tokens = stub, http_port, prompts, max_new_tokens
         self.grpc_clients = (clients + 1) // 2
         self.timeout_s = timeout_s
-        self.headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
-        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.api_keys = tuple(api_keys)
+        self.answers: dict[str, tuple[int, ...]] = {}  # prompt -> its greedy answer's token ids (the same every time)
         self._connections: dict[int, http.client.HTTPConnection] = {}
 
     def door(self, client: int) -> str:
         return "grpc" if client < self.grpc_clients else "http"
 
-    def __call__(self, client: int, n: int) -> None:
-        prompt = self.prompts[(client + n * 7) % len(self.prompts)]
+    def key(self, client: int) -> str | None:
+        return self.api_keys[client % len(self.api_keys)] if self.api_keys else None
+
+    def __call__(self, client: int, n: int) -> dict[str, int]:
+        return self.ask(client, self.prompts[(client + n * 7) % len(self.prompts)])
+
+    def ask(self, client: int, prompt: str) -> dict[str, int]:
+        """``prompt`` at ``client``'s door with its key: the response's stats' counts."""
         if self.door(client) == "grpc":
-            request = pb.GenerateRequest(prompt=prompt, chat=True, max_new_tokens=self.max_new_tokens, temperature=0.0)
-            self.stub.Generate(request, timeout=self.timeout_s, metadata=self.metadata)
-        else:
-            self.complete(client, prompt)
+            return self.generate(client, prompt)
+        return self.complete(client, prompt)["specdec"]
+
+    def generate(self, client: int, prompt: str) -> dict[str, int]:
+        """One greedy gRPC ``Generate`` with ``client``'s key: its stats' counts."""
+        key = self.key(client)
+        request = pb.GenerateRequest(prompt=prompt, chat=True, max_new_tokens=self.max_new_tokens, temperature=0.0)
+        response = self.stub.Generate(request, timeout=self.timeout_s, metadata=(("authorization", f"Bearer {key}"),) if key else ())
+        self.answers[prompt] = tuple(response.token_ids)
+        return {GENERATED: response.stats.generated_tokens, PASSES: response.stats.target_forward_passes}
 
     def complete(self, client: int, prompt: str) -> dict:
         body = json.dumps({"prompt": prompt, "max_tokens": self.max_new_tokens, "temperature": 0}).encode()
+        key = self.key(client)
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
         connection = self._connections.get(client)
         if connection is not None and _closed_by_server(connection):
             connection.close()  # an idle keep-alive connection the server timed out: not reused (as httpcore checks)
@@ -271,7 +335,7 @@ class HonestClients:
         if connection is None:
             connection = self._connections[client] = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=self.timeout_s)
         try:
-            connection.request("POST", "/v1/completions", body=body, headers=self.headers)
+            connection.request("POST", "/v1/completions", body=body, headers=headers)
             response = connection.getresponse()
             answer = response.read()
         except BaseException:
@@ -285,13 +349,34 @@ class HonestClients:
                 message = answer[:FAILURE_MESSAGE_CHARS].decode(errors="replace")
             raise HttpFailure(response.status, message)
         completion = json.loads(answer)
-        if not completion.get("choices"):
-            raise HttpFailure(response.status, f"an answer without choices: {answer[:80]!r}")
+        if not completion.get("choices") or not isinstance(completion.get("specdec"), dict):
+            raise HttpFailure(response.status, f"an answer without choices or specdec stats: {answer[:80]!r}")
         return completion
+
+    def learn(self, clients: int) -> None:
+        """Each (door, key) that ``clients`` use asks each prompt once, side by side (the doors' answers
+        differ: gRPC applies the chat template, /v1/completions does not): every honest scope has learned
+        every answer its clients will ask for before anything is measured."""
+        first_of: dict[tuple[str, str | None], int] = {}
+        for client in range(clients):
+            first_of.setdefault((self.door(client), self.key(client)), client)
+
+        def ask_each_prompt(client: int) -> None:
+            for prompt in self.prompts:
+                self.ask(client, prompt)
+
+        with ThreadPoolExecutor(len(first_of)) as pool:
+            list(pool.map(ask_each_prompt, first_of.values()))
 
     def close(self) -> None:
         for connection in self._connections.values():
             connection.close()
+
+
+def answer_ngrams(answers: Sequence[Sequence[int]], n: int) -> tuple[tuple[int, ...], ...]:
+    """Every distinct ``n``-token run of the answers, in order: [[1, 2, 3, 1, 2]], 2 -> (1, 2), (2, 3), (3, 1)."""
+    runs = (tuple(answer[start : start + n]) for answer in answers for start in range(len(answer) - n + 1))
+    return tuple(dict.fromkeys(runs))
 
 
 def _closed_by_server(connection: http.client.HTTPConnection) -> bool:
@@ -368,46 +453,99 @@ def probe(processes: dict[str, ServiceProcess], honest: HonestClients) -> dict:
     return result
 
 
-def run_hostile(args: argparse.Namespace, processes: dict[str, ServiceProcess], honest: HonestClients, targets: hostile.Targets) -> dict:
-    """The baseline (honest clients alone), the same clients beside the abusers, then RECOVERY_S with neither."""
-    before_baseline = memory_of(processes)
-    cpu = cpu_seconds(processes)
-    baseline = Phase("baseline", args.clients, args.seconds, honest, honest.door, HONEST_TIMEOUT_S)
-    baseline.run()
-    end_of_baseline, cpu_after_baseline = memory_of(processes), cpu_seconds(processes)
-    print(json.dumps(baseline.summary()), flush=True)
-
-    sampler, stop, tally = MemorySampler(processes), threading.Event(), hostile.Tally()
-    sampler.start()
-    abusers = hostile.start_abusers(targets, args.hostile_mix, args.hostile_clients, stop, tally)
-    under_abuse = Phase("hostile", args.clients, args.seconds, honest, honest.door, HONEST_TIMEOUT_S)
+def drafter_stats(drafter: ServiceProcess, vocabulary: str) -> dict[str, int] | None:
+    """The drafter's Stats for the vocabulary (summed over its scopes): STATS_FIELDS; None if it does not answer."""
     try:
-        under_abuse.run()  # the abusers go on until the last honest request ends: every one measured ran under abuse
+        stats = drafter_pb2_grpc.DrafterStub(drafter.channel).Stats(drafter_pb2.StatsRequest(vocabulary=vocabulary), timeout=10)
+    except grpc.RpcError:
+        return None
+    return {name: getattr(stats, name) for name in STATS_FIELDS}
+
+
+def stats_change(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
+    """After less before, per field: {"entries": 5} -> {"entries": 9} is {"entries": 4}."""
+    if before is None or after is None:
+        return None
+    return {name: after[name] - before[name] for name in before}
+
+
+def run_beside(
+    args: argparse.Namespace, mix: hostile.Mix, processes: dict[str, ServiceProcess], honest: HonestClients, targets: hostile.Targets
+) -> dict:
+    """The honest clients for ``--seconds`` beside ``mix``'s abusers, who go on until the last honest
+    request ends (every one measured ran under abuse); what each side met, and what the drafter took."""
+    cpu, stats = cpu_seconds(processes), drafter_stats(processes["drafter"], targets.vocabulary)
+    stop, tally = threading.Event(), hostile.Tally()
+    clients = mix.clients if mix.clients is not None else args.hostile_clients
+    abusers = hostile.start_abusers(targets, mix.kinds, clients, stop, tally)
+    under_abuse = Phase(str(mix), args.clients, args.seconds, honest, honest.door, HONEST_TIMEOUT_S)
+    started = time.monotonic()
+    try:
+        under_abuse.run()
     finally:
-        abuse_s = sampler.now()
+        abuse_s = time.monotonic() - started
         stopping = time.monotonic()
         still_running = hostile.stop_abusers(abusers, stop)
         stop_s = time.monotonic() - stopping
-    cpu_after_abuse = cpu_seconds(processes)
-    print(json.dumps(under_abuse.summary() | {"abusers": tally.summary()["outcomes"]}), flush=True)
+    summary = under_abuse.summary() | {"cpu_s": cpu_used(cpu, cpu_seconds(processes))}
+    print(json.dumps(summary | {"abusers": tally.summary()}), flush=True)
+    return {
+        "mix": str(mix),
+        "kinds": list(mix.kinds),
+        "abusers": clients,
+        "abuse_s": round(abuse_s, 1),
+        "honest": summary,
+        "abuser_outcomes": tally.summary(),
+        "abusers_stop_s": round(stop_s, 1),
+        "abusers_still_running": still_running,
+        "drafter_stats_change": stats_change(stats, drafter_stats(processes["drafter"], targets.vocabulary)),
+    }
+
+
+def run_alone(name: str, args: argparse.Namespace, processes: dict[str, ServiceProcess], honest: HonestClients) -> dict:
+    cpu = cpu_seconds(processes)
+    alone = Phase(name, args.clients, args.seconds, honest, honest.door, HONEST_TIMEOUT_S)
+    alone.run()
+    summary = alone.summary() | {"cpu_s": cpu_used(cpu, cpu_seconds(processes))}
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def run_hostile(args: argparse.Namespace, processes: dict[str, ServiceProcess], honest: HonestClients, targets: hostile.Targets) -> dict:
+    """Every honest key learns every prompt's answer; the honest clients alone (baseline), beside each
+    mix of abusers in turn, alone again when a tenant abuser ran; then RECOVERY_S with neither."""
+    learning_started = time.monotonic()
+    honest.learn(args.clients)
+    learning_s = time.monotonic() - learning_started
+    # The poisoner copies n-grams of the honest gRPC answers, as long as the drafter's longest lookups.
+    targets = replace(targets, honest_ngrams=answer_ngrams(list(honest.answers.values()), NGramConfig().n_max))
+    before_baseline = memory_of(processes)
+    baseline = run_alone("baseline", args, processes, honest)
+    end_of_baseline = memory_of(processes)
+
+    sampler = MemorySampler(processes)
+    sampler.start()
+    runs = [run_beside(args, mix, processes, honest, targets) for mix in args.hostile_mix]
+    abuse_s = sampler.now()
+    tenants = any(kind in hostile.TENANT_KINDS for mix in args.hostile_mix for kind in mix.kinds)
+    again = run_alone("again", args, processes, honest) if tenants else None
     time.sleep(RECOVERY_S)
     after_recovery = memory_of(processes)
     sampler.stop()
     return {
         "honest_clients": {"grpc": honest.grpc_clients, "http": args.clients - honest.grpc_clients},
-        "abusers": args.hostile_clients,
-        "mix": list(args.hostile_mix),
+        "honest_keys": len(honest.api_keys),
+        "prompts": len(honest.prompts),
+        "learning_s": round(learning_s, 1),
+        "poison_ngrams": len(targets.honest_ngrams),
         "seconds": args.seconds,
-        "abuse_s": round(abuse_s, 1),
-        "baseline": baseline.summary() | {"cpu_s": cpu_used(cpu, cpu_after_baseline)},
-        "hostile": under_abuse.summary() | {"cpu_s": cpu_used(cpu_after_baseline, cpu_after_abuse)},
-        "abuser_outcomes": tally.summary(),
-        "abusers_stop_s": round(stop_s, 1),
-        "abusers_still_running": still_running,
+        "baseline": baseline,
+        "runs": runs,
+        **({"again": again} if again is not None else {}),
         "memory_mb": {
             "before_baseline": before_baseline,
             "end_of_baseline": end_of_baseline,
-            "peak_under_abuse": sampler.peak(abuse_s + stop_s),
+            "peak_under_abuse": sampler.peak(abuse_s),
             f"{RECOVERY_S}_s_after": after_recovery,
         },
         "memory_series": sampler.series(),
@@ -419,10 +557,35 @@ def settings(args: argparse.Namespace) -> dict:
     """The run's flags for load.json, API keys left out: "--api-key k --x 1" -> "--api-key *** --x 1"."""
     return vars(args) | {
         "out": str(args.out),
-        "hostile_mix": list(args.hostile_mix),
+        "hostile_mix": [str(mix) for mix in args.hostile_mix],
         "api_key": "***" if args.api_key else None,
         "verifier_arg": [re.sub(r"(--api-key[= ]\s*)\S+", r"\1***", line) for line in args.verifier_arg],
     }
+
+
+class Credentials:
+    """What the run makes up for the services (never written to load.json): ``honest_keys`` API keys the
+    verifier requires (none when the run was given --api-key, which the user configures), and unless
+    ``open_drafter`` the drafter's client token, which the verifier alone is given. Handed over in the
+    services' variables, not on their command lines."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        made = [] if args.api_key else [secrets.token_urlsafe(18) for _ in range(args.honest_keys)]
+        self.api_keys: tuple[str, ...] = (args.api_key,) if args.api_key else tuple(made)
+        self._verifier_keys = ",".join(made)
+        self._drafter_token = None if args.open_drafter else secrets.token_urlsafe(24)
+
+    def drafter_env(self) -> dict[str, str]:
+        return os.environ | ({"SPECDEC_DRAFTER_CLIENT_TOKEN": self._drafter_token} if self._drafter_token else {})
+
+    def verifier_env(self) -> dict[str, str]:
+        made = {"SPECDEC_VERIFIER_API_KEY": self._verifier_keys} if self._verifier_keys else {}
+        token = {"SPECDEC_VERIFIER_DRAFTER_TOKEN": self._drafter_token} if self._drafter_token else {}
+        return os.environ | made | token
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The first key as gRPC metadata, for the phases' clients but the hostile run's."""
+        return (("authorization", f"Bearer {self.api_keys[0]}"),) if self.api_keys else ()
 
 
 def stop_timed(service: ServiceProcess) -> dict:
@@ -446,23 +609,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--phases", nargs="+", choices=PHASES, default=list(PHASES), help="run in the order of PHASES whatever the order given"
     )
-    parser.add_argument("--hostile-clients", type=int, default=64)
+    parser.add_argument("--hostile-clients", type=int, default=64, help="abusers of a --hostile-mix that does not say how many")
     parser.add_argument(
         "--hostile-mix",
         type=hostile.parse_mix,
-        default=hostile.DEFAULT_MIX,
-        help=f"abuser kinds, comma-separated, spread evenly (default {','.join(hostile.DEFAULT_MIX)}; all: {','.join(hostile.KINDS)})",
+        action="append",
+        default=None,
+        help="a run beside the honest clients: [N:]KIND,KIND..., N abusers spread evenly over the kinds; repeat for runs in turn "
+        f"(default {' '.join(str(mix) for mix in DEFAULT_HOSTILE_MIXES)}; kinds: {','.join(hostile.KINDS)})",
+    )
+    parser.add_argument(
+        "--hostile-prompts",
+        type=int,
+        default=HOSTILE_PROMPTS,
+        help="prompts the hostile run's honest clients ask, spread over all (0: all)",
+    )
+    parser.add_argument(
+        "--honest-keys", type=int, default=HONEST_KEYS, help="API keys made for the run and required by the verifier (0: none)"
+    )
+    parser.add_argument(
+        "--open-drafter",
+        action="store_true",
+        help="no --client-token: any client may declare a scope, and one that does not learns in the default",
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the verifier's --model (and the vocabulary the drafter calls name)")
-    parser.add_argument("--api-key", default=None, help="bearer token honest clients send (start the verifier with it: --verifier-arg)")
+    parser.add_argument(
+        "--api-key", default=None, help="bearer token honest clients send instead of made keys (start the verifier with it: --verifier-arg)"
+    )
     parser.add_argument("--verifier-arg", action="append", default=[], help='extra verifier flags, e.g. --verifier-arg="--api-key k"')
     parser.add_argument("--drafter-arg", action="append", default=[], help="extra drafter flags, split like a shell line")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
-    if min(args.clients, args.overload_clients, args.max_new_tokens) < 1 or args.hostile_clients < 0 or args.seconds <= 0:
-        parser.error("--clients, --overload-clients, --max-new-tokens and --seconds must be positive, --hostile-clients >= 0")
+    if min(args.clients, args.overload_clients, args.max_new_tokens) < 1 or args.seconds <= 0:
+        parser.error("--clients, --overload-clients, --max-new-tokens and --seconds must be positive")
+    if min(args.hostile_clients, args.hostile_prompts, args.honest_keys) < 0:
+        parser.error("--hostile-clients, --hostile-prompts and --honest-keys must be >= 0")
     args.phases = [phase for phase in PHASES if phase in args.phases]
+    args.hostile_mix = args.hostile_mix or list(DEFAULT_HOSTILE_MIXES)
     return args
+
+
+def spread(items: Sequence[str], count: int) -> list[str]:
+    """``count`` of ``items`` spread evenly over them (0 or more than there are: all): "abcdef", 3 -> a, c, e."""
+    if count == 0 or count >= len(items):
+        return list(items)
+    return [items[index * len(items) // count] for index in range(count)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -470,6 +661,7 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM to the benchmark unwinds through the finally below, which stops both services.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     prompts = service_prompts("grounded") + service_prompts("open_ended")
+    credentials = Credentials(args)
     results: list[dict] = []
     hostile_result: dict | None = None
     shutdown: dict[str, dict] = {}
@@ -477,6 +669,7 @@ def main(argv: list[str] | None = None) -> None:
         drafter = ServiceProcess(
             "drafter_service",
             *("--port", "0", "--metrics-port", "-1", "--db", str(Path(scratch) / "db"), *service_flags(args.drafter_arg)),
+            env=credentials.drafter_env(),
             inherit_stderr=True,
         )
         verifier = None
@@ -486,12 +679,13 @@ def main(argv: list[str] | None = None) -> None:
                 "verifier_service",
                 *("--port", "0", "--metrics-port", "-1", "--http-port", "0", "--drafter", drafter.address, "--model", args.model),
                 *service_flags(args.verifier_arg),
+                env=credentials.verifier_env(),
                 inherit_stderr=True,
             )
             http_port = verifier.announced_port("http")
             verifier.wait_until_serving()
             processes = {"verifier": verifier, "drafter": drafter}
-            results, hostile_result = run_phases(args, prompts, processes, http_port)
+            results, hostile_result = run_phases(args, prompts, processes, http_port, credentials)
         finally:
             if verifier is not None:  # the verifier first: it holds drafter sessions
                 shutdown["verifier"] = stop_timed(verifier)
@@ -517,10 +711,12 @@ def main(argv: list[str] | None = None) -> None:
     )
 
 
-def run_phases(args: argparse.Namespace, prompts, processes: dict[str, ServiceProcess], http_port: int) -> tuple[list[dict], dict | None]:
+def run_phases(
+    args: argparse.Namespace, prompts, processes: dict[str, ServiceProcess], http_port: int, credentials: Credentials
+) -> tuple[list[dict], dict | None]:
     verifier, drafter = processes["verifier"], processes["drafter"]
     verifier_stub, drafter_stub = rpc.VerifierStub(verifier.channel), drafter_pb2_grpc.DrafterStub(drafter.channel)
-    metadata = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else ()
+    metadata = credentials.metadata()
 
     def generate(client: int, n: int) -> None:
         prompt = prompts[(client + n * 7) % len(prompts)]
@@ -573,10 +769,12 @@ def run_phases(args: argparse.Namespace, prompts, processes: dict[str, ServicePr
         print(json.dumps(summary), flush=True)
     if "hostile" not in args.phases:
         return results, None
-    honest = HonestClients(verifier_stub, http_port, prompts, args.max_new_tokens, args.clients, args.api_key, HONEST_TIMEOUT_S)
+    asked = spread(prompts, args.hostile_prompts)
+    honest = HonestClients(verifier_stub, http_port, asked, args.max_new_tokens, args.clients, credentials.api_keys, HONEST_TIMEOUT_S)
     try:
-        honest.complete(honest.grpc_clients, prompts[0])  # warm-up of the HTTP door
-        targets = hostile.Targets(verifier.address, drafter.address, http_port, vocabulary)
+        honest.complete(honest.grpc_clients, asked[0])  # warm-up of the HTTP door
+        limits = hostile.DrafterLimits.of(hostile.drafter_config(service_flags(args.drafter_arg)))
+        targets = hostile.Targets(verifier.address, drafter.address, http_port, vocabulary, limits)
         return results, run_hostile(args, processes, honest, targets)
     finally:
         honest.close()
@@ -605,25 +803,69 @@ def _memory_cell(reading: dict | None) -> str:
     return "gone" if reading is None else f"{reading['rss']:,} ({reading['anon']:,})"
 
 
-def hostile_tables(h: dict) -> str:
-    """The honest clients without and with abusers, their failures, both services' memory, and what the abusers met."""
-    honest = f"{h['honest_clients']['grpc']} + {h['honest_clients']['http']}"
+def _tokens_per_pass(summary: dict) -> str:
+    return f"{summary['tokens_per_pass']:.2f}" if "tokens_per_pass" in summary else "–"
+
+
+def honest_runs(h: dict) -> list[tuple[str, int, dict]]:
+    """(name, abusers, honest summary) of each run of the hostile result, in the order they ran."""
+    runs = [("baseline", 0, h["baseline"])] + [(run["mix"], run["abusers"], run["honest"]) for run in h["runs"]]
+    return runs + ([("again", 0, h["again"])] if "again" in h else [])
+
+
+def honest_table(h: dict) -> list[str]:
+    """The honest clients alone and beside each mix, one row each, the baseline's figures beside every row's."""
+    base = h["baseline"]
     lines = [
-        "| run | honest clients (gRPC + HTTP) | abusers | completed | failures | p50 ms | p99 ms "
-        "| gRPC p50 / p99 ms | HTTP p50 / p99 ms | CPU s verifier / drafter / bench |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|---|",
+        "| run | abusers | completed | failures | tokens/pass (baseline) | p50 ms (baseline) | p95 ms (baseline) | p99 ms "
+        "| gRPC p50 / p95 ms | HTTP p50 / p95 ms | CPU s verifier / drafter / bench |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
-    for run, abusers in (("baseline", 0), ("hostile", h["abusers"])):
-        r = h[run]
+    for name, abusers, r in honest_runs(h):
         doors = r.get("by_door", {})
-        door = {name: f"{_ms(doors[name]['p50_ms'])} / {_ms(doors[name]['p99_ms'])}" if name in doors else "" for name in ("grpc", "http")}
+        door = {name: f"{_ms(doors[name]['p50_ms'])} / {_ms(doors[name]['p95_ms'])}" if name in doors else "" for name in ("grpc", "http")}
         failed = sum(f["count"] for f in r["failures"])
         cpu = r["cpu_s"]
         lines.append(
-            f"| {run} | {honest} | {abusers} | {r['completed']} | {failed} | {_ms(r['p50_ms'])} | {_ms(r['p99_ms'])} "
+            f"| {name} | {abusers} | {r['completed']} | {failed} | {_tokens_per_pass(r)} ({_tokens_per_pass(base)}) "
+            f"| {_ms(r['p50_ms'])} ({_ms(base['p50_ms'])}) | {_ms(r['p95_ms'])} ({_ms(base['p95_ms'])}) | {_ms(r['p99_ms'])} "
             f"| {door['grpc']} | {door['http']} | {cpu['verifier']} / {cpu['drafter']} / {cpu['bench']} |"
         )
-    failures = [(run, f) for run in ("baseline", "hostile") for f in h[run]["failures"]]
+    return lines
+
+
+def abusers_table(h: dict) -> list[str]:
+    """Per run and kind: what the abusers met, the tokens the drafter took from them, and the drafter's Stats change."""
+    lines = ["| run | kind | outcomes | tokens taken | drafter Stats change |", "|---|---|---|---:|---|"]
+    for run in h["runs"]:
+        change = run["drafter_stats_change"]
+        changed = "no answer" if change is None else ", ".join(f"{name} {value:+,}" for name, value in change.items() if value)
+        tally = run["abuser_outcomes"]
+        for index, (kind, outcomes) in enumerate(tally["outcomes"].items()):
+            taken = tally["tokens_taken"].get(kind)
+            described = "; ".join(f"{outcome.replace('|', '/')}: {count:,}" for outcome, count in outcomes.items())
+            lines.append(
+                f"| {run['mix'] if index == 0 else ''} | {kind} | {described} | {'' if taken is None else f'{taken:,}'} "
+                f"| {(changed or 'none') if index == 0 else ''} |"
+            )
+        if tally["longest_held_s"]:
+            lines.append(
+                "| | longest held | " + "; ".join(f"{what} {seconds} s" for what, seconds in tally["longest_held_s"].items()) + " | | |"
+            )
+        if run["abusers_still_running"]:
+            lines.append(f"| | still running after the bound | {', '.join(run['abusers_still_running'])} | | |")
+    return lines
+
+
+def hostile_tables(h: dict) -> str:
+    """The honest clients without and with each mix of abusers, their failures, both services' memory, and what the abusers met."""
+    lines = [
+        f"Honest clients: {h['honest_clients']['grpc']} gRPC + {h['honest_clients']['http']} HTTP, {h['honest_keys']} API keys, "
+        f"{h['prompts']} prompts (learned in {h['learning_s']} s), {h['seconds']} s a run",
+        "",
+        *honest_table(h),
+    ]
+    failures = [(name, f) for name, _, r in honest_runs(h) for f in r["failures"]]
     if failures:
         lines += ["", "| honest failures | door | status | message | count |", "|---|---|---|---|---:|"]
         lines += [f"| {run} | {f['door']} | {f['outcome']} | {f['message'].replace('|', '/')} | {f['count']} |" for run, f in failures]
@@ -631,14 +873,7 @@ def hostile_tables(h: dict) -> str:
     lines += ["", "| RSS MB (anon) | " + " | ".join(name.replace("_", " ") for name in memory) + " |", "|---|" + "---:|" * len(memory)]
     for process in ("verifier", "drafter"):
         lines.append(f"| {process} | " + " | ".join(_memory_cell(readings[process]) for readings in memory.values()) + " |")
-    held = h["abuser_outcomes"]["longest_held_s"]
-    lines += ["", f"| abusers ({h['abuse_s']} s, stopped in {h['abusers_stop_s']} s) | outcomes |", "|---|---|"]
-    for kind, outcomes in h["abuser_outcomes"]["outcomes"].items():
-        lines.append(f"| {kind} | " + "; ".join(f"{outcome.replace('|', '/')}: {count}" for outcome, count in outcomes.items()) + " |")
-    if held:
-        lines.append("| longest held | " + "; ".join(f"{what} {seconds} s" for what, seconds in held.items()) + " |")
-    if h["abusers_still_running"]:
-        lines.append(f"| still running after the bound | {', '.join(h['abusers_still_running'])} |")
+    lines += ["", *abusers_table(h)]
     after = h["after"]
     lines += ["", f"After {RECOVERY_S} s: " + ", ".join(f"{key} {value}" for key, value in after.items())]
     return "\n".join(lines)

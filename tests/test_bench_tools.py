@@ -1,18 +1,39 @@
-"""The benchmarks' own tools: bench_core's reference oracle (every draft accepted) and the draft replay."""
+"""The benchmarks' own tools: bench_core's reference oracle (every draft accepted), the draft replay, the hostile
+run's abusers and tables, and bench_drafter's scoped calls."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
+import grpc
+import numpy as np
 import pytest
 
 from bench.acceptance_curve import curve, expected_tokens
 from bench.bench_core import ReferenceOracle, decode_batch
+from bench.bench_drafter import BATCH, SHARED_SCOPE, TENANT_SCOPES, propose_requests, session_scopes, time_steps, warm_requests
+from bench.bench_load import (
+    GENERATED,
+    PASSES,
+    Credentials,
+    Phase,
+    answer_ngrams,
+    hostile_tables,
+    parse_args,
+    settings,
+    spread,
+    tokens_per_pass,
+)
 from bench.draft_replay import accepted_path, ngram, prompt_lookup, replay, with_successors
+from bench.hostile import DrafterLimits, Mix, made_up_predictions, parse_mix, poison_sequences, predicting_request, prediction_shapes
 from bench.spec_bench import GROUPS, geometric_mean, load_groups, other_prompts
+from drafter_service.config import DrafterConfig
 from drafter_service.ngram import NGramConfig
+from drafter_service.server import create_server
 from drafter_service.sessions import NGramDrafter
+from specdec.v1 import drafter_pb2_grpc
 from verifier_service.drafting import DraftRequest, SessionProposer
 from verifier_service.engine import SpeculativeEngine
 
@@ -151,3 +172,149 @@ def test_the_methods_table_shows_each_method_against_plain_and_its_accepted_pass
     assert table[0] == f"| group | plain tok/s | default ×plain | head ×plain | default {share} | head {share} |"
     assert table[2] == "| qa | 10.0 | 1.20 | 1.80 | 1.40, 25% | 2.10, 60% |"
     assert table[-1].startswith(f"| **geometric mean** | | **{math.sqrt(1.2 * 2.4):.2f}** | **{math.sqrt(1.8 * 3.6):.2f}** |")
+
+
+# -- bench.hostile's tenant abusers, bench_load's hostile run, bench_drafter's scoped calls
+
+
+def test_prediction_shapes_carry_exactly_the_tokens_asked_within_the_positions_cap():
+    assert prediction_shapes(65_536, 1024, 16) == [(1024, 16)] * 4
+    assert prediction_shapes(65_537, 1024, 16) == [(1024, 16)] * 4 + [(1, 1)]  # one token over: a position at k 1
+    assert prediction_shapes(40, 2, 16) == [(2, 16), (2, 1), (2, 1), (2, 1), (2, 1)]  # 32 at k 16, 8 left at k 1, 2 a sequence
+    assert prediction_shapes(3072, 1024, 1) == [(1024, 1)] * 3
+
+
+def test_the_prediction_flood_fills_the_drafters_budget_and_one_token_more_is_refused(tmp_path):
+    vocabulary = "0123456789abcdef"
+    drafter = create_server(DrafterConfig(port=0, db=str(tmp_path / "db"), metrics_port=None, client_token="verifier-token"))
+    try:
+        limits, rng = DrafterLimits.of(drafter.servicer.config), np.random.default_rng(0)
+
+        def predictions(total: int, k: int):
+            return made_up_predictions(prediction_shapes(total, limits.predicted_positions, k), rng)
+
+        with grpc.insecure_channel(f"127.0.0.1:{drafter.port}") as channel:
+            stub = drafter_pb2_grpc.DrafterStub(channel)
+            at_limit = predictions(limits.predictions_per_call, 16)
+            assert sum(len(p.tokens) for p in at_limit) == 65_536
+            stub.Propose(predicting_request(vocabulary, [f"a{i}" for i in range(len(at_limit))], at_limit, set(), ""), timeout=60)
+            over = predictions(limits.predictions_per_call + 1, 16)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Propose(predicting_request(vocabulary, [f"b{i}" for i in range(len(over))], over, set(), ""), timeout=60)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "65537 predicted tokens in one call; the limit is 65536" in refused.value.details()
+            # The successor fill's scope of its own making: a client without the token may not declare one.
+            few = predictions(8, 1)
+            with pytest.raises(grpc.RpcError) as declared:
+                stub.Propose(predicting_request(vocabulary, ["c0"], few, set(), "ab" * 16), timeout=60)
+            assert declared.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            stub.Propose(predicting_request(vocabulary, ["c0"], few, set(), ""), timeout=60)  # its own scope: taken
+    finally:
+        drafter.stop(grace=0)
+
+
+def test_a_poisoning_call_is_copies_of_one_ngram_and_one_junk():
+    assert poison_sequences((5, 6), [9], 2) == [[5, 6, 9], [5, 6, 9]]
+
+
+def test_mixes_name_their_kinds_and_optionally_how_many_abusers():
+    assert parse_mix("idle_streams, huge_bodies") == Mix(("idle_streams", "huge_bodies"))
+    assert parse_mix("4:observe_flood") == Mix(("observe_flood",), 4)
+    assert str(parse_mix("4:observe_flood,poisoning")) == "4:observe_flood,poisoning"
+    for wrong in ("", "0:poisoning", "x:poisoning", "4:", "flood"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_mix(wrong)
+
+
+def test_the_poisoner_copies_every_distinct_ngram_of_the_honest_answers():
+    assert answer_ngrams([[1, 2, 3, 1, 2], [2, 3]], 2) == ((1, 2), (2, 3), (3, 1))
+    assert answer_ngrams([[1, 2]], 4) == ()  # an answer shorter than n gives none
+
+
+def test_the_hostile_run_asks_a_few_prompts_spread_over_all():
+    assert spread("abcdef", 3) == ["a", "c", "e"]
+    assert spread("abc", 0) == spread("abc", 5) == ["a", "b", "c"]
+
+
+def test_tokens_per_pass_is_every_generated_token_over_every_pass():
+    assert tokens_per_pass({GENERATED: 30, PASSES: 12})["tokens_per_pass"] == 2.5
+    assert tokens_per_pass({}) == {}
+    # A phase sums its calls' counts per door: 2 of 3 tokens per pass on one door, 5 of 2 on the other.
+    phase = Phase("p", 2, 0.05, lambda client, n: {GENERATED: 3, PASSES: 2} if client == 0 else {GENERATED: 5, PASSES: 2}, str)
+    phase.run()
+    summary = phase.summary()
+    assert summary["by_door"]["0"]["tokens_per_pass"] == 1.5 and summary["by_door"]["1"]["tokens_per_pass"] == 2.5
+    assert summary[GENERATED] == 3 * summary["by_door"]["0"]["completed"] + 5 * summary["by_door"]["1"]["completed"]
+
+
+def test_made_keys_go_to_the_verifier_and_the_drafter_token_to_both_services(monkeypatch):
+    for variable in ("SPECDEC_VERIFIER_API_KEY", "SPECDEC_VERIFIER_DRAFTER_TOKEN", "SPECDEC_DRAFTER_CLIENT_TOKEN"):
+        monkeypatch.delenv(variable, raising=False)
+    args = parse_args(["--honest-keys", "2"])
+    credentials = Credentials(args)
+    assert len(set(credentials.api_keys)) == 2
+    verifier, drafter = credentials.verifier_env(), credentials.drafter_env()
+    assert verifier["SPECDEC_VERIFIER_API_KEY"] == ",".join(credentials.api_keys)
+    assert verifier["SPECDEC_VERIFIER_DRAFTER_TOKEN"] == drafter["SPECDEC_DRAFTER_CLIENT_TOKEN"]
+    assert not any(key in json.dumps(settings(args)) for key in credentials.api_keys)
+    given = Credentials(parse_args(["--api-key", "mine", "--open-drafter"]))
+    assert given.api_keys == ("mine",)  # the user's key, which the user gives the verifier
+    assert "SPECDEC_VERIFIER_API_KEY" not in given.verifier_env()
+    assert "SPECDEC_DRAFTER_CLIENT_TOKEN" not in given.drafter_env() and "SPECDEC_VERIFIER_DRAFTER_TOKEN" not in given.verifier_env()
+    assert Credentials(parse_args(["--honest-keys", "0"])).metadata() == ()
+
+
+def test_the_honest_table_puts_each_run_beside_the_baseline():
+    def honest(tokens_per_pass: float, p50: float) -> dict:
+        cpu = {"verifier": 1.0, "drafter": 0.5, "bench": 0.1}
+        return {
+            "completed": 9,
+            "failures": [],
+            "tokens_per_pass": tokens_per_pass,
+            "p50_ms": p50,
+            "p95_ms": 2 * p50,
+            "p99_ms": 3 * p50,
+            "cpu_s": cpu,
+        }
+
+    tally = {"outcomes": {"poisoning": {"Observe OK": 3}}, "longest_held_s": {}, "tokens_taken": {"poisoning": 36}}
+    run = {"mix": "4:poisoning", "abusers": 4, "honest": honest(1.5, 900), "abuser_outcomes": tally, "abusers_still_running": []}
+    result = {
+        "honest_clients": {"grpc": 1, "http": 1},
+        "honest_keys": 2,
+        "prompts": 8,
+        "learning_s": 3.0,
+        "seconds": 10,
+        "baseline": honest(2.0, 800),
+        "runs": [run | {"drafter_stats_change": {"entries": 12, "scopes": 1, "bytes": 0}}],
+        "again": honest(1.9, 810),
+        "memory_mb": {"peak": {"verifier": None, "drafter": None}},
+        "after": {"grpc_request": "OK"},
+    }
+    lines = hostile_tables(result).splitlines()
+    assert any(line.startswith("| 4:poisoning | 4 | 9 | 0 | 1.50 (2.00) | 900 (800) | 1,800 (1,600) | 2,700 |") for line in lines)
+    assert any(line.startswith("| again | 0 | 9 | 0 | 1.90 (2.00) |") for line in lines)
+    assert "| 4:poisoning | poisoning | Observe OK: 3 | 36 | entries +12, scopes +1 |" in lines
+
+
+def test_the_drafter_bench_opens_sessions_in_tenant_scopes_and_reads_the_shared_one():
+    tokens = list(range(10_000))
+    assert session_scopes("default", 1) is None
+    assert session_scopes("scoped", 1)[:4] == [TENANT_SCOPES[1], TENANT_SCOPES[2], TENANT_SCOPES[0], TENANT_SCOPES[1]]
+    opening, step = list(propose_requests(tokens, 1, "v", verifier=1, layout="scoped"))
+    assert [update.scope for update in opening.sequences] == session_scopes("scoped", 1)
+    assert opening.shared_scope == step.shared_scope == SHARED_SCOPE and len(step.sequences) == BATCH
+    assert all(update.scope == "" for update in step.sequences)  # a session keeps the scope it was opened in
+    default = list(propose_requests(tokens, 1, "v", verifier=1, layout="default"))
+    assert all(not request.shared_scope and not any(update.scope for update in request.sequences) for request in default)
+    # "scoped": each tenant learns the first half of the warm text, the shared scope the second.
+    learned = {(request.scope, len(request.sequences[0].tokens)) for request in warm_requests(list(range(200_000)), "scoped")}
+    assert learned == {(scope, 100_000) for scope in TENANT_SCOPES} | {(SHARED_SCOPE, 100_000)}
+
+
+def test_the_drafter_bench_times_the_verifiers_steps_in_turn_after_their_openings():
+    calls = []
+    streams = [iter(["open-a", "a1", "a2"]), iter(["open-b", "b1"])]
+    times = time_steps(lambda request: calls.append(request) or request, streams)
+    assert calls == ["open-a", "open-b", "a1", "b1", "a2"]
+    assert len(times.wall_s) == len(times.cpu_s) == 3 and times.last_response == "a2"

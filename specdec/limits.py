@@ -32,13 +32,30 @@ class ConnectionLimits:
     # Keepalive enforcement: a client that pings more often than this (twice) is
     # sent GOAWAY, so pings cannot be a flood. gRPC clients' keepalive defaults are minutes.
     min_client_ping_interval_s: float = setting(10.0, minimum=0.001, help="shortest interval between a client's pings")
-    # Server reflection and health Watch streams wait on their client, each
-    # holding a worker thread: they have a small pool of their own...
-    max_auxiliary_streams: int = setting(8, minimum=1, help="reflection and health Watch streams open at once; beyond, RESOURCE_EXHAUSTED")
-    # ...and end when their client has been silent this long (a Watch sends
-    # nothing after its request: it lasts this long, and watchers re-open it).
+    # Server reflection and health Watch streams wait on their client, each holding
+    # a thread for as long as it stays open: they run on threads of their own, never
+    # the service's, so idle ones cannot take the threads or slots calls need...
+    max_auxiliary_streams: int = setting(
+        8, minimum=1, help="reflection and health Watch streams served at once, on threads of their own (not the service's)"
+    )
+    # ...and a stream beyond waits for one of those threads, holding none: a burst of
+    # grpcurl runs (each opens a reflection stream, asks 1-3 questions within
+    # milliseconds and closes it) waits its turn instead of being refused. Each
+    # waiting stream holds an RPC slot (added to the server's limit, not taken from
+    # the service's calls), so they are bounded too.
+    max_waiting_auxiliary_streams: int = setting(
+        64, minimum=0, help="reflection and health Watch streams waiting for one of those threads; beyond, RESOURCE_EXHAUSTED"
+    )
+    # A stream ends when its client has been silent this long (a Watch sends
+    # nothing after its request: it lasts this long, and watchers re-open it)...
     auxiliary_stream_idle_s: float = setting(
         60.0, minimum=0.001, help="seconds a reflection or health Watch stream may wait for its client"
+    )
+    # ...or this long while another stream waits for its thread: grpcurl asks its
+    # questions milliseconds apart, and asks again on a new stream if its old one
+    # was cut, so a second of silence means it is done asking.
+    auxiliary_stream_quiet_s: float = setting(
+        1.0, minimum=0.001, help="seconds of silence after which a reflection or health Watch stream gives its thread to a waiting one"
     )
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,37 +62,103 @@ def message_options(max_bytes: int) -> list[tuple[str, int]]:
 # The streams that wait on their client and that every port offers: server
 # reflection (bidirectional) and health Watch (one request, then updates).
 AUXILIARY_STREAM_PREFIXES = ("/grpc.reflection.", "/grpc.health.v1.Health/Watch")
-# How often the guard looks for streams silent too long.
-AUXILIARY_SWEEP_S = 0.5
+# How often the guard looks for streams silent too long: well under --auxiliary-stream-quiet's 1 s.
+AUXILIARY_SWEEP_S = 0.25
+
+
+class AuxiliaryStreamPool(futures.ThreadPoolExecutor):
+    """The auxiliary streams' threads; counts the streams submitted and not yet finished
+    (``pending``: running, or waiting for a thread), those not yet started (``waiting``,
+    holding no thread), and the threads that cuts will free for them (``owed``)."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(max_workers=workers, thread_name_prefix="auxiliary-stream")
+        self._count_lock = threading.Lock()
+        self.pending = 0
+        self.waiting = 0
+        # Threads freed by the guard's cuts and not yet taken by a waiting stream: the next sweep need not cut again for them.
+        self.owed = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        started = threading.Event()
+
+        def run():
+            with self._count_lock:
+                self.waiting -= 1
+                self.owed = max(0, self.owed - 1)
+                started.set()
+            return fn(*args, **kwargs)
+
+        def done(_future) -> None:  # however the call ends, run or not
+            with self._count_lock:
+                self.pending -= 1
+                if not started.is_set():
+                    self.waiting -= 1
+
+        with self._count_lock:
+            self.pending += 1
+            self.waiting += 1
+        try:
+            future = super().submit(run)
+        except BaseException:
+            done(None)
+            raise
+        future.add_done_callback(done)
+        return future
+
+
+@dataclass
+class _Stream:
+    context: Any
+    heard: float  # when its client last sent something, or it started (monotonic)
+    cut: bool = False  # cancelled by the guard, not yet gone
 
 
 class AuxiliaryStreamGuard(grpc.ServerInterceptor):
-    """Bounds the reflection and health Watch streams: at most ``max_auxiliary_streams`` at once
-    (RESOURCE_EXHAUSTED beyond, before any worker waits), each cancelled once its client has
-    been silent for ``auxiliary_stream_idle_s``. Other calls pass untouched.
+    """Serves the reflection and health Watch streams on threads of their own, never the
+    service's: ``max_auxiliary_streams`` at once; one beyond waits for a thread, holding
+    none, and beyond ``max_waiting_auxiliary_streams`` waiting it is RESOURCE_EXHAUSTED.
+    A stream is cancelled once its client has been silent for ``auxiliary_stream_idle_s``,
+    or for ``auxiliary_stream_quiet_s`` while another stream waits for its thread
+    (the longest silent first). Other calls pass untouched.
 
-    An idle stream holds one of a synchronous server's worker threads for as long as
-    its client keeps it open: 16 such streams took every thread of the drafter, and 88
-    every RPC slot of the verifier. A sweeper thread cancels the silent ones."""
+    A synchronous server gives each stream a thread for as long as its client keeps it
+    open: 16 idle streams took every thread of the drafter, and 88 every RPC slot of the
+    verifier. A cap on open streams on the service's threads stopped that but refused
+    bursts: of 16 grpcurl runs at once (each opens a reflection stream, asks within
+    milliseconds, closes it when it exits), 8 failed. Here idle streams, from one caller
+    or many, hold only this pool's threads, and only until someone else needs them."""
 
     def __init__(self, limits: ConnectionLimits) -> None:
         self.limits = limits
+        self.pool = AuxiliaryStreamPool(limits.max_auxiliary_streams)
         self._lock = threading.Lock()
-        self._open: dict[int, list] = {}  # id -> [context, last heard from (monotonic)]
+        self._open: dict[int, _Stream] = {}
         self._next_id = 0
-        self.refused = 0  # streams refused for want of a slot
-        self.ended_idle = 0  # streams cancelled for silence
+        self.refused = 0  # streams refused for want of room to wait
+        self.ended_idle = 0  # streams cancelled for silence (idle, or quiet while others waited)
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
 
     @property
     def open_streams(self) -> int:
+        """Streams running on the pool's threads."""
         return len(self._open)
 
+    @property
+    def room(self) -> int:
+        """Streams that may be running or waiting at once."""
+        return self.limits.max_auxiliary_streams + self.limits.max_waiting_auxiliary_streams
+
     def intercept_service(self, continuation, handler_call_details):
+        # Runs on the server's one polling thread, just before it submits the call: the
+        # pool's count includes every stream admitted before this one.
         handler = continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(AUXILIARY_STREAM_PREFIXES):
             return handler
+        if self.pool.pending >= self.room:
+            self.refused += 1
+            return self._refusal(handler)
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
                 self._guarded(handler.stream_stream, streaming_requests=True), handler.request_deserializer, handler.response_serializer
@@ -101,6 +168,22 @@ class AuxiliaryStreamGuard(grpc.ServerInterceptor):
                 self._guarded(handler.unary_stream, streaming_requests=False), handler.request_deserializer, handler.response_serializer
             )
         return handler
+
+    def _refusal(self, handler):
+        """A handler that refuses at once, on a service thread (for microseconds): the
+        pool's threads may all be held by streams waiting on their clients."""
+        message = (
+            f"{self.room} reflection or health Watch streams are open or waiting already "
+            "(--max-auxiliary-streams, --max-waiting-auxiliary-streams); retry later, or use health Check"
+        )
+
+        def refuse(_request, context):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+            yield  # pragma: no cover - abort raises
+
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
 
     def _guarded(self, behaviour, streaming_requests: bool):
         def guarded(request, context):
@@ -116,46 +199,57 @@ class AuxiliaryStreamGuard(grpc.ServerInterceptor):
             finally:
                 leave()
 
+        # grpcio runs a behaviour on the pool its ``experimental_thread_pool`` names, instead of the server's.
+        guarded.experimental_thread_pool = self.pool  # type: ignore[attr-defined]
         return guarded
 
     def _enter(self, context) -> int:
         with self._lock:
-            if len(self._open) >= self.limits.max_auxiliary_streams:
-                self.refused += 1
-                full = True
-            else:
-                full = False
-                self._next_id += 1
-                stream_id = self._next_id
-                self._open[stream_id] = [context, time.monotonic()]
+            self._next_id += 1
+            stream_id = self._next_id
+            self._open[stream_id] = _Stream(context, time.monotonic())
             if self._sweeper is None:
                 self._sweeper = threading.Thread(target=self._sweep, name="auxiliary-stream-sweeper", daemon=True)
                 self._sweeper.start()
-        if full:
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.limits.max_auxiliary_streams} reflection or health Watch streams are open already "
-                "(--max-auxiliary-streams); retry later, or use health Check",
-            )
         return stream_id
 
     def _heard(self, stream_id: int, requests):
         for request in requests:
             with self._lock:
-                if stream_id in self._open:
-                    self._open[stream_id][1] = time.monotonic()
+                stream = self._open.get(stream_id)
+                if stream is not None:
+                    stream.heard = time.monotonic()
             yield request
 
     def _sweep(self) -> None:
         while not self._stop.wait(AUXILIARY_SWEEP_S):
-            silent_since = time.monotonic() - self.limits.auxiliary_stream_idle_s
-            with self._lock:
-                silent = [context for context, heard in self._open.values() if heard < silent_since]
-            for context in silent:
+            for context in self.silent_streams(time.monotonic()):
                 self.ended_idle += 1
                 context.cancel()
 
+    def silent_streams(self, now: float) -> list:
+        """The contexts to cancel now: those silent past the idle limit, and, for each stream
+        waiting for a thread that no earlier cut frees, the longest silent past the quiet limit.
+
+        E.g. idle 60 s, quiet 1 s, 2 waiting, open streams silent for 0.2, 3, 5 and 70 s:
+        the 70 s one (idle) and the 5 s one (quiet; with the 70 s one's, two threads freed)."""
+        with self._lock, self.pool._count_lock:
+            if self.pool.waiting == 0:
+                self.pool.owed = 0  # no one waits for the threads cut streams free
+            live = [stream for stream in self._open.values() if not stream.cut]
+            idle = [stream for stream in live if stream.heard < now - self.limits.auxiliary_stream_idle_s]
+            quiet = sorted(
+                (stream for stream in live if stream.heard < now - self.limits.auxiliary_stream_quiet_s and stream not in idle),
+                key=lambda stream: stream.heard,
+            )
+            chosen = idle + quiet[: max(0, self.pool.waiting - self.pool.owed - len(idle))]
+            for stream in chosen:
+                stream.cut = True
+            self.pool.owed += len(chosen)
+        return [stream.context for stream in chosen]
+
     def stop(self) -> None:
+        """Stop cutting silent streams (the server's stop ends them all)."""
         self._stop.set()
 
 
@@ -165,12 +259,14 @@ def grpc_server(
     """A synchronous gRPC server with ``workers`` threads that accepts at most
     ``max_concurrent_rpcs`` calls at once (running or waiting for a thread; beyond,
     RESOURCE_EXHAUSTED from gRPC itself, holding no thread), messages capped at
-    ``max_message_bytes``, and ``limits`` on connections and auxiliary streams."""
+    ``max_message_bytes``, and ``limits`` on connections and auxiliary streams.
+    Reflection and health Watch streams run on the guard's own threads, and gRPC's
+    limit counts them on top of ``max_concurrent_rpcs``: they take neither from calls."""
     guard = AuxiliaryStreamGuard(limits)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers),
         interceptors=[guard],
-        maximum_concurrent_rpcs=max_concurrent_rpcs,
+        maximum_concurrent_rpcs=max_concurrent_rpcs + guard.room,
         options=message_options(max_message_bytes) + limits.options(),
     )
     return server, guard

@@ -9,7 +9,6 @@ import threading
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from processes import free_port, running, running_tiny_verifier
 
@@ -32,31 +31,28 @@ def test_healthcheck_passes_on_a_serving_drafter_and_fails_on_nothing(tmp_path):
 # -- the health port answers whatever the service port's load -------------------------------
 
 HEALTH = health_pb2.HealthCheckRequest()
-# Idle reflection streams are how these tests fill a service port: let them (by default a
-# port holds 8 at most, each cut after 60 s of silence; tests/e2e/test_hostile_grpc.py).
-IDLE_STREAMS_ALLOWED = ("--max-auxiliary-streams", "64", "--auxiliary-stream-idle", "600")
 
 
-def fill_with_idle_streams(service, refused) -> tuple[list, threading.Event]:
-    """Open reflection streams on the service port and leave them idle after one
-    exchange (each holds a worker thread and an RPC slot, as a slow Generate would)
-    until a health Check there fails as ``refused(error)`` says it must."""
+def fill_with_stalled_calls(service, method: str, refused) -> tuple[list, threading.Event]:
+    """Start calls of ``method`` on the service port that send their headers and never
+    their request (each holds a worker thread and an RPC slot while the server waits for
+    it, as a slow Generate would) until a health Check there fails as ``refused(error)``
+    says it must. Reflection and Watch streams cannot fill a port: they have threads of their own."""
     health = health_pb2_grpc.HealthStub(service.channel)
-    reflection = reflection_pb2_grpc.ServerReflectionStub(service.channel)
-    release, streams = threading.Event(), []
+    stalled = service.channel.stream_stream(method)  # the request is never sent: no serializer needed
+    release, calls = threading.Event(), []
 
-    def one_request_then_idle():
-        yield reflection_pb2.ServerReflectionRequest(list_services="")
-        release.wait()
+    def nothing():
+        release.wait(120)
+        yield from ()
 
     for _ in range(64):
         try:
             health.Check(HEALTH, timeout=2)
         except grpc.RpcError as error:
             assert refused(error), f"{error.code().name}: {error.details()}"
-            return streams, release
-        streams.append(reflection.ServerReflectionInfo(one_request_then_idle(), timeout=120))
-        next(streams[-1])  # answered: its handler now waits for the next request, holding its slot
+            return calls, release
+        calls.append(stalled(nothing(), timeout=120))
     pytest.fail("the service port never filled up")
 
 
@@ -68,19 +64,19 @@ def assert_health_port_serves(port: int, service: str) -> None:
     assert healthcheck(f"127.0.0.1:{port}").returncode == 0
 
 
-def assert_health_port_answers_when_full(service, health_port: int, full_at: int, refused: grpc.StatusCode, name: str) -> None:
-    """Fill ``service``'s port (``full_at`` idle streams, then a Check there fails with
-    ``refused``) and check that the health port still says SERVING."""
+def assert_health_port_answers_when_full(service, health_port: int, full_at: int, method: str, name: str) -> None:
+    """Fill ``service``'s worker threads (``full_at`` stalled calls of ``method``, then a Check
+    there waits past its deadline) and check that the health port still says SERVING."""
     service.wait_until_serving("", timeout_s=120)
-    streams, release = fill_with_idle_streams(service, lambda error: error.code() == refused)
+    calls, release = fill_with_stalled_calls(service, method, lambda error: error.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
     try:
-        assert len(streams) == full_at
+        assert len(calls) == full_at
         assert_health_port_serves(health_port, name)
     finally:
         release.set()
 
 
-def test_the_verifiers_health_port_answers_while_its_service_port_is_at_the_rpc_limit(tiny_model_dir):
+def test_the_verifiers_health_port_answers_while_its_worker_threads_are_all_busy(tiny_model_dir):
     health_port = free_port()
     with running_tiny_verifier(
         tiny_model_dir,
@@ -90,10 +86,9 @@ def test_the_verifiers_health_port_answers_while_its_service_port_is_at_the_rpc_
         "1",
         "--health-port",
         str(health_port),
-        *IDLE_STREAMS_ALLOWED,
     ) as verifier:
-        # RPC limit: --max-batch-size + --max-queued + 8 = 10; past it, RESOURCE_EXHAUSTED.
-        assert_health_port_answers_when_full(verifier, health_port, 10, grpc.StatusCode.RESOURCE_EXHAUSTED, "specdec.v1.Verifier")
+        # Worker threads: --max-batch-size + --max-queued + 8 = 10, all taken.
+        assert_health_port_answers_when_full(verifier, health_port, 10, "/specdec.v1.Verifier/Generate", "specdec.v1.Verifier")
         # The start-up log says the configuration the flags made.
         assert "effective config" in verifier.log()
         log = verifier.log()
@@ -105,7 +100,7 @@ def test_the_drafters_health_port_answers_while_its_worker_threads_are_all_busy(
     with running(
         "drafter_service",
         *("--port", "0", "--db", str(tmp_path / "db"), "--metrics-port", "-1", "--health-port", str(health_port)),
-        *("--max-workers", "16", *IDLE_STREAMS_ALLOWED),
+        *("--max-workers", "16"),
     ) as drafter:
         # All 16 worker threads taken: a Check on the service port waits past its deadline.
-        assert_health_port_answers_when_full(drafter, health_port, 16, grpc.StatusCode.DEADLINE_EXCEEDED, "specdec.v1.Drafter")
+        assert_health_port_answers_when_full(drafter, health_port, 16, "/specdec.v1.Drafter/Stats", "specdec.v1.Drafter")

@@ -71,9 +71,11 @@ def test_under_mutual_tls_a_caller_cannot_read_or_close_another_callers_session(
 
 def test_idle_streams_cannot_take_the_drafters_threads(tmp_path):
     # Was: 16 idle reflection streams held all 16 worker threads; Propose timed out 3 of 3,
-    # and the streams were never timed out (held 300 s).
-    args = ("--port", "0", "--db", str(tmp_path / "db"), "--max-auxiliary-streams", "4", "--auxiliary-stream-idle", "1")
-    with running("drafter_service", *args, env=ENV) as drafter:
+    # and the streams were never timed out (held 300 s). Reflection streams now run on
+    # threads of their own: one caller's 20 idle streams leave even 2 worker threads free.
+    args = ("--port", "0", "--db", str(tmp_path / "db"), "--max-workers", "2", "--max-auxiliary-streams", "4")
+    limits = ("--max-waiting-auxiliary-streams", "8", "--auxiliary-stream-idle", "3", "--auxiliary-stream-quiet", "3")
+    with running("drafter_service", *args, *limits, env=ENV) as drafter:
         grpc.channel_ready_future(drafter.channel).result(timeout=CALL_TIMEOUT_S)
         silent, outcomes = threading.Event(), []
 
@@ -102,9 +104,10 @@ def test_idle_streams_cannot_take_the_drafters_threads(tmp_path):
             thread.join(CALL_TIMEOUT_S)
         silent.set()
         codes = sorted(code.name for code, _ in outcomes)
-        assert len(codes) == 20
-        # At most 4 held at once; the rest refused at once, the held ones ended for silence.
-        assert set(codes) <= {"RESOURCE_EXHAUSTED", "CANCELLED"} and codes.count("CANCELLED") >= 4
+        assert len(codes) == 20 and set(codes) <= {"RESOURCE_EXHAUSTED", "CANCELLED"}
+        # 4 run, 8 wait (each runs when one is cut), the rest are refused at once; the ones
+        # that arrive after the first cuts (3 s on) may wait instead: fewer refused, never more.
+        assert codes.count("RESOURCE_EXHAUSTED") <= 8 and codes.count("CANCELLED") >= 12
         assert all(seconds < 55 for _, seconds in outcomes)  # none lasted to the client's own 60 s deadline
 
 
@@ -139,7 +142,8 @@ def test_two_verifiers_share_one_drafter_what_one_learns_drafts_for_the_other(tm
 
 def test_idle_streams_cannot_take_the_verifiers_request_slots(tiny_model_dir):
     # Was: 88 idle reflection streams (batch + queue + 8) and every Generate got RESOURCE_EXHAUSTED.
-    with running_tiny_verifier(tiny_model_dir, "--max-auxiliary-streams", "4", "--auxiliary-stream-idle", "2") as verifier:
+    limits = ("--max-auxiliary-streams", "4", "--max-waiting-auxiliary-streams", "8", "--auxiliary-stream-idle", "2")
+    with running_tiny_verifier(tiny_model_dir, *limits) as verifier:
         verifier.wait_until_serving("specdec.v1.Verifier", CALL_TIMEOUT_S)
         silent, outcomes = threading.Event(), []
 

@@ -116,17 +116,23 @@ class ServiceProcess:
         return self.log_file.read()
 
     def wait_until_serving(self, service: str = "", timeout_s: float = HEALTH_TIMEOUT_S) -> None:
-        """Block until health reports SERVING for ``service`` (Watch streams each change: no polling)."""
+        """Block until health reports SERVING for ``service`` (Watch streams each change: no polling).
+        A Watch the service cuts (a silent stream is cancelled after --auxiliary-stream-idle,
+        or gives its thread to a waiting one) is watched again, until ``timeout_s``."""
         assert self.channel is not None
         health = health_pb2_grpc.HealthStub(self.channel)
         request = health_pb2.HealthCheckRequest(service=service)
-        try:
-            for response in health.Watch(request, timeout=timeout_s, wait_for_ready=True):
-                if response.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-        except grpc.RpcError as error:
-            raise RuntimeError(f"{self.command} never reported SERVING ({error.code().name}):\n{self.log()}") from error
-        raise RuntimeError(f"{self.command} closed its health stream before SERVING:\n{self.log()}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                for response in health.Watch(request, timeout=max(0.001, deadline - time.monotonic()), wait_for_ready=True):
+                    if response.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.CANCELLED or time.monotonic() >= deadline or self.process.poll() is not None:
+                    raise RuntimeError(f"{self.command} never reported SERVING ({error.code().name}):\n{self.log()}") from error
+                continue  # cut by the service while silent: watch again
+            raise RuntimeError(f"{self.command} closed its health stream before SERVING:\n{self.log()}")
 
     def kill(self) -> None:
         """SIGKILL: no shutdown code runs, as in a crash or an OOM kill."""

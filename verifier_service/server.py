@@ -580,10 +580,9 @@ def proto_logprobs(items: Iterable[TokenLogprob]) -> list[verifier_pb2.TokenLogp
 
 def create_server(config: VerifierConfig) -> VerifierServer:
     """Bind the port with health NOT_SERVING; call ``load()`` to bring the model up."""
-    # One worker per request that may be running or queued, plus health and reflection calls.
-    workers = config.engine.max_batch_size + config.scheduler.max_queued + 8
-    # Reflection and health Watch streams have --max-auxiliary-streams (8) of those 8 extra
-    # workers to themselves, and end when silent, so idle streams cannot take the requests' slots.
+    # One worker per request that may be running or queued, plus 8 for health Check and other
+    # short calls. Reflection and health Watch streams run on threads of their own
+    # (--max-auxiliary-streams, serving.grpc_server), so idle streams take no request's slot.
     server, guard = serving.grpc_server(config.connections, workers, workers, config.max_message_bytes)
     health_servicer = serving.add_health_and_reflection(server, SERVICE_NAME)
     tracing = telemetry.Tracing("specdec-verifier")

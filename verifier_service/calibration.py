@@ -3,19 +3,38 @@
 The engine prices every step with a ``StepCostModel`` (the planner weighs
 draft tokens against it, padding picks cheaper token counts from it, and
 each real step refines it). ``calibrate_step_cost`` measures one on the real
-device, once per model object (``calibrated_step_cost``); tests and benches
-hand the engine a model of their own instead.
+device, once per model object (``calibrated_step_cost``), within a time
+budget (``EngineConfig.calibration_budget_s``); tests and benches hand the
+engine a model of their own instead.
 
-A calibration takes tens of seconds (minutes on a busy machine), so the
-service keeps it in a folder (``load_or_calibrate``), keyed by what decides
-the costs: the model's shape and dtype, the device, the CPU, the thread
-count, torch's version and the cache's shape. A later start times a short
-probe and keeps the stored model only when the probe agrees with it.
+Load only ever adds time to a pass, so what is kept is what load cannot
+inflate from below: the minimum of repeated timings, or a low quantile of
+many real steps, and a stored cost is only ever lowered by such evidence.
+Readiness never waits on a busy machine: a start with a stored calibration
+serves from it at once (a slower probe only says the machine is busy), and
+a start without one measures for at most the budget, coarse token counts
+first, so a calibration cut short still spans every step size.
+
+The service keeps the calibration in a folder (``load_or_calibrate``),
+keyed by what decides the costs: the model's shape and dtype, the device,
+the CPU, the thread count, torch's version and the cache's shape. One JSON
+file per key, ``step-cost-<sha256 of the key, 20 hex>.json``, format 1::
+
+    {"key": {..., "format": 1},            # calibration_key(); another key is another file
+     "points": {"1": 0.0617, ...},         # seconds per pass by tokens fed (positive)
+     "per_context_token": 1.2e-7,          # seconds per cached token read by attention
+     "up_to": 128,                         # linear layers as W @ x^T up to this many tokens
+     "complete": true}                     # every count measured (false: the budget cut it
+                                           # short; absent in older files: true)
+
+It is written whole (by rename), at a calibration and whenever a probe or
+real steps show the machine faster than stored (``StoredCalibration.lowered``).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import logging
@@ -23,7 +42,9 @@ import os
 import platform
 import time
 import weakref
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,34 +57,54 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+Clock = Callable[[], float]
+
 # Token counts whose forward-pass cost is measured at start-up: every count
 # up to 16 (where CPU GEMM kernels change, so padding can pay), then a
 # sparser grid up to a prefill chunk plus a batch of drafts.
 CALIBRATION_TOKENS = (*range(1, 17), 20, 24, 32, 48, 64, 96, 128, 192, 256, 384)
-# Counts up to here are timed twice (best of two): they decide padding.
-CALIBRATION_REPEAT_BELOW = 64
+# Each count is timed this often and the fastest kept: load only adds time, so
+# the minimum is what a busy machine cannot inflate from below.
+CALIBRATION_REPEATS = 2
+# Passes over the counts a calibration may make (within its budget): the
+# second finds bursts of load in the first, a third rarely changes anything.
+CALIBRATION_PASSES = 3
 # Cached tokens per slot when timing attention's reads of the cache.
 CALIBRATION_COLUMNS = 1024
 
-# A stored calibration's layout; a file of another is measured again.
+# A stored calibration's layout (the module docstring); a file of another is measured again.
 STORED_FORMAT = 1
-# Token counts the start-up probe times (best of PROBE_REPEATS each)...
+# Token counts the start-up probe times (best of PROBE_REPEATS each), within
+# PROBE_BUDGET_S: a few passes, ~1 s idle and a few seconds busy on the real model.
 PROBE_TOKENS = (1, 4, 16)
 PROBE_REPEATS = 3
-# ...and how far (as a factor, either way) each may be from the stored cost for
-# it to stand: a machine busier or idler than at calibration differs by less,
-# another machine or a changed setting (threads, power) by more.
-PROBE_TOLERANCE = 2.0
+PROBE_BUDGET_S = 5.0
+# Stored costs are lowered only when the evidence is at least this much
+# faster: best-of-three timings on an idle machine vary by ~5-10%, and a
+# smaller margin would rewrite the file at nearly every start.
+LOWER_MARGIN = 0.15
+# Real steps: the last STEP_WINDOW ratios (step time / stored cost) per token
+# count are kept; a count with at least STEP_SAMPLES of them is evidence, and
+# its STEP_QUANTILE-th quantile the ratio it shows (a tenth: steps that
+# happened to run while the machine was quiet). Checked every CHECK_EVERY steps.
+STEP_WINDOW = 100
+STEP_SAMPLES = 50
+STEP_QUANTILE = 0.1
+CHECK_EVERY = 256
 
 _calibrations: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def calibrated_step_cost(engine: SpeculativeEngine, folder: Path | None = None) -> StepCostModel:
     """The step-cost model of ``engine``'s model on this machine, measured once per model
-    object (and kept in ``folder`` across processes, when given: ``load_or_calibrate``)."""
+    object within ``engine.config.calibration_budget_s`` (and kept in ``folder`` across
+    processes, when given: ``load_or_calibrate``)."""
     cached = _calibrations.get(engine.model)
     if cached is None:
-        cached = calibrate_step_cost(engine) if folder is None else load_or_calibrate(engine, folder)
+        if folder is None:
+            cached = calibrate_step_cost(engine, budget_s=engine.config.calibration_budget_s)
+        else:
+            cached = load_or_calibrate(engine, folder)
         _calibrations[engine.model] = cached
     return cached
 
@@ -96,114 +137,258 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def load_or_calibrate(engine: SpeculativeEngine, folder: Path) -> StepCostModel:
-    """The calibration stored in ``folder`` for this key when a short probe agrees with it
-    (within ``PROBE_TOLERANCE``), else a new one, stored for the next start. A file that
-    cannot be read or written costs a calibration, never the start."""
-    key = calibration_key(engine)
-    path = folder / f"step-cost-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
-    stored = _read_stored(path, key)
-    if stored is not None:
-        model, up_to = stored
-        if engine.kernels is not None:
-            engine.kernels.up_to = up_to
-        disagreements = _probe(engine, model)
-        if not disagreements:
-            log.info("step cost from %s (the probe agrees within %gx)", path, PROBE_TOLERANCE)
-            return model
-        log.info("stored step cost %s is off (%s); calibrating again", path, "; ".join(disagreements))
-    model = calibrate_step_cost(engine)
-    record = {
-        "key": key,
-        "points": model.points(),
-        "per_context_token": model.per_context_token,
-        "up_to": engine.kernels.up_to if engine.kernels is not None else 0,
-    }
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(record))
-        os.replace(partial, path)  # whole or not at all, even beside another starting verifier
-    except OSError as error:
-        log.warning("could not store the step cost in %s (%s); the next start calibrates again", path, error)
-    return model
+@dataclass(frozen=True)
+class StoredCalibration:
+    """One calibration file's content (the module docstring's format)."""
 
+    points: dict[int, float]  # seconds per pass by tokens fed
+    per_context_token: float
+    up_to: int  # linear layers as W @ x^T up to this many tokens (linear_kernels)
+    complete: bool  # every count of CALIBRATION_TOKENS that fits was measured
 
-def _read_stored(path: Path, key: dict) -> tuple[StepCostModel, int] | None:
-    try:
-        record = json.loads(path.read_text())
-        if record["key"] != key:
+    def lowered(self, ratios: dict[int, float]) -> StoredCalibration | None:
+        """These costs lowered by robust timings of some token counts, each given as its ratio
+        to the stored cost (a minimum of repeats, or a low quantile of real steps); None: keep them.
+
+        Load only adds time, so a ratio above 1 says nothing about the machine, and one
+        below is a bound on the count's cost. Every cost, the context term too, is scaled
+        by the largest ratio (the count that improved least bounds them all, and the shape
+        that padding reads is kept), and a stored count with a lower ratio of its own by
+        that. Only ratios under 1 - LOWER_MARGIN count: best-of-three timings on an idle
+        machine vary by ~5-10%.
+        points {1: 0.4, 4: 0.5, 8: 1.0}, ratios {1: 0.25, 4: 0.5} -> {1: 0.1, 4: 0.25, 8: 0.5};
+        ratios {1: 0.25, 4: 1.2} -> {1: 0.1, 4: 0.5, 8: 1.0} (4 tokens is slower: a busy machine).
+        """
+        below = 1 - LOWER_MARGIN
+        factor = max(ratios.values()) if ratios and max(ratios.values()) <= below else 1.0
+        own = {count: ratio for count, ratio in ratios.items() if ratio <= below and count in self.points}
+        if factor == 1.0 and not own:
             return None
-        points = {int(count): float(seconds) for count, seconds in record["points"].items()}
-        if not points or not all(seconds > 0 for seconds in points.values()):
-            raise ValueError("no positive step times")
-        return StepCostModel(points, float(record["per_context_token"])), int(record["up_to"])
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        log.warning("stored step cost %s is unreadable (%s: %s); calibrating again", path, type(error).__name__, error)
-        return None
+        points = {count: seconds * min(factor, own.get(count, 1.0)) for count, seconds in self.points.items()}
+        return replace(self, points=points, per_context_token=self.per_context_token * factor)
 
 
-def _probe(engine: SpeculativeEngine, model: StepCostModel) -> list[str]:
-    """The probe counts whose time now is off the stored one by more than PROBE_TOLERANCE."""
+class CalibrationFile:
+    """Where one key's calibration is kept. Reading or writing it never fails a start:
+    an unreadable file is no file, an unwritable one a warning."""
+
+    def __init__(self, folder: Path, key: dict) -> None:
+        self.key = key
+        self.path = folder / f"step-cost-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
+
+    def read(self) -> StoredCalibration | None:
+        try:
+            record = json.loads(self.path.read_text())
+            if record["key"] != self.key:
+                return None
+            points = {int(count): float(seconds) for count, seconds in record["points"].items()}
+            if not points or not all(count >= 1 and seconds > 0 for count, seconds in points.items()):
+                raise ValueError("no positive step times")
+            complete = record.get("complete", True)
+            if not isinstance(complete, bool):
+                raise TypeError(f"complete is {complete!r}, not true or false")
+            return StoredCalibration(points, float(record["per_context_token"]), int(record["up_to"]), complete)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            log.warning("stored step cost %s is unreadable (%s: %s); calibrating again", self.path, type(error).__name__, error)
+            return None
+
+    def write(self, stored: StoredCalibration) -> bool:
+        record = {
+            "key": self.key,
+            "points": stored.points,
+            "per_context_token": stored.per_context_token,
+            "up_to": stored.up_to,
+            "complete": stored.complete,
+        }
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(record))
+            os.replace(partial, self.path)  # whole or not at all, even beside another starting verifier
+            return True
+        except OSError as error:
+            log.warning("could not store the step cost in %s (%s); the next start calibrates again", self.path, error)
+            return False
+
+
+def load_or_calibrate(engine: SpeculativeEngine, folder: Path, clock: Clock = time.monotonic) -> StepCostModel:
+    """The calibration stored in ``folder`` for this key, served at once; else a new one,
+    measured within ``engine.config.calibration_budget_s`` and stored for the next start.
+
+    A stored one is probed (a few passes, within PROBE_BUDGET_S): a probe faster by
+    more than LOWER_MARGIN lowers every stored cost by the factor it shows (the
+    stored ones were measured under load); a slower one is a busy machine and changes
+    nothing, since real steps adjust the costs in this process anyway. The model
+    returned lowers the file again whenever real steps show the machine faster
+    (``KeptStepCostModel``).
+    """
+    file = CalibrationFile(folder, calibration_key(engine))
+    stored = file.read()
+    if stored is None:
+        model = calibrate_step_cost(engine, budget_s=engine.config.calibration_budget_s, clock=clock)
+        fits = _fitting_tokens(engine, CALIBRATION_TOKENS)
+        up_to = engine.kernels.up_to if engine.kernels is not None else 0
+        stored = StoredCalibration(model.points(), model.per_context_token, up_to, set(fits) <= set(model.points()))
+        file.write(stored)
+        return KeptStepCostModel(stored, file)
+    if engine.kernels is not None:
+        engine.kernels.up_to = stored.up_to
+    probed = _probe(engine, stored.points, clock)
+    lowered = stored.lowered({count: seconds / stored.points[count] for count, seconds in probed.items()})
+    shown = "; ".join(f"{count} tokens: {1000 * probed[count]:.1f} ms now, {1000 * stored.points[count]:.1f} ms stored" for count in probed)
+    if lowered is not None:
+        log.info("stored step cost %s lowered: the machine is faster now (%s)", file.path, shown)
+        stored = lowered
+        file.write(stored)
+    elif any(probed[count] > stored.points[count] * (1 + LOWER_MARGIN) for count in probed):
+        log.info("step cost from %s kept; the machine is busier than when it was measured (%s); real steps refine it", file.path, shown)
+    else:
+        log.info("step cost from %s (%s)", file.path, shown or "not probed")
+    if not stored.complete:
+        log.info("stored step cost %s was cut short by its time budget; counts not measured are interpolated", file.path)
+    return KeptStepCostModel(stored, file)
+
+
+def _probe(engine: SpeculativeEngine, stored: dict[int, float], clock: Clock) -> dict[int, float]:
+    """Best-of-PROBE_REPEATS seconds now of the PROBE_TOKENS counts stored, as many as PROBE_BUDGET_S allows."""
     slots = len(engine._slots)
-    off = []
+    probed: dict[int, float] = {}
+    started = clock()
     with torch.inference_mode():
-        stored = model.points()
         for count in PROBE_TOKENS:
-            if count not in stored:
+            if count not in stored or clock() - started >= PROBE_BUDGET_S:
                 continue
-            seconds = _best_time(engine, PROBE_REPEATS, _spread(count, slots, cached=1), [], list(range(count)))
-            if not 1 / PROBE_TOLERANCE <= seconds / stored[count] <= PROBE_TOLERANCE:
-                off.append(f"{count} tokens: {1000 * seconds:.1f} ms now, {1000 * stored[count]:.1f} ms stored")
-    return off
+            probed[count] = _best_time(engine, PROBE_REPEATS, _spread(count, slots, cached=1), [], list(range(count)))
+    return probed
 
 
-def calibrate_step_cost(engine: SpeculativeEngine, tokens: Sequence[int] = CALIBRATION_TOKENS) -> StepCostModel:
+def measuring_order(tokens: Sequence[int]) -> list[int]:
+    """``tokens`` with the powers of two and the largest first, then the rest ascending: a
+    calibration cut short by its budget still spans every step size, coarsely.
+
+    (1, 2, 3, 4, 5, 6, 12) -> [1, 2, 4, 12, 3, 5, 6].
+    """
+    coarse = [count for count in sorted(tokens) if count & (count - 1) == 0 or count == max(tokens)]
+    return coarse + [count for count in sorted(tokens) if count not in coarse]
+
+
+def _fitting_tokens(engine: SpeculativeEngine, tokens: Sequence[int]) -> list[int]:
+    """The counts a decode-shaped pass over the slots can carry (one cached column each)."""
+    limit = min(engine.cache.capacity, engine.context_length) - 1
+    return [count for count in tokens if count <= limit * len(engine._slots)]
+
+
+def calibrate_step_cost(
+    engine: SpeculativeEngine,
+    tokens: Sequence[int] = CALIBRATION_TOKENS,
+    budget_s: float | None = None,
+    clock: Clock = time.monotonic,
+) -> StepCostModel:
     """Seconds per packed forward pass at each token count, and per cached token read, on the real device.
 
     Each pass is decode-shaped, as the steps it prices: the tokens spread
     over as many slots as there are (up to one each), over one cached
     column, then over ``CALIBRATION_COLUMNS`` for the cache-read term. The
     slots hold zeros; no sequence is touched.
+
+    Counts are measured in ``measuring_order``, the cache-read term right
+    after the coarse ones, in up to CALIBRATION_PASSES passes, each count's
+    minimum over them kept: load comes in bursts, and a later pass misses the
+    burst an earlier one hit. Another pass follows only while the last one
+    lowered some count by LOWER_MARGIN (on an idle machine the second agrees
+    and ends it), and all stop once ``budget_s`` (None: no limit) has passed;
+    the first count is always measured.
     """
     limit = min(engine.cache.capacity, engine.context_length) - 1
     slots = len(engine._slots)
-    points, forms = {}, {}
+    fits = _fitting_tokens(engine, tokens)
+    started = clock()
+
+    def in_budget() -> bool:
+        return budget_s is None or clock() - started < budget_s
+
+    timings = _Timings()
     with torch.inference_mode():
-        for count in tokens:
-            if count > limit * slots:
+        for _ in range(CALIBRATION_PASSES):
+            lowered = False
+            for count in measuring_order(fits):
+                if timings.any() and not in_budget():
+                    log.info("step-cost calibration stopped by its %.0f s budget (%d of %d counts)", budget_s, timings.count(), len(fits))
+                    return timings.model(engine)
+                lowered |= timings.measure(engine, count, slots)
+                if count == max(fits) and in_budget():  # the last of measuring_order's coarse counts
+                    timings.measure_context(engine, slots, limit)
+            if not lowered:
                 break
-            repeats = 2 if count < CALIBRATION_REPEAT_BELOW else 1
-            rows = _spread(count, slots, cached=1)
-            if engine.kernels is None or count > MEASURED_UP_TO:
-                points[count] = _best_time(engine, repeats, rows, [], list(range(count)))
-                continue
-            # Both forms of the linear layers (see linear_kernels), the faster kept.
-            timed = {}
-            for form in (False, True):
-                with engine.kernels.forcing(form):
-                    timed[form] = _best_time(engine, repeats, rows, [], list(range(count)))
-            forms[count] = (timed[False], timed[True])
+    return timings.model(engine)
+
+
+class _Timings:
+    """A calibration's best times so far: per count, with one form of the linear layers or
+    both (``forms``, for ``linear_kernels.choose``), and of the cache-read step."""
+
+    def __init__(self) -> None:
+        self.points: dict[int, float] = {}
+        self.forms: dict[int, tuple[float, float]] = {}  # count -> (as F.linear, as W @ x^T)
+        self.context: tuple[int, int, float] | None = None  # (count, cached tokens read, seconds) as F.linear
+
+    def any(self) -> bool:
+        return bool(self.points or self.forms)
+
+    def count(self) -> int:
+        return len(self.points) + len(self.forms)
+
+    def measure(self, engine: SpeculativeEngine, count: int, slots: int) -> bool:
+        """Time ``count`` tokens again; whether its best time fell by LOWER_MARGIN (or is its first)."""
+        rows = _spread(count, slots, cached=1)
+        if engine.kernels is None or count > MEASURED_UP_TO:
+            seconds = _best_time(engine, CALIBRATION_REPEATS, rows, [], list(range(count)))
+            before = self.points.get(count, float("inf"))
+            self.points[count] = min(before, seconds)
+            return seconds < before * (1 - LOWER_MARGIN)
+        timed = []
+        for form in (False, True):  # both forms of the linear layers (see linear_kernels); choose() keeps one
+            with engine.kernels.forcing(form):
+                timed.append(_best_time(engine, CALIBRATION_REPEATS, rows, [], list(range(count))))
+        linear, transposed = self.forms.get(count, (float("inf"), float("inf")))
+        self.forms[count] = (min(linear, timed[0]), min(transposed, timed[1]))
+        return timed[0] < linear * (1 - LOWER_MARGIN) or timed[1] < transposed * (1 - LOWER_MARGIN)
+
+    def measure_context(self, engine: SpeculativeEngine, slots: int, limit: int) -> None:
+        """The steps of the largest count measured up to 2 per slot, over full slots (as F.linear)."""
+        columns = min(limit - 2, CALIBRATION_COLUMNS)
+        candidates = [count for count in (*self.points, *self.forms) if count <= 2 * slots]
+        if not candidates or columns < 64:
+            return
+        count = max(candidates)
+        rows = _spread(count, slots, cached=columns)
+        with engine.kernels.forcing(False) if engine.kernels is not None else contextlib.nullcontext():
+            seconds = _best_time(engine, CALIBRATION_REPEATS, rows, [], list(range(count)))
+        if self.context is None or seconds < self.context[2]:
+            self.context = (count, len(rows) * columns, seconds)
+
+    def model(self, engine: SpeculativeEngine) -> StepCostModel:
+        """The step costs under the forms ``choose`` keeps, and the cache-read term: the
+        full-slot step less its tokens' own cost (both as F.linear), per cached token read."""
+        points = dict(self.points)
         if engine.kernels is not None:
-            engine.kernels.choose(forms)
-            for count, (linear, transposed) in forms.items():  # the step costs under the forms chosen
+            engine.kernels.choose(self.forms)
+            for count, (linear, transposed) in self.forms.items():
                 points[count] = transposed if engine.kernels.transposed(count) else linear
-        # The same steps over full slots, less their tokens' own cost: what attention's cache reads cost.
-        count, columns = min(2 * slots, max(points)), min(limit - 2, CALIBRATION_COLUMNS)
         per_context_token = 0.0
-        if count in points and columns >= 64:
-            rows = _spread(count, slots, cached=columns)
-            seconds = _best_time(engine, 2, rows, [], list(range(count)))
-            per_context_token = max(0.0, (seconds - points[count]) / (len(rows) * columns))
-    log.info(
-        "step cost (tokens -> ms): %s; %.2f us per cached token read; linear layers as W @ x^T %s tokens",
-        {k: round(1000 * v, 1) for k, v in points.items()},
-        1e6 * per_context_token,
-        f"up to {engine.kernels.up_to}" if engine.kernels is not None else "no",
-    )
-    return StepCostModel(points, per_context_token)
+        if self.context is not None:
+            count, reads, seconds = self.context
+            own = self.forms[count][0] if count in self.forms else self.points[count]
+            per_context_token = max(0.0, (seconds - own) / reads)
+        log.info(
+            "step cost (tokens -> ms): %s; %.2f us per cached token read; linear layers as W @ x^T %s tokens",
+            {k: round(1000 * v, 1) for k, v in sorted(points.items())},
+            1e6 * per_context_token,
+            f"up to {engine.kernels.up_to}" if engine.kernels is not None else "no",
+        )
+        return StepCostModel(points, per_context_token)
 
 
 def _spread(tokens: int, slots: int, cached: int) -> list[tuple[int, list[int]]]:
@@ -309,3 +494,51 @@ class StepCostModel:
         error = compute - self._g(tokens)
         for point, share in neighbours:
             self.seconds[point] = max(self.seconds[point] + self.OBSERVE_WEIGHT * share * error, 1e-6)
+
+
+class KeptStepCostModel(StepCostModel):
+    """A ``StepCostModel`` kept in a ``CalibrationFile``: real steps refine it in this process
+    as any, and lower the file's costs when, over many steps, the machine shows itself faster
+    than stored (``StoredCalibration.lowered`` by each count's low quantile). Busy steps never reach the
+    file: they only raise quantiles, which lower nothing."""
+
+    def __init__(self, stored: StoredCalibration, file: CalibrationFile) -> None:
+        super().__init__(stored.points, stored.per_context_token)
+        self.stored = stored  # what the file holds
+        self._stored_cost = StepCostModel(stored.points, stored.per_context_token)
+        self.file = file
+        self._ratios: dict[int, deque[float]] = {}  # tokens -> recent step seconds / stored cost
+        self._steps = 0
+
+    def observe(self, tokens: int, context: int, seconds: float) -> None:
+        super().observe(tokens, context, seconds)
+        if tokens > max(self.stored.points):
+            return  # priced by extrapolation: no evidence about a stored point
+        ratio = seconds / self._stored_cost.cost(tokens, context)
+        self._ratios.setdefault(tokens, deque(maxlen=STEP_WINDOW)).append(ratio)
+        self._steps += 1
+        if self._steps % CHECK_EVERY == 0:
+            self.write_back()
+
+    def write_back(self) -> bool:
+        """Lower the file's costs by what the recent real steps robustly show (``StoredCalibration.lowered``);
+        whether they did."""
+        quantiles = {tokens: low_quantile(ratios, STEP_QUANTILE) for tokens, ratios in self._ratios.items() if len(ratios) >= STEP_SAMPLES}
+        lowered = self.stored.lowered(quantiles)
+        if lowered is None:
+            return False
+        self.stored = lowered
+        self._stored_cost = StepCostModel(lowered.points, lowered.per_context_token)
+        self._ratios.clear()  # they were ratios to the costs just replaced
+        if self.file.write(lowered):
+            log.info("stored step cost %s lowered from real steps (low quantiles: %s)", self.file.path, quantiles)
+        return True
+
+
+def low_quantile(values: Sequence[float], quantile: float) -> float:
+    """The value ``quantile`` of the way up ``values`` sorted (nearest rank, from below).
+
+    ([5, 1, 4, 2, 3], 0.25) -> 2 (index 1 of [1, 2, 3, 4, 5]); (..., 0.0) -> 1.
+    """
+    ordered = sorted(values)
+    return ordered[min(int(quantile * len(ordered)), len(ordered) - 1)]

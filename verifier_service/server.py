@@ -583,6 +583,7 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     # One worker per request that may be running or queued, plus 8 for health Check and other
     # short calls. Reflection and health Watch streams run on threads of their own
     # (--max-auxiliary-streams, serving.grpc_server), so idle streams take no request's slot.
+    workers = config.engine.max_batch_size + config.scheduler.max_queued + 8
     server, guard = serving.grpc_server(config.connections, workers, workers, config.max_message_bytes)
     health_servicer = serving.add_health_and_reflection(server, SERVICE_NAME)
     tracing = telemetry.Tracing("specdec-verifier")

@@ -15,7 +15,11 @@ waiting prompts as fit, oldest first, so a long prompt delays the running
 sequences by one chunk's compute per step instead of stopping them for its
 whole length. Only a prompt's last token gets logits (the LM head over the
 vocabulary is ~20% of a token's compute); the step that feeds it samples the
-sequence's first token.
+sequence's first token. A request that asks for its prompt's log-probabilities
+(``prompt_logprobs``) keeps the logits of every position of its chunks, and
+each chunk is turned into log-probabilities in the step that feeds it, so the
+logits a step holds stay within its ``prefill_chunk_tokens`` positions however
+long the prompt; position p's logits score prompt token p + 1.
 
 Sequences ``add`` (into a free cache slot) and leave when they finish or are
 cancelled, so a scheduler can run continuous batching on top of ``step``,
@@ -157,6 +161,12 @@ class EngineConfig:
     logit_bias_limit: int = setting(300, minimum=0, help="logit_bias entries one request may give")
     # Each asked-for alternative costs a top-k per emitted token; OpenAI allows 20.
     max_logprobs: int = setting(20, minimum=0, help="the most alternatives per token a request may ask log-probabilities of")
+    # A prompt's log-probabilities are kept per position (1 + alternatives values) until the
+    # request ends and then rendered into its answer; the logits behind them never exceed one
+    # prefill chunk. 4096 covers the default cache's longest prompt.
+    max_prompt_logprobs_tokens: int = setting(
+        4096, minimum=0, help="the longest prompt (in tokens) whose log-probabilities one request may ask for (prompt_logprobs, echo)"
+    )
 
     def __post_init__(self) -> None:
         if self.successor_top_k > MAX_PREDICTIONS:
@@ -188,6 +198,7 @@ class _Sequence:
     predictions: Predictions | None = None  # the target's at the positions the previous step scored, for the drafter
     head_feature: torch.Tensor | None = None  # the target's feature at its last token, for the draft head's next step
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per generated token, when the request asks
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # per prompt token after the first scored so far
     history: TokenHistory = field(default_factory=TokenHistory)  # its prompt and output as penalties read them
     proposed: bool = False  # the proposer has a session for it
     stops: StopStringMatcher | None = None
@@ -396,7 +407,11 @@ class SpeculativeEngine:
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequest("prompt_ids", f"{{field}}: token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if not 1 <= request.max_new_tokens <= config.max_new_tokens_limit:
+        if request.max_new_tokens == 0 and request.prompt_logprobs is None:
+            raise InvalidRequest(
+                "max_new_tokens", "{field} 0 generates nothing; it is taken only to score the prompt (its log-probabilities asked for)"
+            )
+        if not 0 <= request.max_new_tokens <= config.max_new_tokens_limit:
             raise InvalidRequest("max_new_tokens", f"{{field}} must be in [1, {config.max_new_tokens_limit}], got {request.max_new_tokens}")
         needed = len(request.prompt_ids) + request.max_new_tokens
         if needed > self.cache.capacity:
@@ -435,6 +450,22 @@ class SpeculativeEngine:
         if request.logprobs is not None and not 0 <= request.logprobs <= config.max_logprobs:
             raise InvalidRequest(
                 "logprobs", f"{{field}} must be in [0, {config.max_logprobs}] alternatives (--max-logprobs), got {request.logprobs}"
+            )
+        self._validate_prompt_logprobs(request)
+
+    def _validate_prompt_logprobs(self, request: GenerationRequest) -> None:
+        config, top = self.config, request.prompt_logprobs
+        if top is None:
+            return
+        if not 0 <= top <= config.max_logprobs:
+            raise InvalidRequest(
+                "prompt_logprobs", f"{{field}} must be in [0, {config.max_logprobs}] alternatives (--max-logprobs), got {top}"
+            )
+        if len(request.prompt_ids) > config.max_prompt_logprobs_tokens:
+            raise InvalidRequest(
+                "prompt_logprobs",
+                f"the prompt's log-probabilities ({{field}}) are computed for prompts of at most {config.max_prompt_logprobs_tokens} "
+                f"tokens (--max-prompt-logprobs-tokens); this one has {len(request.prompt_ids)}",
             )
 
     def add(self, request: GenerationRequest) -> SequenceHandle:
@@ -682,7 +713,7 @@ class SpeculativeEngine:
         """One packed forward pass: every row's ``[last token] + verified drafts``, then the prefill chunks.
 
         Returns logits [kept, vocab]: each row's 1 + verify positions in row
-        order, then one for each chunk that completes its prompt.
+        order, then each chunk's ``_kept_chunk_positions``.
         """
         queries = [[row.sequence.tokens[-1], *row.draft[: row.verify]] for row in rows]
         keep = list(range(sum(map(len, queries))))
@@ -690,9 +721,8 @@ class SpeculativeEngine:
         for sequence, first, length in chunks:
             prompt = sequence.request.prompt_ids
             segments.append((sequence.slot, first, prompt[first : first + length]))
+            keep += [position + offset for offset in _kept_chunk_positions(sequence, first, length)]
             position += length
-            if first + length == len(prompt):
-                keep.append(position - 1)
         trees = [row.query_parents() for row in rows]
         return self._forward([(row.sequence.cached, query) for row, query in zip(rows, queries)], segments, keep, pad=True, trees=trees)
 
@@ -721,7 +751,7 @@ class SpeculativeEngine:
         for chunk in chunks:
             sequence, first, length = chunk
             prompt = sequence.request.prompt_ids
-            keep = [length - 1] if first + length == len(prompt) else []
+            keep = _kept_chunk_positions(sequence, first, length)
             logits = self._alone(sequence, self._forward, [], [(sequence.slot, first, prompt[first : first + length])], keep)
             if logits is not None:
                 scored_chunks.append(chunk)
@@ -950,12 +980,24 @@ class SpeculativeEngine:
         )
 
     def _finish_prefills(self, chunks, logits: torch.Tensor) -> list[StepOutcome]:
-        """Advance prefill progress; a completed prompt samples its first token and starts decoding."""
+        """Advance prefill progress, scoring the prompt tokens of the chunks whose requests ask;
+        a completed prompt samples its first token and starts decoding (or, asked for no
+        tokens, ends). ``logits``: each chunk's ``_kept_chunk_positions``, in chunk order."""
+        done, start = [], 0
         for sequence, first, length in chunks:  # all first: starting to decode may move another's slot
+            kept = len(_kept_chunk_positions(sequence, first, length))
+            chunk_logits, start = logits[start : start + kept], start + kept
             sequence.prefilled = first + length
-        done = [sequence for sequence, _, _ in chunks if sequence.prefilled == len(sequence.request.prompt_ids)]
+            if sequence.request.prompt_logprobs is not None:
+                self._alone(sequence, self._keep_prompt_logprobs, sequence, first, chunk_logits)
+            if sequence.prefilled == len(sequence.request.prompt_ids) and sequence.finish_reason is None:
+                done.append((sequence, chunk_logits[-1]))
         outcomes = []
-        for sequence, row_logits in zip(done, logits):
+        for sequence, row_logits in done:
+            if sequence.request.max_new_tokens == 0:  # only its prompt was to be scored: _retire frees its slot
+                sequence.stats.target_forward_passes += 1
+                sequence.finish_reason = FINISH_LENGTH
+                continue
             sampled = self._alone(sequence, self._sample_first, sequence, row_logits[None])
             if sampled is None:  # failed, still in the prefilling list: _retire frees its slot
                 continue
@@ -972,6 +1014,17 @@ class SpeculativeEngine:
                     StepOutcome(sequence.handle, emitted, first=True, sources=(SOURCE_TARGET,) * len(emitted), logprobs=logprobs)
                 )
         return outcomes
+
+    def _keep_prompt_logprobs(self, sequence: _Sequence, first: int, logits: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens a chunk's ``logits`` [length, vocab] scored:
+        position p's row scores token p + 1, so a chunk from ``first`` scores tokens first + 1
+        on, and the prompt's last position, which scores the first generated token, none.
+        Prompt [5, 6, 7] in chunks (0, 2), (2, 1): rows 0, 1 score 6, 7; row 2 nothing."""
+        prompt = sequence.request.prompt_ids
+        count = min(len(logits), len(prompt) - 1 - first)
+        if count > 0:
+            top = sequence.request.prompt_logprobs or 0
+            sequence.prompt_logprobs += token_logprobs(logits[:count], prompt[first + 1 : first + 1 + count], top)
 
     def _start_decoding(self, sequence: _Sequence) -> None:
         """Move a fully prefilled sequence to slot ``_decoding``, the end of the decoding block."""
@@ -1103,10 +1156,21 @@ class SpeculativeEngine:
         text = sequence.stop_text
         if text is None:
             text = str(self.tokenizer.decode(sequence.generated, skip_special_tokens=True))
-        logprobs = list(sequence.logprobs) if sequence.request.logprobs is not None else None
+        request = sequence.request
+        logprobs = list(sequence.logprobs) if request.logprobs is not None else None
+        prompt_logprobs = list(sequence.prompt_logprobs) if request.prompt_logprobs is not None else None
         return GenerationResult(
-            sequence.request.request_id, list(sequence.generated), text, sequence.finish_reason, sequence.stats, logprobs
+            request.request_id, list(sequence.generated), text, sequence.finish_reason, sequence.stats, logprobs, prompt_logprobs
         )
+
+
+def _kept_chunk_positions(sequence: _Sequence, first: int, length: int) -> list[int]:
+    """The positions of a prefill chunk (from 0) whose logits a step keeps: every one when
+    its request asks for the prompt's log-probabilities, else a completing prompt's last
+    alone (it samples the first token), else none."""
+    if sequence.request.prompt_logprobs is not None:
+        return list(range(length))
+    return [length - 1] if first + length == len(sequence.request.prompt_ids) else []
 
 
 def _feature_rows(
@@ -1121,8 +1185,10 @@ def _feature_rows(
         if decision is not None:
             produced[row.sequence] = [start, *(start + 1 + node for node in decision[0])]
         start += row.verify + 1
-    completing = [sequence for sequence, first, length in chunks if first + length == len(sequence.request.prompt_ids)]
-    produced.update((sequence, [decoded + index]) for index, sequence in enumerate(completing))
+    for sequence, first, length in chunks:
+        decoded += len(_kept_chunk_positions(sequence, first, length))
+        if first + length == len(sequence.request.prompt_ids):
+            produced[sequence] = [decoded - 1]
     return produced
 
 

@@ -39,6 +39,10 @@ class GenerationRequest:
     request_id: str = ""
     # None: no log-probabilities; n: each generated token's, with the target's top n.
     logprobs: int | None = None
+    # None: none; n: each prompt token's after the first (which has no context to be
+    # predicted from), with the target's top n, from the prefill's own logits.
+    # Then max_new_tokens may be 0: the prompt is scored and nothing generated.
+    prompt_logprobs: int | None = None
     # The learning scope its drafts come from and its text is learned into: its caller's,
     # as the front door found it (verifier_service.scopes); "" is the default scope.
     scope: str = ""
@@ -75,6 +79,8 @@ class GenerationResult:
     finish_reason: str
     stats: GenerationStats
     logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when the request asked
+    # Per prompt token after the first (len(prompt_ids) - 1 of them), when the request asked.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, eq=False)

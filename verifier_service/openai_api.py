@@ -11,14 +11,21 @@ validation (``SpeculativeEngine.validate``), spans and metrics.
 What OpenAI's API says is followed where it has a rule: ``temperature``
 defaults to 1 (sampling; 0 is greedy), ``/v1/completions``' ``max_tokens``
 to 16, chat's to what the request's cache room and ``--max-new-tokens-limit``
-allow; ``n`` choices are sequences queued together. Penalties (presence,
+allow; ``n`` choices are sequences queued together. ``/v1/completions``
+takes a list of prompts (strings or token-id lists): each is a sequence of
+its own, ``n`` choices per prompt, prompt i's at indices i*n to i*n+n-1
+(vLLM's order). With ``echo`` and ``logprobs`` a choice's log-probabilities
+cover its prompt (the first token's null), scored in the prefill's own
+passes, then its completion; ``max_tokens`` 0 with ``echo`` scores the prompt
+and generates nothing (how lm-eval's ``local-completions`` scores
+log-likelihoods). Penalties (presence,
 frequency, repetition), ``logit_bias``, ``min_tokens`` and ``logprobs`` are
 honoured by the engine, speculation included; log-probabilities are the
 target's raw ones, before any penalty or temperature (vLLM's default). No
 field is dropped without a word: the bodies are declared
 (``openai_protocol``), a key the endpoint does not know is a 400 naming it,
 and a known field this server does not honour (``tools``,
-``response_format``, ``echo`` with ``logprobs``, ...) is a 400 naming it
+``response_format``, ...) is a 400 naming it
 unless it holds its no-op value. Errors have OpenAI's shape, ``{"error": {"message",
 "type", "param", "code"}}``: 400 naming the field in ``param``, 404 for
 another model, 429 for a full queue, 503 while the model loads or the
@@ -413,8 +420,7 @@ class OpenAIApi:
         reply = _Reply(self, handles, chat, traced, span_context)
         try:
             if echo:  # decoded once submitting checked the ids (a decoder fails on one outside the vocabulary)
-                prompt_ids = generations[0].prompt_ids
-                reply.echo = await anyio.to_thread.run_sync(self.service.tokenizer.decode, prompt_ids, limiter=self.limiter)
+                reply.echoes = await anyio.to_thread.run_sync(self._echoes, generations, limiter=self.limiter)
             if stream:
                 return _EventStream(self._events(reply, include_usage), reply.close, release)
             return await self._complete(request, reply)
@@ -424,6 +430,14 @@ class OpenAIApi:
         finally:
             if not stream:
                 reply.close()
+
+    def _echoes(self, generations: list[GenerationRequest]) -> list[str]:
+        """Each choice's prompt text, decoded once per prompt (its ``n`` choices share its list)."""
+        texts: dict[int, str] = {}
+        for generation in generations:
+            if id(generation.prompt_ids) not in texts:
+                texts[id(generation.prompt_ids)] = str(self.service.tokenizer.decode(generation.prompt_ids))
+        return [texts[id(generation.prompt_ids)] for generation in generations]
 
     async def _body(self, request: Request, request_id: str) -> bytearray:
         """The body, sent as JSON (415 otherwise, before a byte is read), up to
@@ -458,6 +472,10 @@ class OpenAIApi:
         if options.get("include_obfuscation") or options.get("continuous_usage_stats"):
             raise ApiError(400, "stream_options: only include_usage is supported; leave the others out or false", param="stream_options")
         echo = not chat and bool(body.echo)
+        if stream and echo and body.logprobs is not None:
+            raise ApiError(
+                400, "echo with logprobs is answered whole (the prompt's are known when it ends); set stream to false", param="stream"
+            )
         return generations, stream, _take(options, "include_usage", (bool,), "true or false", False), echo
 
     def _submit(self, generations: list[GenerationRequest], span, chat: bool, caller: str) -> list[RequestHandle]:
@@ -499,7 +517,7 @@ class OpenAIApi:
         """The SSE data lines; a disconnect cancels this generator, and the request with it
         (``_EventStream`` closes the reply however the stream ends, even before it began)."""
         try:
-            if reply.chat or reply.echo:
+            if reply.chat or reply.echoes is not None:
                 for index in range(len(reply.handles)):
                     yield json.dumps(reply.first_chunk(index))
             data = self._data(reply, interleave(reply.handles), include_usage)
@@ -532,29 +550,51 @@ class OpenAIApi:
     # -- the request ----------------------------------------------------------------------
 
     def _generation_requests(self, body: Any, chat: bool, request_id: str) -> list[GenerationRequest]:
-        """A request per choice (``n``) from a declared body (``openai_protocol``): the same
-        but for their ids and, when ``seed`` is set, their seeds (choice i samples with
-        seed + i, so choice 0 is what n = 1 gives)."""
+        """A request per choice from a declared body (``openai_protocol``): ``n`` per prompt
+        (completions take a list), prompt i's choices at i*n to i*n+n-1, each the same but
+        for its id and, when ``seed`` is set, its seed (choice j of a prompt samples with
+        seed + j, so choice 0 is what n = 1 gives)."""
         self._refuse_other_model(body.model, repr(body.model))
         # The choices are queued together, so the queue must hold them all.
         limit = min(self.service.config.max_choices, self.service.max_queued)
         n = _or(body.n, 1)
         if not 1 <= n <= limit:
             raise ApiError(400, f"n must be in [1, {limit}] (--max-choices, --max-queued), got {n}", param="n")
-        first = self._generation_request(body, chat, request_id)
+        if chat:
+            prompts = [self._chat_prompt(body.messages)]
+        else:
+            prompts = self._completion_prompts(body.prompt, limit // n)
+        firsts = [
+            self._generation_request(body, chat, prompt, request_id if len(prompts) == 1 else f"{request_id}-p{index}")
+            for index, prompt in enumerate(prompts)
+        ]
+        if len(prompts) > 1:
+            self._validate_each(firsts)
         if n == 1:
-            return [first]
-        seed = first.sampling.seed
+            return firsts
         return [
             replace(
                 first,
-                request_id=f"{request_id}-{index}",
-                sampling=first.sampling if seed is None else replace(first.sampling, seed=(seed + index) % (1 << 64)),
+                request_id=f"{first.request_id}-{index}",
+                sampling=first.sampling
+                if first.sampling.seed is None
+                else replace(first.sampling, seed=(first.sampling.seed + index) % (1 << 64)),
             )
+            for first in firsts
             for index in range(n)
         ]
 
-    def _generation_request(self, body: Any, chat: bool, request_id: str) -> GenerationRequest:
+    def _validate_each(self, generations: list[GenerationRequest]) -> None:
+        """The engine's rules per prompt of a list, so a 400 says which (``prompt[i]``)."""
+        assert self.service.engine is not None  # ready
+        for index, generation in enumerate(generations):
+            try:
+                self.service.engine.validate(generation)
+            except InvalidRequest as error:
+                param = OPENAI_FIELDS.get(error.field, error.field)
+                raise ApiError(400, f"prompt[{index}]: {error.named(param)}", param=param) from None
+
+    def _generation_request(self, body: Any, chat: bool, prompt_ids: list[int], request_id: str) -> GenerationRequest:
         # Stop strings are checked first: cheap, and the prompt's tokenizing is not.
         stop = body.stop
         if isinstance(stop, str):
@@ -570,7 +610,6 @@ class OpenAIApi:
             self.service.config.engine.check_logit_bias_count(len(logit_bias))
         except InvalidRequest as error:
             raise ApiError(400, str(error), param="logit_bias") from None
-        prompt_ids = self._chat_prompt(body.messages) if chat else self._completion_prompt(body.prompt)
         if chat:
             room = self.service.capacity - len(prompt_ids)
             default_max = max(1, min(self.service.max_new_tokens_limit, room))
@@ -595,15 +634,16 @@ class OpenAIApi:
             min_tokens=_or(body.min_tokens, 0),
         )
         logprobs = _chat_logprobs(body) if chat else body.logprobs
-        if logprobs is not None and not chat and body.echo:
-            raise ApiError(
-                400,
-                "logprobs with echo would need the prompt's log-probabilities, which are not computed; ask for one or the other",
-                param="logprobs",
-                code="unsupported_field",
-            )
+        prompt_logprobs = None
+        if not chat and body.echo:
+            # max_tokens 0 scores the prompt (its log-probabilities shown only when asked).
+            prompt_logprobs = logprobs if logprobs is not None or max_tokens != 0 else 0
+        elif max_tokens == 0 and not chat:
+            raise ApiError(400, "max_tokens 0 generates nothing; it is taken with echo: true, to score the prompt", param="max_tokens")
         k = body.num_speculative_tokens
-        return GenerationRequest(prompt_ids, max_tokens, sampling, tuple(stop), k, request_id=request_id, logprobs=logprobs)
+        return GenerationRequest(
+            prompt_ids, max_tokens, sampling, tuple(stop), k, request_id=request_id, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+        )
 
     def _check_prompt_chars(self, chars: int, param: str) -> None:
         try:
@@ -635,15 +675,34 @@ class OpenAIApi:
         except Exception as error:  # the template's own rules (role order, ...)
             raise ApiError(400, f"the chat template refused these messages: {error}", param="messages") from None
 
-    def _completion_prompt(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            self._check_prompt_chars(len(_text(prompt, "prompt", "prompt")), "prompt")
-            return list(self.service.tokenizer(prompt).input_ids)
-        if isinstance(prompt, list) and all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
+    def _completion_prompts(self, prompt: Any, limit: int) -> list[list[int]]:
+        """The prompts of a completions request: one (a string, or token ids), or a list of
+        them, at most ``limit`` (each is a sequence, counted as ``n`` choices are)."""
+        if isinstance(prompt, str) or _token_ids(prompt):
+            return [self._completion_prompt(prompt, "prompt")]
+        if not isinstance(prompt, list) or not all(isinstance(item, str) or _token_ids(item) for item in prompt):
+            raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either (a prompt each)", param="prompt")
+        if len(prompt) > limit:
+            raise ApiError(
+                400,
+                f"prompt lists {len(prompt)} prompts; with n choices each at most {limit} (--max-choices, --max-queued)",
+                param="prompt",
+            )
+        return [self._completion_prompt(item, f"prompt[{index}]") for index, item in enumerate(prompt)]
+
+    def _completion_prompt(self, prompt: str | list[int], where: str) -> list[int]:
+        if isinstance(prompt, list):
             return prompt
-        raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+        try:
+            self.service.check_prompt_chars(len(_text(prompt, where, "prompt")))
+        except InvalidRequest as error:
+            raise ApiError(400, f"{where}: {error}" if where != "prompt" else str(error), param="prompt") from None
+        return list(self.service.tokenizer(prompt).input_ids)
+
+
+def _token_ids(value: Any) -> bool:
+    """A list of token ids (an empty one included: the engine says the prompt is empty)."""
+    return isinstance(value, list) and all(isinstance(token, int) and not isinstance(token, bool) for token in value)
 
 
 def _logit_bias(value: dict) -> tuple[tuple[int, float], ...]:
@@ -892,7 +951,7 @@ class _Reply:
 
     def __init__(self, api: OpenAIApi, handles: list[RequestHandle], chat: bool, traced: TracedRequest, span_context) -> None:
         self.api, self.handles, self.chat, self.traced = api, handles, chat, traced
-        self.echo = ""  # completions' echo: the prompt's text, sent before each completion's
+        self.echoes: list[str] | None = None  # completions' echo: each choice's prompt text, sent before its completion's
         self._span_context = span_context  # service.request_span's, entered
         self._closed = False
         self._left = False  # the client disconnected first
@@ -966,7 +1025,10 @@ class _Reply:
 
     def first_chunk(self, index: int) -> dict:
         """Chat streams open with the assistant's role, as OpenAI's do; completions with echo, with the prompt."""
-        return self._envelope(self.object, [self._choice(index, self.echo, None, role=True)])
+        return self._envelope(self.object, [self._choice(index, self._echo(index), None, role=True)])
+
+    def _echo(self, index: int) -> str:
+        return self.echoes[index] if self.echoes is not None else ""
 
     def token_chunk(self, index: int, chunk: TokenChunk) -> dict:
         self.tokens_sent[index] += len(chunk.tokens)
@@ -1000,19 +1062,25 @@ class _Reply:
         return self._envelope(self.object, []) | {"usage": self._usage()}
 
     def _usage(self) -> dict:
-        prompt, completion = len(self.handles[0].request.prompt_ids), sum(len(result.token_ids) for result in self.results)
+        # Each prompt once, however many choices it has (OpenAI's and vLLM's count).
+        prompts = {id(handle.request.prompt_ids): len(handle.request.prompt_ids) for handle in self.handles}
+        prompt, completion = sum(prompts.values()), sum(len(result.token_ids) for result in self.results)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def whole(self, results: list, stats: list) -> dict:
         self.results, self.stats = results, stats
         choices = []
         for index, result in enumerate(results):
-            shown = self.logprobs[index]
-            logprobs = shown.shown(result.logprobs or ()) if shown is not None else None
+            shown, logprobs = self.logprobs[index], None
+            if shown is not None and result.prompt_logprobs is not None:
+                prompt = self.handles[index].request.prompt_ids
+                logprobs = shown.shown_after_prompt(prompt[0], result.prompt_logprobs, result.logprobs or ())
+            elif shown is not None:
+                logprobs = shown.shown(result.logprobs or ())
             if self.chat:
                 choice = {"index": index, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs}
             else:
-                choice = {"index": index, "text": self.echo + result.text, "logprobs": logprobs}
+                choice = {"index": index, "text": self._echo(index) + result.text, "logprobs": logprobs}
             choice["finish_reason"] = _finish(result)
             choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
@@ -1076,6 +1144,20 @@ class _Logprobs:
             "token_logprobs": [item.logprob for item in items],
             "top_logprobs": [dict(top) for _, _, top in rendered],
             "text_offset": offsets,
+        }
+
+    def shown_after_prompt(self, first: int, prompt: Sequence[TokenLogprob], generated: Sequence[TokenLogprob]) -> dict:
+        """Completions' echo: the prompt's tokens, then the generated ones, as OpenAI's legacy
+        completions show them: the first prompt token, which has no log-probability, with
+        null in ``token_logprobs`` and ``top_logprobs``."""
+        text = self._decode([first])
+        self.recent, self.offset = [first], len(text)
+        rest = self.shown([*prompt, *generated])
+        return {
+            "tokens": [text, *rest["tokens"]],
+            "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]],
+            "text_offset": [0, *rest["text_offset"]],
         }
 
 

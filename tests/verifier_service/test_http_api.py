@@ -754,7 +754,6 @@ def test_penalties_bias_and_min_tokens_give_plain_decodings_output_with_them(cli
         ({"logit_bias": [5]}, "logit_bias", "logit_bias must be an object"),
         ({"min_tokens": 3}, "min_tokens", "min_tokens (3) must not exceed the tokens asked for (2)"),
         ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
-        ({"logprobs": 1, "echo": True}, "logprobs", "logprobs with echo"),
     ],
 )
 def test_bad_penalties_bias_min_tokens_and_logprobs_are_400s_naming_the_field(client, fields, param, says):
@@ -775,8 +774,10 @@ def test_chats_top_logprobs_need_logprobs_and_stay_in_range(client, fields, says
 
 
 def test_the_max_tokens_limit_is_named_as_openai_names_it(client):
-    error = assert_openai_error(client.post("/v1/completions", json=completion(max_tokens=0)), 400)
+    error = assert_openai_error(client.post("/v1/completions", json=completion(max_tokens=-1)), 400)
     assert error["param"] == "max_tokens" and error["message"].startswith("max_tokens must be in [1, ")
+    error = assert_openai_error(client.post("/v1/completions", json=completion(max_tokens=0)), 400)
+    assert error["param"] == "max_tokens" and "it is taken with echo: true, to score the prompt" in error["message"]
 
 
 def test_chat_logprobs_are_the_targets_in_openais_shape_streamed_or_not(client, tiny_model, chat_tokenizer):

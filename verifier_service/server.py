@@ -215,12 +215,12 @@ class VerifierConfig:
     calibrate: bool = setting(
         True, help="measure the step cost at start-up (without: a flat cost refined by real steps; for tests and tiny models)"
     )
-    # Calibrating takes ~20 s on an idle 2-core machine and minutes on a busy one;
-    # a stored one needs only a probe of a few passes.
+    # Calibrating takes ~20 s on an idle 2-core machine (at most --calibration-budget);
+    # a start with a stored one serves from it at once.
     calibration_cache: bool = setting(
         True,
-        help="keep the step-cost calibration under the cache folder ($SPECDEC_CACHE_DIR/calibration) and reuse it "
-        "when a short probe at start agrees with it",
+        help="keep the step-cost calibration under the cache folder ($SPECDEC_CACHE_DIR/calibration) and serve from it "
+        "at later starts (lowered when a probe or real steps show the machine faster, never replaced by a busy start's timings)",
     )
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     engine: EngineConfig = field(default_factory=EngineConfig)

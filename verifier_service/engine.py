@@ -1024,7 +1024,7 @@ class SpeculativeEngine:
         count = min(len(logits), len(prompt) - 1 - first)
         if count > 0:
             top = sequence.request.prompt_logprobs or 0
-            sequence.prompt_logprobs += token_logprobs(logits[:count], prompt[first + 1 : first + 1 + count], top)
+            sequence.prompt_logprobs += token_logprobs(logits[:count], prompt[first + 1 : first + 1 + count], top, ranks=True)
 
     def _start_decoding(self, sequence: _Sequence) -> None:
         """Move a fully prefilled sequence to slot ``_decoding``, the end of the decoding block."""

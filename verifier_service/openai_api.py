@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -395,7 +396,7 @@ class OpenAIApi:
         received = await self._body(request, request_id)
         # Parsing, chat templates and tokenizing up to --http-max-body-bytes take a worker
         # thread, so the event loop keeps serving the other requests' streams meanwhile.
-        generations, stream, include_usage, echo = await anyio.to_thread.run_sync(
+        generations, stream, include_usage, echo, prompt_logprobs = await anyio.to_thread.run_sync(
             self._parse, received, chat, request_id, limiter=self.limiter
         )
         callers = self.service.callers
@@ -418,6 +419,7 @@ class OpenAIApi:
             span_context.__exit__(type(error), error, error.__traceback__)
             raise
         reply = _Reply(self, handles, chat, traced, span_context)
+        reply.prompt_logprobs = prompt_logprobs
         try:
             if echo:  # decoded once submitting checked the ids (a decoder fails on one outside the vocabulary)
                 reply.echoes = await anyio.to_thread.run_sync(self._echoes, generations, limiter=self.limiter)
@@ -459,9 +461,10 @@ class OpenAIApi:
             raise ApiError(400, "the connection closed before the whole body came", code="client_disconnected") from None
         return received
 
-    def _parse(self, received: bytearray, chat: bool, request_id: str) -> tuple[list[GenerationRequest], bool, bool, bool]:
+    def _parse(self, received: bytearray, chat: bool, request_id: str) -> tuple[list[GenerationRequest], bool, bool, bool, int | None]:
         """(a request per choice, stream, stream_options.include_usage, echo: the prompt goes
-        before the completion) from a JSON body."""
+        before the completion, vLLM's prompt_logprobs: alternatives shown per prompt token)
+        from a JSON body."""
         body = parse(_json_object(received), ChatCompletionRequest if chat else CompletionRequest)
         generations = self._generation_requests(body, chat, request_id)
         stream = _or(body.stream, False)
@@ -472,11 +475,14 @@ class OpenAIApi:
         if options.get("include_obfuscation") or options.get("continuous_usage_stats"):
             raise ApiError(400, "stream_options: only include_usage is supported; leave the others out or false", param="stream_options")
         echo = not chat and bool(body.echo)
-        if stream and echo and body.logprobs is not None:
+        prompt_logprobs = None if chat else body.prompt_logprobs
+        if stream and (echo and body.logprobs is not None or prompt_logprobs is not None):
             raise ApiError(
-                400, "echo with logprobs is answered whole (the prompt's are known when it ends); set stream to false", param="stream"
+                400,
+                "the prompt's log-probabilities (echo with logprobs, prompt_logprobs) are answered whole; set stream to false",
+                param="stream",
             )
-        return generations, stream, _take(options, "include_usage", (bool,), "true or false", False), echo
+        return generations, stream, _take(options, "include_usage", (bool,), "true or false", False), echo, prompt_logprobs
 
     def _submit(self, generations: list[GenerationRequest], span, chat: bool, caller: str) -> list[RequestHandle]:
         try:
@@ -634,12 +640,18 @@ class OpenAIApi:
             min_tokens=_or(body.min_tokens, 0),
         )
         logprobs = _chat_logprobs(body) if chat else body.logprobs
-        prompt_logprobs = None
-        if not chat and body.echo:
-            # max_tokens 0 scores the prompt (its log-probabilities shown only when asked).
-            prompt_logprobs = logprobs if logprobs is not None or max_tokens != 0 else 0
-        elif max_tokens == 0 and not chat:
-            raise ApiError(400, "max_tokens 0 generates nothing; it is taken with echo: true, to score the prompt", param="max_tokens")
+        # The prompt is scored for echo's logprobs and vLLM's prompt_logprobs, to the larger
+        # count of alternatives (each shown to its own), and for max_tokens 0 with echo.
+        asked = [] if chat else [value for value in (body.prompt_logprobs, logprobs if body.echo else None) if value is not None]
+        prompt_logprobs = max(asked) if asked else None
+        if max_tokens == 0 and not chat and prompt_logprobs is None:
+            if not body.echo:
+                raise ApiError(
+                    400,
+                    "max_tokens 0 generates nothing; it is taken with echo: true, to score the prompt (or with prompt_logprobs)",
+                    param="max_tokens",
+                )
+            prompt_logprobs = 0
         k = body.num_speculative_tokens
         return GenerationRequest(
             prompt_ids, max_tokens, sampling, tuple(stop), k, request_id=request_id, logprobs=logprobs, prompt_logprobs=prompt_logprobs
@@ -952,6 +964,7 @@ class _Reply:
     def __init__(self, api: OpenAIApi, handles: list[RequestHandle], chat: bool, traced: TracedRequest, span_context) -> None:
         self.api, self.handles, self.chat, self.traced = api, handles, chat, traced
         self.echoes: list[str] | None = None  # completions' echo: each choice's prompt text, sent before its completion's
+        self.prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives shown per prompt token
         self._span_context = span_context  # service.request_span's, entered
         self._closed = False
         self._left = False  # the client disconnected first
@@ -1071,10 +1084,11 @@ class _Reply:
         self.results, self.stats = results, stats
         choices = []
         for index, result in enumerate(results):
-            shown, logprobs = self.logprobs[index], None
-            if shown is not None and result.prompt_logprobs is not None:
-                prompt = self.handles[index].request.prompt_ids
-                logprobs = shown.shown_after_prompt(prompt[0], result.prompt_logprobs, result.logprobs or ())
+            shown, logprobs, request = self.logprobs[index], None, self.handles[index].request
+            if shown is not None and self.echoes is not None and result.prompt_logprobs is not None:
+                top = request.logprobs or 0
+                prompt = [replace(item, top=item.top[:top]) for item in result.prompt_logprobs]
+                logprobs = shown.shown_after_prompt(request.prompt_ids[0], prompt, result.logprobs or ())
             elif shown is not None:
                 logprobs = shown.shown(result.logprobs or ())
             if self.chat:
@@ -1082,9 +1096,29 @@ class _Reply:
             else:
                 choice = {"index": index, "text": self._echo(index) + result.text, "logprobs": logprobs}
             choice["finish_reason"] = _finish(result)
+            if self.prompt_logprobs is not None and result.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(result.prompt_logprobs, self.prompt_logprobs)
             choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
         return self._envelope(obj, choices) | {"usage": self._usage(), "specdec": RequestStats.combined(stats).as_dict()}
+
+    def _vllm_prompt_logprobs(self, items: Sequence[TokenLogprob], top: int) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token a dict
+        of token id (a string, as JSON keys are) -> {logprob, rank, decoded_token}: the
+        prompt's own token first, then its ``top`` alternatives (rank 1, 2, ...); each
+        token decoded alone."""
+        decode = functools.lru_cache(maxsize=None)(lambda token: str(self.api.service.tokenizer.decode([token])))
+
+        def entry(token: int, logprob: float, rank: int | None) -> dict:
+            return {"logprob": logprob, "rank": rank, "decoded_token": decode(token)}
+
+        shown: list[dict | None] = [None]
+        for item in items:
+            position = {str(item.token): entry(item.token, item.logprob, item.rank)}
+            for place, (token, logprob) in enumerate(item.top[:top], start=1):
+                position.setdefault(str(token), entry(token, logprob, place))
+            shown.append(position)
+        return shown
 
 
 class _Logprobs:

@@ -193,13 +193,18 @@ class ChatCompletionRequest(_Body):
 class CompletionRequest(_Body):
     ENDPOINT: ClassVar[str] = "/v1/completions"
 
-    prompt: Any = None  # a string or token ids (one prompt), checked by openai_api
+    prompt: Any = None  # a string, token ids, or a list of either, checked by openai_api
     echo: bool | None = None
     logprobs: int | None = None
+    # Beyond OpenAI's (vLLM's): each prompt token's log-probability, rank and top n.
+    prompt_logprobs: int | None = None
     best_of: Any = None
     suffix: Any = None
 
-    WHAT: ClassVar[dict[str, str]] = _Body.WHAT | {"logprobs": "an integer (alternatives per token)"}
+    WHAT: ClassVar[dict[str, str]] = _Body.WHAT | {
+        "logprobs": "an integer (alternatives per token)",
+        "prompt_logprobs": "an integer (alternatives per prompt token)",
+    }
     REFUSED: ClassVar[dict[str, Refusal]] = _Body.REFUSED | {
         "best_of": Refusal(_one_of(1), "1", "best_of is not supported"),
         "suffix": Refusal(lambda value: value is None or value == "", "null", "suffix (insertion) is not supported"),

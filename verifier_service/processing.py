@@ -162,11 +162,14 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
+    rank: int | None = None  # 1 + the tokens more likely than it (vLLM's), when asked for
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, ranks: bool = False) -> list[TokenLogprob]:
     """The target's log-probabilities of ``tokens``, row i of ``logits`` [n, vocab] the
-    distribution ``tokens[i]`` was chosen at, with its ``top`` most likely tokens."""
+    distribution ``tokens[i]`` was chosen at, with its ``top`` most likely tokens and, with
+    ``ranks``, each token's rank: how many tokens are at least as likely, itself included
+    (vLLM's count), so the most likely token's is 1."""
     assert logits.shape[0] == len(tokens)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs[torch.arange(len(tokens), device=logits.device), torch.tensor(tokens, dtype=torch.long, device=logits.device)]
@@ -174,4 +177,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     if top:
         values, indices = logprobs.topk(top, dim=-1)
         best = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(indices.tolist(), values.tolist())]
-    return [TokenLogprob(token, value, tuple(alternatives)) for token, value, alternatives in zip(tokens, chosen.tolist(), best)]
+    rank: list[int | None] = (logprobs >= chosen[:, None]).sum(dim=-1).tolist() if ranks else [None] * len(tokens)
+    return [
+        TokenLogprob(token, value, tuple(alternatives), place)
+        for token, value, alternatives, place in zip(tokens, chosen.tolist(), best, rank)
+    ]

@@ -123,3 +123,38 @@ def test_prompt_logprobs_over_the_bound_are_a_400(tiny_model, chat_tokenizer):
         assert error["param"] == "prompt_logprobs" and "--max-prompt-logprobs-tokens" in error["message"], error
     finally:
         service.scheduler.stop(1.0)
+
+
+def test_vllms_prompt_logprobs_field_in_vllms_shape(scoring, tiny_model, chat_tokenizer):
+    """None first; then per prompt token a dict of token id -> {logprob, rank, decoded_token}:
+    the prompt's own token (its true rank among the vocabulary) and the top 2 (ranks 1, 2)."""
+    body = completion(prompt=PROMPTS[0], max_tokens=1, prompt_logprobs=2)
+    choice = scoring.post("/v1/completions", json=body).json()["choices"][0]
+    shown = choice["prompt_logprobs"]
+    assert shown[0] is None and len(shown) == len(PROMPTS[0])
+    with torch.inference_mode():
+        full = torch.log_softmax(tiny_model(input_ids=torch.tensor([PROMPTS[0]])).logits[0].float(), dim=-1)
+    for position, entries in enumerate(shown[1:]):
+        token = PROMPTS[0][position + 1]
+        row = full[position]
+        own = entries[str(token)]
+        assert own["logprob"] == pytest.approx(float(row[token]), abs=1e-5)
+        assert own["rank"] == int((row >= row[token]).sum()) and own["decoded_token"] == chat_tokenizer.decode([token])
+        best = row.topk(2).indices.tolist()
+        assert [entries[str(best[0])]["rank"], entries[str(best[1])]["rank"]] == [1, 2]
+        assert len(entries) == 3 - (token in best)
+    assert "logprobs" in choice and choice["logprobs"] is None  # the legacy field only with logprobs
+    plain = scoring.post("/v1/completions", json=completion(prompt=PROMPTS[0], max_tokens=1)).json()["choices"][0]
+    assert "prompt_logprobs" not in plain and plain["text"] == choice["text"]
+
+
+def test_echo_logprobs_and_prompt_logprobs_each_show_their_own_count(scoring):
+    body = completion(prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=1, prompt_logprobs=3)
+    choice = scoring.post("/v1/completions", json=body).json()["choices"][0]
+    assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])
+    assert all(len(entries) >= 3 for entries in choice["prompt_logprobs"][1:])
+    legacy = choice["logprobs"]["token_logprobs"][1:]
+    assert legacy == [entries[str(token)]["logprob"] for entries, token in zip(choice["prompt_logprobs"][1:], PROMPTS[0][1:])]
+    streamed = scoring.post("/v1/completions", json=completion(prompt_logprobs=1, stream=True))
+    assert assert_openai_error(streamed, 400)["param"] == "stream"
+    assert assert_openai_error(scoring.post("/v1/completions", json=completion(prompt_logprobs=21)), 400)["param"] == "prompt_logprobs"

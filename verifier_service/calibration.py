@@ -79,6 +79,10 @@ STORED_FORMAT = 1
 PROBE_TOKENS = (1, 4, 16)
 PROBE_REPEATS = 3
 PROBE_BUDGET_S = 5.0
+# What a start with a calibration cut short spends measuring the counts left
+# out (it cannot tell a quiet machine from one less busy than the first start
+# was, so readiness waits on it only this long; later starts go on from there).
+COMPLETION_BUDGET_S = 5.0
 # Stored costs are lowered only when the evidence is at least this much
 # faster: best-of-three timings on an idle machine vary by ~5-10%, and a
 # smaller margin would rewrite the file at nearly every start.
@@ -218,11 +222,12 @@ def load_or_calibrate(engine: SpeculativeEngine, folder: Path, clock: Clock = ti
     measured within ``engine.config.calibration_budget_s`` and stored for the next start.
 
     A stored one is probed (a few passes, within PROBE_BUDGET_S): a probe faster by
-    more than LOWER_MARGIN lowers every stored cost by the factor it shows (the
-    stored ones were measured under load); a slower one is a busy machine and changes
-    nothing, since real steps adjust the costs in this process anyway. The model
-    returned lowers the file again whenever real steps show the machine faster
-    (``KeptStepCostModel``).
+    more than LOWER_MARGIN lowers the stored costs (``StoredCalibration.lowered``: they
+    were measured under load); a slower one is a busy machine and changes nothing,
+    since real steps adjust the costs in this process anyway. A calibration cut short
+    by its budget is completed, COMPLETION_BUDGET_S at a time, by the starts that find
+    the machine no busier than when it was measured. The model returned lowers the
+    file again whenever real steps show the machine faster (``KeptStepCostModel``).
     """
     file = CalibrationFile(folder, calibration_key(engine))
     stored = file.read()
@@ -236,19 +241,38 @@ def load_or_calibrate(engine: SpeculativeEngine, folder: Path, clock: Clock = ti
     if engine.kernels is not None:
         engine.kernels.up_to = stored.up_to
     probed = _probe(engine, stored.points, clock)
+    busier = any(probed[count] > stored.points[count] * (1 + LOWER_MARGIN) for count in probed)
     lowered = stored.lowered({count: seconds / stored.points[count] for count, seconds in probed.items()})
     shown = "; ".join(f"{count} tokens: {1000 * probed[count]:.1f} ms now, {1000 * stored.points[count]:.1f} ms stored" for count in probed)
     if lowered is not None:
         log.info("stored step cost %s lowered: the machine is faster now (%s)", file.path, shown)
         stored = lowered
         file.write(stored)
-    elif any(probed[count] > stored.points[count] * (1 + LOWER_MARGIN) for count in probed):
+    elif busier:
         log.info("step cost from %s kept; the machine is busier than when it was measured (%s); real steps refine it", file.path, shown)
     else:
         log.info("step cost from %s (%s)", file.path, shown or "not probed")
-    if not stored.complete:
+    if not stored.complete and busier:
         log.info("stored step cost %s was cut short by its time budget; counts not measured are interpolated", file.path)
+    elif not stored.complete:
+        stored = _completed(engine, stored, clock)
+        file.write(stored)
     return KeptStepCostModel(stored, file)
+
+
+def _completed(engine: SpeculativeEngine, stored: StoredCalibration, clock: Clock) -> StoredCalibration:
+    """A calibration cut short by its budget, with as many of the counts it left out as
+    COMPLETION_BUDGET_S allows measured now (the machine is no busier than when it was measured)."""
+    fits = _fitting_tokens(engine, CALIBRATION_TOKENS)
+    missing = [count for count in fits if count not in stored.points]
+    log.info("measuring the %d step-cost counts a calibration cut short left out", len(missing))
+    if not missing:
+        return replace(stored, complete=True)
+    budget_s = min(engine.config.calibration_budget_s, COMPLETION_BUDGET_S)
+    measured = calibrate_step_cost(engine, missing, budget_s, clock, choose_forms=False)
+    points = {**stored.points, **measured.points()}
+    per_context_token = stored.per_context_token or measured.per_context_token
+    return replace(stored, points=points, per_context_token=per_context_token, complete=set(fits) <= set(points))
 
 
 def _probe(engine: SpeculativeEngine, stored: dict[int, float], clock: Clock) -> dict[int, float]:
@@ -285,6 +309,7 @@ def calibrate_step_cost(
     tokens: Sequence[int] = CALIBRATION_TOKENS,
     budget_s: float | None = None,
     clock: Clock = time.monotonic,
+    choose_forms: bool = True,
 ) -> StepCostModel:
     """Seconds per packed forward pass at each token count, and per cached token read, on the real device.
 
@@ -299,7 +324,9 @@ def calibrate_step_cost(
     burst an earlier one hit. Another pass follows only while the last one
     lowered some count by LOWER_MARGIN (on an idle machine the second agrees
     and ends it), and all stop once ``budget_s`` (None: no limit) has passed;
-    the first count is always measured.
+    the first count is always measured. ``choose_forms`` False times each
+    count with the linear layers' form already chosen (completing a stored
+    calibration) instead of timing both and choosing.
     """
     limit = min(engine.cache.capacity, engine.context_length) - 1
     slots = len(engine._slots)
@@ -309,7 +336,7 @@ def calibrate_step_cost(
     def in_budget() -> bool:
         return budget_s is None or clock() - started < budget_s
 
-    timings = _Timings()
+    timings = _Timings(choose_forms and engine.kernels is not None)
     with torch.inference_mode():
         for _ in range(CALIBRATION_PASSES):
             lowered = False
@@ -329,7 +356,8 @@ class _Timings:
     """A calibration's best times so far: per count, with one form of the linear layers or
     both (``forms``, for ``linear_kernels.choose``), and of the cache-read step."""
 
-    def __init__(self) -> None:
+    def __init__(self, choose_forms: bool) -> None:
+        self.choose_forms = choose_forms
         self.points: dict[int, float] = {}
         self.forms: dict[int, tuple[float, float]] = {}  # count -> (as F.linear, as W @ x^T)
         self.context: tuple[int, int, float] | None = None  # (count, cached tokens read, seconds) as F.linear
@@ -343,7 +371,7 @@ class _Timings:
     def measure(self, engine: SpeculativeEngine, count: int, slots: int) -> bool:
         """Time ``count`` tokens again; whether its best time fell by LOWER_MARGIN (or is its first)."""
         rows = _spread(count, slots, cached=1)
-        if engine.kernels is None or count > MEASURED_UP_TO:
+        if not self.choose_forms or engine.kernels is None or count > MEASURED_UP_TO:
             seconds = _best_time(engine, CALIBRATION_REPEATS, rows, [], list(range(count)))
             before = self.points.get(count, float("inf"))
             self.points[count] = min(before, seconds)
@@ -373,7 +401,7 @@ class _Timings:
         """The step costs under the forms ``choose`` keeps, and the cache-read term: the
         full-slot step less its tokens' own cost (both as F.linear), per cached token read."""
         points = dict(self.points)
-        if engine.kernels is not None:
+        if self.choose_forms and engine.kernels is not None:
             engine.kernels.choose(self.forms)
             for count, (linear, transposed) in self.forms.items():
                 points[count] = transposed if engine.kernels.transposed(count) else linear

@@ -353,20 +353,25 @@ class HonestClients:
             raise HttpFailure(response.status, f"an answer without choices or specdec stats: {answer[:80]!r}")
         return completion
 
-    def learn(self, clients: int) -> None:
+    def learn(self, clients: int) -> Counter:
         """Each (door, key) that ``clients`` use asks each prompt once, side by side (the doors' answers
         differ: gRPC applies the chat template, /v1/completions does not): every honest scope has learned
-        every answer its clients will ask for before anything is measured."""
+        every answer its clients will ask for before anything is measured. Its failures by status."""
         first_of: dict[tuple[str, str | None], int] = {}
         for client in range(clients):
             first_of.setdefault((self.door(client), self.key(client)), client)
 
-        def ask_each_prompt(client: int) -> None:
+        def ask_each_prompt(client: int) -> Counter:
+            failures: Counter = Counter()
             for prompt in self.prompts:
-                self.ask(client, prompt)
+                try:
+                    self.ask(client, prompt)
+                except (grpc.RpcError, HttpFailure, OSError, http.client.HTTPException, ValueError) as error:
+                    failures[describe_failure(error)[0]] += 1  # that answer is not learned; the run goes on
+            return failures
 
         with ThreadPoolExecutor(len(first_of)) as pool:
-            list(pool.map(ask_each_prompt, first_of.values()))
+            return sum(pool.map(ask_each_prompt, first_of.values()), Counter())
 
     def close(self) -> None:
         for connection in self._connections.values():
@@ -515,7 +520,7 @@ def run_hostile(args: argparse.Namespace, processes: dict[str, ServiceProcess], 
     """Every honest key learns every prompt's answer; the honest clients alone (baseline), beside each
     mix of abusers in turn, alone again when a tenant abuser ran; then RECOVERY_S with neither."""
     learning_started = time.monotonic()
-    honest.learn(args.clients)
+    learning_failures = honest.learn(args.clients)
     learning_s = time.monotonic() - learning_started
     # The poisoner copies n-grams of the honest gRPC answers, as long as the drafter's longest lookups.
     targets = replace(targets, honest_ngrams=answer_ngrams(list(honest.answers.values()), NGramConfig().n_max))
@@ -537,6 +542,7 @@ def run_hostile(args: argparse.Namespace, processes: dict[str, ServiceProcess], 
         "honest_keys": len(honest.api_keys),
         "prompts": len(honest.prompts),
         "learning_s": round(learning_s, 1),
+        "learning_failures": dict(learning_failures),
         "poison_ngrams": len(targets.honest_ngrams),
         "seconds": args.seconds,
         "baseline": baseline,
@@ -857,11 +863,16 @@ def abusers_table(h: dict) -> list[str]:
     return lines
 
 
+def learning_failed(h: dict) -> str:
+    failures = h.get("learning_failures") or {}
+    return "".join(f", {count} {status}" for status, count in failures.items())
+
+
 def hostile_tables(h: dict) -> str:
     """The honest clients without and with each mix of abusers, their failures, both services' memory, and what the abusers met."""
     lines = [
         f"Honest clients: {h['honest_clients']['grpc']} gRPC + {h['honest_clients']['http']} HTTP, {h['honest_keys']} API keys, "
-        f"{h['prompts']} prompts (learned in {h['learning_s']} s), {h['seconds']} s a run",
+        f"{h['prompts']} prompts (learned in {h['learning_s']} s{learning_failed(h)}), {h['seconds']} s a run",
         "",
         *honest_table(h),
     ]

@@ -107,6 +107,13 @@ class DrafterConfig:
     max_predictions_per_call: int = setting(
         1 << 16, minimum=1, help="predicted tokens (positions x k, over every sequence) one Propose may carry"
     )
+    # Each position is two successor-table keys whatever its k: at k 1 the limit above
+    # let one call carry 65K positions (131K keys), holding the interpreter long enough
+    # that other callers' Propose missed their deadlines. A verifier sends at most 4,096
+    # (drafter_client.PREDICTED_POSITIONS_PER_CALL), ~15 steps of a batch of 16's trees.
+    max_predicted_positions_per_call: int = setting(
+        16_384, minimum=1, help="positions of predictions (over every sequence) one Propose may carry"
+    )
     # ~one busy second of a batch of 16's predictions: the writer stores them within milliseconds.
     max_pending_successors: int = setting(1 << 16, minimum=1, help="successor-table keys waiting for the writer; beyond, dropped (hints)")
     # A quarter of each writer bound per scope (with room for one whole call): one scope's

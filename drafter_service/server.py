@@ -176,6 +176,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             f"{predicted} predicted tokens in one call; the limit is {self.config.max_predictions_per_call} "
             "(--max-predictions-per-call): send fewer positions or a smaller k",
         )
+        positions = sum(len(s.predictions.current) for s in request.sequences)
+        _check(
+            positions <= self.config.max_predicted_positions_per_call,
+            f"{positions} predicted positions in one call; the limit is {self.config.max_predicted_positions_per_call} "
+            "(--max-predicted-positions-per-call): send fewer positions",
+        )
         seen = set()
         # Runs per sequence on every step: each message is formatted only when its check fails.
         invalid, max_k, max_nodes = grpc.StatusCode.INVALID_ARGUMENT, self.config.max_draft_tokens, self.config.max_tree_nodes

@@ -46,6 +46,10 @@ RECONNECT_MAX_MS = 500
 # Sessions closed per CloseSessions call: a quarter of the drafter's default
 # --max-sequences-per-call (1024), so one call never exceeds it.
 CLOSE_BATCH = 256
+# Predicted positions one Propose carries at most: a quarter of the drafter's default
+# --max-predicted-positions-per-call (16,384), so a big batch's call is never refused for
+# them; the rest of a step's predictions are left out (hints: the next step sends fresh ones).
+PREDICTED_POSITIONS_PER_CALL = 4096
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -147,6 +151,7 @@ class RemoteDrafter:
         if not chosen:
             return [ProposedDraft([]) for _ in requests]
         updates = [self._update(request, sent) for request in chosen]
+        _within_prediction_budget(updates)
         try:
             response = self.stub.Propose(
                 drafter_pb2.ProposeRequest(vocabulary=self.config.vocabulary, sequences=updates, shared_scope=self.config.shared_scope),
@@ -287,6 +292,15 @@ _SOURCES = {
     drafter_pb2.DRAFT_SOURCE_GLOBAL: SOURCE_GLOBAL,
     drafter_pb2.DRAFT_SOURCE_SUCCESSOR: SOURCE_SUCCESSOR,
 }
+
+
+def _within_prediction_budget(updates: list[drafter_pb2.SequenceUpdate]) -> None:
+    """Leave out the predictions of the updates past PREDICTED_POSITIONS_PER_CALL positions in all."""
+    positions = 0
+    for update in updates:
+        positions += len(update.predictions.current)
+        if positions > PREDICTED_POSITIONS_PER_CALL:
+            update.ClearField("predictions")
 
 
 def _predictions(predictions: Predictions | None) -> drafter_pb2.Predictions | None:

@@ -258,6 +258,21 @@ def test_predictions_beyond_the_per_call_limit_are_refused(tmp_path):
         servicer.Propose(pb.ProposeRequest(vocabulary=VOCABULARY, sequences=updates[:1]), FakeContext())  # 36: within it
 
 
+def test_predicted_positions_beyond_the_per_call_limit_are_refused_whatever_their_k(tmp_path):
+    # Was: at k 1 a call carried 65K positions (131K successor keys) within --max-predictions-per-call,
+    # and a few such callers left honest verifiers' Propose past their deadlines.
+    with started_writer(tmp_path, max_predicted_positions_per_call=16) as (config, stores, writer):
+        servicer = DrafterServicer(config, stores, writer)
+        predictions = pb.Predictions(k=1, previous=[1] * 9, current=[2] * 9, tokens=[3] * 9)
+        updates = [pb.SequenceUpdate(session_id=f"s{i}", new_tokens=[1, 2], open=True, predictions=predictions) for i in range(2)]
+        context = refused(servicer.Propose, pb.ProposeRequest(vocabulary=VOCABULARY, sequences=updates), FakeContext())
+        assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert context.details == (
+            "18 predicted positions in one call; the limit is 16 (--max-predicted-positions-per-call): send fewer positions"
+        )
+        servicer.Propose(pb.ProposeRequest(vocabulary=VOCABULARY, sequences=updates[:1]), FakeContext())  # 9: within it
+
+
 def test_predictions_go_to_their_sessions_scope_only(open_drafter):
     # Was: one successor table per vocabulary, so an attacker's made-up predictions became the victim's drafts.
     servicer, stores = open_drafter

@@ -13,6 +13,7 @@ import pytest
 from drafter_service.server import DrafterConfig, create_server
 from specdec.v1 import drafter_pb2 as pb
 from specdec.v1 import drafter_pb2_grpc as rpc
+from verifier_service import drafter_client
 from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
 from verifier_service.drafting import DraftEvidence, DraftRequest, FinishedSequence, Predictions
 
@@ -475,3 +476,14 @@ def test_the_token_can_come_from_a_file(tmp_path):
     assert DrafterClientConfig(token="flag", token_file=str(tmp_path / "token")).bearer() == "flag"
     with pytest.raises(ValueError, match="cannot read --drafter-token-file"):
         DrafterClientConfig(token_file=str(tmp_path / "missing"))
+
+
+def test_a_call_carries_predictions_for_at_most_its_budget_of_positions(drafters, clients, monkeypatch):
+    monkeypatch.setattr(drafter_client, "PREDICTED_POSITIONS_PER_CALL", 5)
+    server = drafters.start()
+    client = clients(server.port)
+    three = Predictions(k=1, previous=[1, 2, 3], current=[2, 3, 4], tokens=[3, 4, 5])
+    client.propose([DraftRequest(f"s{i}", CONTEXT, 2, predictions=three) for i in range(3)])
+    sent = client.stub.proposes[-1].sequences
+    assert [len(update.predictions.current) for update in sent] == [3, 0, 0]  # 3 fit in 5; the next 3 would not
+    assert client.fallbacks == 0

@@ -150,7 +150,8 @@ def test_a_seed_makes_sampling_repeatable_and_equal_to_grpcs(server):
     "fields, error, param, says",
     [
         ({"n": 2}, openai.BadRequestError, "n", "n must be in [1, 1] (--max-choices, --max-queued), got 2"),
-        ({"max_tokens": 0}, openai.BadRequestError, "max_tokens", "max_tokens must be in [1, 60000]"),
+        ({"max_tokens": 0}, openai.BadRequestError, "max_tokens", "max_tokens 0 generates nothing; it is taken with echo: true"),
+        ({"max_tokens": -1}, openai.BadRequestError, "max_tokens", "max_tokens must be in [1, 60000]"),
         ({"temperature": "hot"}, openai.BadRequestError, "temperature", "temperature must be a number"),
         ({"temperature": -1}, openai.BadRequestError, "temperature", "temperature must be a finite number >= 0"),
         ({"stop": ["t3"] * 17}, openai.BadRequestError, "stop", "stop takes at most 16 strings"),
@@ -163,7 +164,8 @@ def test_a_seed_makes_sampling_repeatable_and_equal_to_grpcs(server):
     ],
     ids=[
         "n",
-        "max_tokens",
+        "max_tokens-0",
+        "max_tokens-negative",
         "temperature-type",
         "temperature-range",
         "stop",

@@ -20,7 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
-from specdec.processes import ServiceProcess
+from specdec.processes import ServiceProcess, local_drafter
 
 USAGE = "specdec serve [--data DIR] [--port PORT] [--http-port PORT] [VERIFIER FLAGS...]"
 
@@ -36,9 +36,7 @@ def serve(argv: list[str]) -> int:
         signal.signal(signum, lambda *_: stopping.set())
     processes: list[ServiceProcess] = []
     try:
-        drafter = ServiceProcess(
-            "drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(args.data / "drafter"), inherit_stderr=True
-        )
+        drafter = local_drafter(args.data)
         processes.append(drafter)
         verifier = ServiceProcess(
             "verifier_service",

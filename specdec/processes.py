@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -177,3 +178,9 @@ def running(module: str, *args: str, env: dict[str, str] | None = None, inherit_
         yield process
     finally:
         process.stop()
+
+
+def local_drafter(data: Path) -> ServiceProcess:
+    """A drafter on a free loopback port, its tables under ``data/drafter`` (kept between
+    runs), logging to our stderr: the pair's first half for ``specdec serve`` and the demo."""
+    return ServiceProcess("drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(data / "drafter"), inherit_stderr=True)

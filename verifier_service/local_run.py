@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from specdec.processes import ServiceProcess
+from specdec.processes import ServiceProcess, local_drafter
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 
 SAMPLE_DOC = "\n\n".join(pydoc_data.topics.topics["assert"].split("\n\n")[:4])
@@ -63,9 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     processes: list[ServiceProcess] = []
     try:
-        drafter = ServiceProcess(
-            "drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(args.data / "drafter"), inherit_stderr=True
-        )
+        drafter = local_drafter(args.data)
         processes.append(drafter)
         verifier = ServiceProcess(
             "verifier_service", "--port", "0", "--metrics-port", "-1", "--http-port", "0", "--drafter", drafter.address, inherit_stderr=True

@@ -149,8 +149,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         metrics.watch("dropped_writes", "Queued observations dropped because their caller gave up first", lambda: writer.dropped)
         metrics.watch("refused_calls", "Calls refused over --max-calls-per-caller or --max-write-calls", lambda: self.admission.refused)
         metrics.watch_tables(stores.table_stats)
+        self.refused_scopes = 0  # calls refused for declaring a scope (ScopeRefused.permission)
         metrics.watch("refused_scopes", "Calls refused for declaring a scope their client may not name", lambda: self.refused_scopes)
-        self.refused_scopes = 0
 
     # -- validation (always before any state changes) -------------------------
 
@@ -642,7 +642,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 f"destination must be a plain name of 1-128 letters, digits, '.', '_' or '-' (not starting with "
                 f"'.', '_' or '-'), got {request.destination[:200]!r}; the backup goes into the drafter's backup directory",
             )
-            tables = self._tables_of(request.vocabulary)
+            tables = self.stores.tables_of(request.vocabulary)
             _check(bool(tables), f"no table for vocabulary {request.vocabulary}", grpc.StatusCode.NOT_FOUND)
         except InvalidRequest as invalid:
             context.abort(invalid.code, str(invalid))
@@ -667,10 +667,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             shutil.rmtree(destination, ignore_errors=True)
             context.abort(grpc.StatusCode.INTERNAL, "the backup failed and was removed; the drafter's log says why")
         return drafter_pb2.BackupResponse(bytes=size)
-
-    def _tables_of(self, vocabulary: str) -> dict[str, LMDBNGramStore]:
-        """The vocabulary's tables served now, by name."""
-        return {name: store for name, store in self.stores.all().items() if (split_table_name(name) or ("", ""))[0] == vocabulary}
 
     def watch_streams(self, guard: serving.AuxiliaryStreamGuard) -> None:
         """Metrics of the main port's reflection and health Watch streams."""

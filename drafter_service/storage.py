@@ -386,6 +386,10 @@ class StoreRegistry:
     def all(self) -> dict[str, LMDBNGramStore]:
         return dict(self._stores)
 
+    def tables_of(self, vocabulary: str) -> dict[str, LMDBNGramStore]:
+        """The vocabulary's tables served now (one per scope), by name."""
+        return {name: store for name, store in self.all().items() if _split(name)[0] == vocabulary}
+
     def table_stats(self) -> dict[str, dict[str, int]]:
         """Per vocabulary, its tables' ``stats()`` summed over its scopes, with ``scopes`` (how
         many tables); a table set aside meanwhile is left out (for /metrics and Stats, which

@@ -1422,7 +1422,7 @@ class _Walker:
         if walked < min(limit, entries):
             raise _Unsound(f"the {what} tree ends after {walked} records; its header counts {entries}")
 
-    # The three loops below run per record (millions): inlined checks, no helper calls.
+    # The loops below run per record (millions): inlined checks, no helper calls.
 
     def _ngrams(self, db: Any, coldness: Any, limit: int, entries: int, epoch: int) -> None:
         get, previous, header, pair = self.txn.get, b"", _HEADER.size, _PAIR_BYTES

@@ -92,15 +92,20 @@ def test_without_the_flag_a_cached_head_is_left_alone(tiny_model_dir, loaded, tm
         assert "draft head from" not in verifier.log()
 
 
-def test_a_head_trained_on_another_model_stops_the_start_with_one_clear_line(tiny_model_dir, tmp_path):
-    folder = head_for(build_tiny_model(seed=3), AutoTokenizer.from_pretrained(tiny_model_dir), tmp_path / "foreign")
+def refused_start(model_dir, head_folder) -> str:
+    """Start a verifier with ``--draft-head head_folder``, which must exit 1; the last line it wrote."""
     process = subprocess.run(
         [sys.executable, "-m", "verifier_service", "--port", "0", "--metrics-port", "-1", "--no-calibrate",
-         "--model", str(tiny_model_dir), "--draft-head", str(folder)],
+         "--model", str(model_dir), "--draft-head", str(head_folder)],
         capture_output=True, text=True, timeout=START_TIMEOUT_S,
     )  # fmt: skip
     assert process.returncode == 1
-    last = process.stderr.strip().splitlines()[-1]
+    return process.stderr.strip().splitlines()[-1]
+
+
+def test_a_head_trained_on_another_model_stops_the_start_with_one_clear_line(tiny_model_dir, tmp_path):
+    folder = head_for(build_tiny_model(seed=3), AutoTokenizer.from_pretrained(tiny_model_dir), tmp_path / "foreign")
+    last = refused_start(tiny_model_dir, folder)
     assert last.startswith(f"verifier: cannot serve --model {tiny_model_dir}: {folder} was trained on another target"), last
 
 
@@ -126,11 +131,5 @@ def test_a_named_head_folder_with_a_bad_manifest_stops_the_start_with_one_clear_
     model, tokenizer = loaded
     folder = head_for(model, tokenizer, tmp_path / "head")
     widen(folder, -1)
-    process = subprocess.run(
-        [sys.executable, "-m", "verifier_service", "--port", "0", "--metrics-port", "-1", "--no-calibrate",
-         "--model", str(tiny_model_dir), "--draft-head", str(folder)],
-        capture_output=True, text=True, timeout=START_TIMEOUT_S,
-    )  # fmt: skip
-    assert process.returncode == 1
-    last = process.stderr.strip().splitlines()[-1]
+    last = refused_start(tiny_model_dir, folder)
     assert last == f"verifier: cannot serve --model {tiny_model_dir}: {folder / MANIFEST}: field width is -1, expected >= 1", last

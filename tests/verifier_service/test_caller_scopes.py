@@ -11,25 +11,23 @@ from __future__ import annotations
 import copy
 import json
 import time
-from concurrent import futures
 
 import anyio
-import grpc
 import pytest
 from starlette.testclient import TestClient
 
 from drafter_service.server import DrafterConfig, create_server
 from specdec import telemetry
 from specdec.v1 import verifier_pb2 as pb
-from specdec.v1 import verifier_pb2_grpc as rpc
 from specdec.vocabulary import tokenizer_fingerprint
+from tests.verifier_service.test_rejected_drafts import grpc_door
 from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
 from verifier_service.engine import EngineConfig, SpeculativeEngine
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.openai_api import CERTIFICATE_STATE, OpenAIApi, _Callers, _common_name
 from verifier_service.scheduler import Scheduler, SchedulerConfig
 from verifier_service.scopes import DEFAULT_SCOPE, SECRET_FILE_NAME, KeyEntry, ScopeIds, load_secret, parse_key_line
-from verifier_service.server import VerifierConfig, VerifierServicer
+from verifier_service.server import VerifierConfig
 from verifier_service.service import ApiKeys, VerifierService
 
 SECRET = "a-server-secret-of-32-characters"
@@ -157,16 +155,9 @@ def two_keys(tiny_model, tiny_tokenizer, tmp_path):
 
 
 def grpc_stream(service, key: str, prompt: list[int]) -> list[pb.GenerateChunk]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    rpc.add_VerifierServicer_to_server(VerifierServicer(service), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            request = pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=8, num_speculative_tokens=8)
-            return list(rpc.VerifierStub(channel).GenerateStream(request, timeout=120, metadata=(("authorization", f"Bearer {key}"),)))
-    finally:
-        server.stop(grace=None)
+    with grpc_door(service) as stub:
+        request = pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=8, num_speculative_tokens=8)
+        return list(stub.GenerateStream(request, timeout=120, metadata=(("authorization", f"Bearer {key}"),)))
 
 
 def test_another_keys_grpc_stream_never_carries_a_keys_text(two_keys):

@@ -165,18 +165,24 @@ def test_the_http_stream_carries_each_steps_rejected_draft_and_evidence(tiny_mod
         done += 2
 
 
+@contextlib.contextmanager
+def grpc_door(service):
+    """``service``'s gRPC front door on a loopback port, for the duration: a stub to it."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    rpc.add_VerifierServicer_to_server(VerifierServicer(service), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield rpc.VerifierStub(channel)
+    finally:
+        server.stop(grace=None)
+
+
 def test_the_grpc_stream_carries_each_steps_rejected_draft(tiny_model, tiny_tokenizer):
-    with serving_wrong_tails(tiny_model, tiny_tokenizer) as service:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        rpc.add_VerifierServicer_to_server(VerifierServicer(service), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        try:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                request = pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=13, num_speculative_tokens=3)
-                chunks = list(rpc.VerifierStub(channel).GenerateStream(request, timeout=60))
-        finally:
-            server.stop(grace=None)
+    with serving_wrong_tails(tiny_model, tiny_tokenizer) as service, grpc_door(service) as stub:
+        request = pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=13, num_speculative_tokens=3)
+        chunks = list(stub.GenerateStream(request, timeout=60))
     truth_path = truth(tiny_model, PROMPTS[0])
     assert [token for chunk in chunks for token in chunk.token_ids] == truth_path[:13]
     steps = [chunk for chunk in chunks if len(chunk.token_ids) == 2]

@@ -1,5 +1,5 @@
 """DrafterServicer in-process, as a hostile caller would use it: each test is a row of the
-hostile-client audit (issue 23) that the drafter used to fail.
+hostile-client audit that the drafter used to fail.
 
 Callers are told apart as the service tells them apart: by client certificate
 (``FakeContext(certificate=...)``), else by peer host.

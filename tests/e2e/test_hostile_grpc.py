@@ -1,4 +1,4 @@
-"""Both services as real processes against hostile gRPC callers (issue 23): two client
+"""Both services as real processes against hostile gRPC callers: two client
 certificates under mutual TLS, idle streams holding threads and slots, and two verifiers
 sharing one drafter."""
 

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # v2, kubernetes-validate): installed once by deploy/install-validators.sh.
 TOOLS_STAMP := $(VENV)/.tools-installed
 
-.PHONY: run test test-fast lint bench install protos check-protos clean
+.PHONY: run test test-fast lint bench install protos check-protos reference clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
 # Fails when the committed stubs differ from what proto/ generates now.
+# docs/reference/ is made from the programs' flags; a test fails when it is stale.
+reference: $(STAMP)
+	$(PY) -m tools.reference
+
 check-protos: $(STAMP)
 	rm -rf .protos-check && mkdir .protos-check
 	$(PY) -m grpc_tools.protoc -I proto --python_out=.protos-check --pyi_out=.protos-check --grpc_python_out=.protos-check $(PROTOS)

@@ -367,7 +367,7 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument(
-        "--adaptive-max-nodes", type=int, help="the engine's --adaptive-max-nodes (default: the engine's; 0: chains, as before draft trees)"
+        "--max-adaptive-nodes", type=int, help="the engine's --max-adaptive-nodes (default: the engine's; 0: chains, as before draft trees)"
     )
     parser.add_argument("--spec-bench", type=Path, metavar="QUESTIONS", help="run bench.bench_spec on Spec-Bench's question.jsonl instead")
     args, rest = parser.parse_known_args(argv)
@@ -378,7 +378,7 @@ def main(argv=None) -> None:
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    config = EngineConfig() if args.adaptive_max_nodes is None else EngineConfig(adaptive_max_nodes=args.adaptive_max_nodes)
+    config = EngineConfig() if args.adaptive_max_nodes is None else EngineConfig(max_adaptive_nodes=args.adaptive_max_nodes)
     loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
     warm_ids = chat_prompt_ids(tokenizer, "Say hello.")

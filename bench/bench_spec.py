@@ -13,7 +13,7 @@ prompt (so the machine's drift hits them alike), whole requests timed
 (prefill included, as Spec-Bench times them):
 
 * ``plain``: our engine with K=0, the baseline;
-* ``chain``: adaptive K over n-gram chains (``--adaptive-max-nodes 0``), the
+* ``chain``: adaptive K over n-gram chains (``--max-adaptive-nodes 0``), the
   default before draft trees;
 * ``default``: the engine's defaults, what users get;
 * ``head``: the defaults plus the trained draft head (``--draft-head``; auto:
@@ -57,7 +57,7 @@ from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_
 
 OURS = {
     "plain": (EngineConfig(), 0),
-    "chain": (EngineConfig(adaptive_max_nodes=0), None),
+    "chain": (EngineConfig(max_adaptive_nodes=0), None),
     "default": (EngineConfig(), None),
     "head": (EngineConfig(), None),  # with the draft head, when one is found
 }
@@ -263,7 +263,7 @@ def main(argv=None) -> None:
         "--methods", default=",".join(ALL_METHODS), help="comma-separated, from %(default)s (head: only when a head is found)"
     )
     parser.add_argument("--draft-head", default="auto", help="the head for the head method: a folder, auto (the cache's), none")
-    parser.add_argument("--head-vocabulary", type=int, default=DEFAULT_HEAD_VOCABULARY, help="draft tokens the head keeps (0: all)")
+    parser.add_argument("--draft-head-vocabulary", type=int, default=DEFAULT_HEAD_VOCABULARY, help="draft tokens the head keeps (0: all)")
     args = parser.parse_args(argv)
     loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer

@@ -19,7 +19,7 @@ Spec-Bench times them). The measured prompts are ``bench.spec_bench``'s
 2. **Measure**, three phases, each with a fresh verifier (its planner
    unlearned) and a drafter restarted on its own copy of a table:
    ``cold`` (an empty table, the defaults), ``warm-chain`` (the warm table,
-   ``--adaptive-max-nodes 0``: the adaptive chains that were the default
+   ``--max-adaptive-nodes 0``: the adaptive chains that were the default
    before draft trees) and ``warm`` (the warm table, the defaults). Each
    measured prompt runs speculative, then plain (K=0, which never touches the
    drafter), back to back so the machine's drift hits both alike. A phase's
@@ -56,7 +56,7 @@ from specdec.v1 import verifier_pb2_grpc as rpc
 
 REQUEST_TIMEOUT_S = 600
 # (phase, table: "empty" or "warm", extra verifier flags)
-PHASES = (("cold", "empty", ()), ("warm-chain", "warm", ("--adaptive-max-nodes", "0")), ("warm", "warm", ()))
+PHASES = (("cold", "empty", ()), ("warm-chain", "warm", ("--max-adaptive-nodes", "0")), ("warm", "warm", ()))
 
 
 class Pair:

@@ -96,7 +96,7 @@ MIN_ATTEMPT_INTERVAL_S = 0.05
 SOCKET_TIMEOUT_S = 5.0  # one connect, send or recv; bounds how long an abuser can miss ``stop``
 STOP_BOUND_S = SOCKET_TIMEOUT_S + 2 * STOP_POLL_S + 5.0  # plus a gRPC call's own deadline (CALL_TIMEOUT_S)
 CALL_TIMEOUT_S = 5.0  # the abusers' gRPC calls but CloseSessions', Observe's and the held streams
-# An Observe waits for the writer up to the drafter's --max-write-wait-s (30 s): beyond it, so that the
+# An Observe waits for the writer up to the drafter's --max-write-wait-seconds (30 s): beyond it, so that the
 # outcome counted is the drafter's answer. The call is cancelled at the stop, as the held streams are.
 OBSERVE_DEADLINE_S = 40.0
 CLOSE_CONTEXT_TOKENS = 4096  # a long context: each repeat of its id costs the drafter this many tokens
@@ -108,7 +108,7 @@ HUGE_BODY_BYTES = 7 * 2**20
 SEND_CHUNK_BYTES = 256 * 2**10  # a huge body goes out in chunks, ``stop`` looked at between them
 ANSWER_WAIT_S = 60.0  # a huge body's answer: longer than any tokenizing of 7 MiB should take
 SLOW_BODY_DECLARED_BYTES = 6 * 2**20
-SLOW_BODY_UNDER_CAP_BYTES = 900 * 2**10  # under the 1 MiB --http-max-body-bytes: only a body timeout ends it
+SLOW_BODY_UNDER_CAP_BYTES = 900 * 2**10  # under the 1 MiB --max-http-body-bytes: only a body timeout ends it
 TRICKLE_BYTES = 4  # a second
 BOGUS_SESSIONS_PER_CALL = 64
 WORDS = ("the", "model", "token", "draft", "verify", "accept", "batch", "cache", "t7", "t42", "1234", "naïve", "Ωmega", "{}", "\\n")

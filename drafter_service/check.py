@@ -37,10 +37,15 @@ def verdict(name: str, walk: TableWalk) -> str:
     return f"{name}: ok, format {FORMAT_VERSION} (current), {walk.records} records"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The checker's command line (``docs/reference/tools.md`` is made from it)."""
     parser = argparse.ArgumentParser(prog="python -m drafter_service.check", description=__doc__.splitlines()[0])
     parser.add_argument("--db", required=True, help="the drafter's --db directory")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     root = Path(args.db)
     if not root.is_dir():
         print(f"{root}: no such directory", file=sys.stderr)

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from drafter_service.context_index import MAX_TOKEN_ID, MAX_TOKENS
 from drafter_service.ngram import NGramConfig
 from specdec import settings
-from specdec.flags import check_minimums, setting
+from specdec.flags import check_minimums, nested, setting
 from specdec.limits import ConnectionLimits
 
 # Beside Prometheus' own 9090 without clashing with the usual node exporters.
 DEFAULT_METRICS_PORT = 9101
+# --help groups (specdec.flags).
+SERVER, STORAGE, CLIENTS, DRAFTING = "server", "storage", "scopes and clients", "drafting"
+SESSIONS, CALLS, WRITER, CONNECTIONS = "sessions", "one call's limits", "the writer's queues", "gRPC connections"
 VOCABULARY_PATTERN = re.compile(r"[0-9a-f]{16}")  # always with fullmatch: "$" also matches before a final newline
 
 
@@ -25,150 +28,178 @@ class DrafterConfig:
     """The drafter's settings; each field is a flag and a SPECDEC_DRAFTER_* variable
     (``specdec.flags``). Lower bounds hold in-process too."""
 
-    port: int = setting(50051, help="gRPC port (0: a free one; tests, several instances on one host)")
-    host: str = setting("127.0.0.1", help="address to bind")
-    db: str = setting("data/drafter", help="directory of the LMDB tables, one per vocabulary fingerprint and learning scope")
+    port: int = setting(50051, group=SERVER, help="gRPC port (0: a free one; tests, several instances on one host)")
+    host: str = setting("127.0.0.1", group=SERVER, help="address to bind")
+    db: str = setting("data/drafter", group=STORAGE, help="directory of the LMDB tables, one per vocabulary fingerprint and learning scope")
     # 1 GiB is days of a busy service's n-grams. Each scope's table has its own bound, so
     # one scope's flood evicts only its own n-grams.
-    max_bytes: int = setting(1 << 30, minimum=1 << 16, help="size bound of each table (one per vocabulary and scope), in bytes")
+    max_bytes: int = setting(
+        1 << 30, group=STORAGE, minimum=1 << 16, help="size bound of each table (one per vocabulary and scope), in bytes"
+    )
     # A scope is a tenant (an API key, or an organisation's keys): 64 tables of at most
     # --max-bytes each; an operator with more tenants lowers --max-bytes and raises this.
     max_scopes: int = setting(
-        64, minimum=1, help="scopes (tables) per vocabulary that writes may create; beyond, a new scope drafts from its contexts only"
+        64,
+        group=STORAGE,
+        minimum=1,
+        help="scopes (tables) per vocabulary that writes may create; beyond, a new scope drafts from its contexts only",
     )
     # Not in the config's repr (the start-up log). With it (or --verifier-identities), only
     # clients that present it may declare a learning scope; others learn in their own.
     client_token: str | None = setting(
         None,
+        group=CLIENTS,
         repr=False,
         help="token verifiers present ('authorization: Bearer TOKEN') to declare learning scopes; other clients get a scope of "
         "their own (none: any client may declare one). Prefer the variable or --client-token-file",
     )
-    client_token_file: str | None = setting(None, help="file holding --client-token (its first line)")
+    client_token_file: str | None = setting(None, group=CLIENTS, help="file holding --client-token (its first line)")
     # Common names of verifiers' client certificates (mutual TLS, --tls-client-ca).
     verifier_identities: str | None = setting(
-        None, help="client-certificate common names (comma-separated) that may declare learning scopes, under mutual TLS"
+        None, group=CLIENTS, help="client-certificate common names (comma-separated) that may declare learning scopes, under mutual TLS"
     )
     # A drafter reachable from a network with neither lets any client that can reach it
     # declare any scope: safe only when the network itself is the boundary.
     insecure: bool = setting(
-        False, help="serve on a non-loopback --host without --client-token or --verifier-identities (a private network only)"
+        False, group=CLIENTS, help="serve on a non-loopback --host without --client-token or --verifier-identities (a private network only)"
     )
-    ngram: NGramConfig = field(default_factory=NGramConfig)
+    ngram: NGramConfig = nested(NGramConfig, group=DRAFTING)
     # Verification cost grows with K, and n-gram chains rarely stay right for
     # more than a few dozen tokens.
-    max_draft_tokens: int = setting(32, minimum=1, help="draft tokens one sequence may ask for")
+    max_draft_tokens: int = setting(32, group=DRAFTING, minimum=1, help="draft tokens one sequence may ask for")
     # A tree costs the drafter ~a lookup per node; 256 nodes is more than a
     # GPU's verify pass wants per sequence.
-    max_tree_nodes: int = setting(256, minimum=1, help="draft tree nodes one sequence may ask for (SequenceUpdate.max_tree_nodes)")
+    max_tree_nodes: int = setting(
+        256, group=DRAFTING, minimum=1, help="draft tree nodes one sequence may ask for (SequenceUpdate.max_tree_nodes)"
+    )
     # Above every real vocabulary (~260k), far below uint32 overflow, so a
     # corrupt id fails loudly instead of polluting the table.
-    max_token_id: int = setting(1 << 24, minimum=1, help="token ids must be below this")
+    max_token_id: int = setting(1 << 24, group=CALLS, minimum=1, help="token ids must be below this")
     # Each is a small dict of its context's n-grams.
-    max_sessions: int = setting(10_000, minimum=1, help="sessions open at once")
+    max_sessions: int = setting(10_000, group=SESSIONS, minimum=1, help="sessions open at once")
     # A verifier needs one per in-flight request (a batch is at most a few
     # hundred), so no single client, broken or hostile, can take every session from the others.
     max_sessions_per_caller: int = setting(
-        2048, minimum=1, help="sessions one caller (client certificate, else peer address) holds at once"
+        2048, group=SESSIONS, minimum=1, help="sessions one caller (client certificate, else peer address) holds at once"
     )
     # A 128K-token context.
-    max_session_tokens: int = setting(1 << 17, minimum=1, help="tokens one session may hold")
+    max_session_tokens: int = setting(1 << 17, group=SESSIONS, minimum=1, help="tokens one session may hold")
     # Context indexes, accounted before any token is indexed (sessions.session_bytes):
     # 1 GiB holds a full batch of 16 x 8K-token requests ~400 times over.
-    max_session_bytes: int = setting(1 << 30, minimum=1 << 16, help="bytes all sessions' context indexes may take")
+    max_session_bytes: int = setting(1 << 30, group=SESSIONS, minimum=1 << 16, help="bytes all sessions' context indexes may take")
     # A quarter of it: one client, broken or hostile, leaves the rest to the others.
-    max_session_bytes_per_caller: int = setting(1 << 28, minimum=1 << 16, help="bytes one caller's sessions may take")
+    max_session_bytes_per_caller: int = setting(1 << 28, group=SESSIONS, minimum=1 << 16, help="bytes one caller's sessions may take")
     # Its verifier request is surely gone by then.
-    session_idle_timeout_s: float = setting(600.0, minimum=0.001, help="seconds after which an untouched session is closed")
+    session_idle_timeout_s: float = setting(600.0, group=SESSIONS, minimum=0.001, help="seconds after which an untouched session is closed")
     # A verifier batch is at most a few hundred.
-    max_sequences_per_call: int = setting(1024, minimum=1, help="sequences in one Propose or Observe")
+    max_sequences_per_call: int = setting(1024, group=CALLS, minimum=1, help="sequences in one Propose or Observe")
     # A 128K-token context; bounds one call's memory and time.
-    max_tokens_per_call: int = setting(1 << 17, minimum=1, help="tokens in one Propose or Observe")
+    max_tokens_per_call: int = setting(1 << 17, group=CALLS, minimum=1, help="tokens in one Propose or Observe")
     max_pending_observations: int = setting(
-        4096, minimum=1, help="observations queued for the writer; beyond, Observe answers RESOURCE_EXHAUSTED"
+        4096, group=WRITER, minimum=1, help="observations queued for the writer; beyond, Observe answers RESOURCE_EXHAUSTED"
     )
     # ~10 s of the writer's work here (~100k tokens/s), ~40 MB of queued ids.
     max_pending_write_tokens: int = setting(
-        1 << 20, minimum=1, help="tokens queued for the writer; beyond, Observe and CloseSessions answer RESOURCE_EXHAUSTED"
+        1 << 20, group=WRITER, minimum=1, help="tokens queued for the writer; beyond, Observe and CloseSessions answer RESOURCE_EXHAUSTED"
     )
     # A handler waits for its write no longer than its caller's deadline, nor than
     # this: the verifier's Observe deadline is 10 s, and a backlog of
     # --max-pending-write-tokens takes ~10 s to commit.
-    max_write_wait_s: float = setting(30.0, minimum=0.001, help="seconds a call waits for its write to be stored")
+    max_write_wait_s: float = setting(30.0, group=WRITER, minimum=0.001, help="seconds a call waits for its write to be stored")
     # The successor table (the target's own predictions, SequenceUpdate.predictions):
     # a verifier sends one record per position it scored, a few dozen per
     # sequence per step. One key per token plus one per (previous, current) pair seen.
     max_successor_entries: int = setting(
-        1 << 20, minimum=1, help="successor-table keys per table; beyond, the keys least recently written are evicted"
+        1 << 20, group=STORAGE, minimum=1, help="successor-table keys per table; beyond, the keys least recently written are evicted"
     )
-    max_predicted_positions: int = setting(1024, minimum=1, help="positions of predictions one sequence may send per call")
+    max_predicted_positions: int = setting(1024, group=CALLS, minimum=1, help="positions of predictions one sequence may send per call")
     # A batch of 16 sends ~16 x 40 positions x k 4 ~ 2,600 a step: 64K is 25 such steps in
     # one call, and bounds a call's successor work (~65K keys) apart from its tokens.
     max_predictions_per_call: int = setting(
-        1 << 16, minimum=1, help="predicted tokens (positions x k, over every sequence) one Propose may carry"
+        1 << 16, group=CALLS, minimum=1, help="predicted tokens (positions x k, over every sequence) one Propose may carry"
     )
     # Each position is two successor-table keys whatever its k: at k 1 the limit above
     # let one call carry 65K positions (131K keys), holding the interpreter long enough
     # that other callers' Propose missed their deadlines. A verifier sends at most 4,096
     # (drafter_client.PREDICTED_POSITIONS_PER_CALL), ~15 steps of a batch of 16's trees.
     max_predicted_positions_per_call: int = setting(
-        16_384, minimum=1, help="positions of predictions (over every sequence) one Propose may carry"
+        16_384, group=CALLS, minimum=1, help="positions of predictions (over every sequence) one Propose may carry"
     )
     # ~one busy second of a batch of 16's predictions: the writer stores them within milliseconds.
-    max_pending_successors: int = setting(1 << 16, minimum=1, help="successor-table keys waiting for the writer; beyond, dropped (hints)")
+    max_pending_successors: int = setting(
+        1 << 16, group=WRITER, minimum=1, help="successor-table keys waiting for the writer; beyond, dropped (hints)"
+    )
     # A quarter of each writer bound per scope (with room for one whole call): one scope's
     # flood never takes the queue from the others.
     max_pending_observations_per_scope: int | None = setting(
-        None, minimum=1, help="observations one scope may have queued for the writer (none: a quarter of --max-pending-observations)"
+        None,
+        group=WRITER,
+        minimum=1,
+        help="observations one scope may have queued for the writer (none: a quarter of --max-pending-observations)",
     )
     max_pending_write_tokens_per_scope: int | None = setting(
-        None, minimum=1, help="tokens one scope may have queued for the writer (none: a quarter of --max-pending-write-tokens)"
+        None,
+        group=WRITER,
+        minimum=1,
+        help="tokens one scope may have queued for the writer (none: a quarter of --max-pending-write-tokens)",
     )
     max_pending_successors_per_scope: int | None = setting(
-        None, minimum=1, help="successor-table keys one scope may have waiting (none: a quarter of --max-pending-successors)"
+        None, group=WRITER, minimum=1, help="successor-table keys one scope may have waiting (none: a quarter of --max-pending-successors)"
     )
     # 128K uint32 tokens encode to at most ~0.7 MB.
-    max_message_bytes: int = setting(8 << 20, minimum=1, help="gRPC message size cap, both ways, in bytes")
-    grace_s: float = setting(5.0, minimum=0.0, help="seconds SIGTERM gives in-flight calls")
+    max_message_bytes: int = setting(8 << 20, group=SERVER, minimum=1, help="gRPC message size cap, both ways, in bytes")
+    grace_s: float = setting(5.0, group=SERVER, minimum=0.0, help="seconds SIGTERM gives in-flight calls")
     # Threads wait more than they compute (the GIL serialises the work): 32 let one
     # caller's half (--max-calls-per-caller) hold a 16-client burst, as the load bench sends.
-    max_workers: int = setting(32, minimum=2, help="gRPC worker threads: calls served at once")
+    max_workers: int = setting(32, group=SERVER, minimum=2, help="gRPC worker threads: calls served at once")
     # Calls waiting on the writer hold a thread each: at most this many at once
     # (beyond, RESOURCE_EXHAUSTED), so the other threads always serve Propose.
     max_write_calls: int | None = setting(
-        None, minimum=1, help="Observe and observing CloseSessions calls served at once, below --max-workers (none: a quarter of them)"
+        None,
+        group=SERVER,
+        minimum=1,
+        help="Observe and observing CloseSessions calls served at once, below --max-workers (none: a quarter of them)",
     )
     # A verifier makes one Propose per step and one write at a time: half the
     # threads leave the other half to every other caller.
     max_calls_per_caller: int | None = setting(
-        None, minimum=1, help="calls one caller has running at once, at most --max-workers (none: half of them)"
+        None, group=SERVER, minimum=1, help="calls one caller has running at once, at most --max-workers (none: half of them)"
     )
     # Calls beyond the threads wait for one; beyond this many in all, gRPC
     # answers RESOURCE_EXHAUSTED without holding a thread.
-    max_concurrent_calls: int = setting(256, minimum=1, help="calls accepted at once, running or waiting for a thread")
-    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    max_concurrent_calls: int = setting(256, group=SERVER, minimum=1, help="calls accepted at once, running or waiting for a thread")
+    connections: ConnectionLimits = nested(ConnectionLimits, group=CONNECTIONS)
     # One LMDB table each: 3 file descriptors and 8x max_bytes of address space;
     # a deployment serves one or two models.
-    max_vocabularies: int = setting(8, minimum=1, help="tables (one per tokenizer fingerprint) the drafter creates")
+    max_vocabularies: int = setting(8, group=STORAGE, minimum=1, help="tables (one per tokenizer fingerprint) the drafter creates")
     # A walk reads ~1 M records a second here (~2 s from a cold disk): a million keeps a
     # restart within a few seconds, and tables up to ~40 MB tracked are walked whole.
-    startup_walk_records: int = setting(
-        1_000_000, minimum=1, help="records of each table walked and checked at start-up, before SERVING (smaller tables: all)"
+    max_startup_walk_records: int = setting(
+        1_000_000,
+        minimum=1,
+        group=STORAGE,
+        formerly=["startup-walk-records"],
+        help="records of each table walked and checked at start-up, before SERVING (smaller tables: all)",
     )
-    dedup_window_hours: int = setting(24, minimum=1, help="hours an observe_id is remembered, so that a retry is not counted twice")
+    dedup_window_hours: int = setting(
+        24, group=STORAGE, minimum=1, help="hours an observe_id is remembered, so that a retry is not counted twice"
+    )
     # One commit of a 128K-token call dirties ~40 MB; as etcd's NOSPACE alarm,
     # Propose keeps serving, and writes resume once space is back.
-    min_free_mb: int = setting(
-        64, minimum=1, help="MiB the disk holding --db keeps free: below, writes are refused (RESOURCE_EXHAUSTED) and drafts still served"
+    min_free_bytes: int = setting(
+        64 << 20,
+        minimum=1 << 20,
+        group=STORAGE,
+        help="bytes the disk holding --db keeps free: below, writes are refused (RESOURCE_EXHAUSTED) and drafts still served",
     )
     # When set, the main port refuses Stats and Backup (PERMISSION_DENIED), so
     # verifiers' network reaches only Propose, Observe, CloseSessions.
     admin_port: int | None = setting(
-        None, help="serve Stats and Backup on this port only, on --admin-host (0: a free one; none: on the main port)"
+        None, group=SERVER, help="serve Stats and Backup on this port only, on --admin-host (0: a free one; none: on the main port)"
     )
-    admin_host: str = setting("127.0.0.1", help="address of the admin port")
+    admin_host: str = setting("127.0.0.1", group=SERVER, help="address of the admin port")
     # One folder per backup, named by the caller. Never the --db directory or inside it.
-    backup_dir: str | None = setting(None, help="directory the Backup RPC writes into, outside --db (none: Backup refused)")
+    backup_dir: str | None = setting(None, group=STORAGE, help="directory the Backup RPC writes into, outside --db (none: Backup refused)")
     # The settings every service has (specdec.serving): health outside the worker pool.
     metrics_port: int | None = settings.metrics_port_setting(DEFAULT_METRICS_PORT)
     health_port: int | None = settings.health_port_setting()

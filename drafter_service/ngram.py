@@ -38,10 +38,10 @@ SOURCE_SUCCESSOR = "successor"  # the target's own earlier predictions (the succ
 class NGramConfig:
     # Longer keys are more specific (fewer wrong drafts) but match later; 4
     # covers identifiers and short phrases.
-    n_max: int = setting(4, help="longest suffix looked up, in tokens")
+    n_max: int = setting(4, flag="max-ngram", formerly=["n-max"], help="longest suffix looked up, in tokens")
     # Single-token keys fire on almost every token of open-ended text and are
     # usually wrong, which costs a wider forward pass.
-    n_min: int = setting(2, help="shortest suffix trusted, in tokens")
+    n_min: int = setting(2, flag="min-ngram", formerly=["n-min"], help="shortest suffix trusted, in tokens")
     # Short n-grams from other requests are weak evidence...
     min_global_count: int = setting(2, help="sightings a global-table continuation needs before it is drafted")
     # ...unless the matched suffix is long: a 4-token match is specific enough

@@ -139,7 +139,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         metrics.gauge(
             "quarantined_tables", "Tables moved aside as unservable (at start-up or when found damaged)", lambda: len(stores.quarantined)
         )
-        metrics.gauge("disk_full", "1 while observations are refused for want of disk space (--min-free-mb)", lambda: int(stores.disk.full))
+        metrics.gauge(
+            "disk_full", "1 while observations are refused for want of disk space (--min-free-bytes)", lambda: int(stores.disk.full)
+        )
         metrics.gauge("disk_free_bytes", "Free bytes on the disk holding --db, as last read", lambda: stores.disk.free_bytes)
         metrics.gauge("open_sessions", "Open sessions", lambda: len(self.sessions))
         metrics.gauge(
@@ -557,7 +559,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _commit(self, items: list[_Pending], context) -> None:
         """Queue ``items`` and wait until they are stored: no longer than the caller's deadline
-        nor --max-write-wait-s, nor past the caller cancelling. Items the handler stops waiting
+        nor --max-write-wait-seconds, nor past the caller cancelling. Items the handler stops waiting
         for are abandoned: the writer commits nothing more of them (a retry stores the rest)."""
         remaining = context.time_remaining()
         wait_s = self.config.max_write_wait_s if remaining is None else min(remaining, self.config.max_write_wait_s)
@@ -584,7 +586,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     )
                 context.abort(
                     grpc.StatusCode.UNAVAILABLE,
-                    f"the observation was not stored within {self.config.max_write_wait_s:g} s (--max-write-wait); "
+                    f"the observation was not stored within {self.config.max_write_wait_s:g} s (--max-write-wait-seconds); "
                     "retry with the same observe_id, what was stored is not counted twice",
                 )
         for item in items:
@@ -761,7 +763,8 @@ def table_health_name(vocabulary: str) -> str:
 def create_server(config: DrafterConfig) -> DrafterServer:
     server, guard = serving.grpc_server(config.connections, config.max_workers, config.max_concurrent_calls, config.max_message_bytes)
     health_servicer = serving.add_health_and_reflection(server, SERVICE_NAME)
-    stores = StoreRegistry(config, startup_walk_records=config.startup_walk_records)  # first: a locked --db fails before the port is taken
+    # First: a locked --db fails before the port is taken.
+    stores = StoreRegistry(config, startup_walk_records=config.max_startup_walk_records)
     admin_server = admin_port = None
     try:
         port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key, config.tls_client_ca)

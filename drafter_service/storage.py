@@ -59,6 +59,7 @@ from drafter_service.store import (  # noqa: F401 (StoreCorrupted, is_corruption
     is_corruption,
     walk_tables,
 )
+from specdec.flags import format_size
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class DiskSpace:
     def refusal(self) -> str:
         return (
             f"the disk holding the drafter's tables ({self.root}) has {self.free_bytes >> 20} MiB free, below "
-            f"--min-free-mb {self.min_free_bytes >> 20}: observations are refused until space is freed"
+            f"--min-free-bytes {format_size(self.min_free_bytes)}: observations are refused until space is freed"
         )
 
 
@@ -204,7 +205,7 @@ class StoreRegistry:
         self.root = Path(config.db)
         self.root.mkdir(parents=True, exist_ok=True)
         self._directory_lock = _DirectoryLock(self.root)
-        self.disk = DiskSpace(self.root, config.min_free_mb << 20)
+        self.disk = DiskSpace(self.root, config.min_free_bytes)
         self._stores: dict[str, LMDBNGramStore] = {}
         self._lock = threading.Lock()  # guards _stores, _refused, quarantined, _listeners
         self._refused: dict[str, str] = {}  # table -> why: set aside but not renamed

@@ -25,12 +25,21 @@ from specdec.processes import ServiceProcess, local_drafter
 USAGE = "specdec serve [--data DIR] [--port PORT] [--http-port PORT] [VERIFIER FLAGS...]"
 
 
-def serve(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
+    """specdec serve's own flags; the rest go to the verifier (``docs/reference/serve.md`` is made from it)."""
     parser = argparse.ArgumentParser(prog="specdec serve", usage=USAGE, description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=Path("data"), help="folder of the drafter's learned tables (DIR/drafter)")
-    parser.add_argument("--port", type=int, default=50052, help="the verifier's gRPC port (0: a free one)")
-    parser.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP API and live view (0: a free one)")
-    args, verifier_flags = parser.parse_known_args(argv)
+    parser.add_argument(
+        "--data", type=Path, default=Path("data"), help="folder of the drafter's learned tables, DIR/drafter (default data)"
+    )
+    parser.add_argument("--port", type=int, default=50052, help="the verifier's gRPC port (0: a free one; default %(default)s)")
+    parser.add_argument(
+        "--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP API and live view (0: a free one; default %(default)s)"
+    )
+    return parser
+
+
+def serve(argv: list[str]) -> int:
+    args, verifier_flags = parser().parse_known_args(argv)
     stopping = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopping.set())

@@ -4,8 +4,9 @@ Each field of a service's config dataclass is a flag, so a setting cannot
 exist in the config without reaching the command line, and its default is
 written once (as vLLM's ``EngineArgs.add_cli_args`` does). The rules:
 
-* flag: the field's name with dashes, less a ``_s`` unit suffix (seconds):
-  ``max_batch_size`` -> ``--max-batch-size``, ``grace_s`` -> ``--grace``;
+* flag: the field's name with dashes, its ``_s`` unit suffix spelled out:
+  ``max_batch_size`` -> ``--max-batch-size``, ``grace_s`` -> ``--grace-seconds``;
+  a ``_bytes`` field takes sizes (``8MiB``, ``1GiB``, ``65536``) and shows its default so;
 * a ``bool`` field that defaults to True is turned off by ``--no-NAME``
   (``calibrate`` -> ``--no-calibrate``); one that defaults to False is turned on by ``--NAME``;
 * environment variable: the prefix plus the flag's name in upper case with
@@ -19,7 +20,12 @@ written once (as vLLM's ``EngineArgs.add_cli_args`` does). The rules:
   (``drafter.backoff_s`` -> ``--drafter-backoff``);
 * a setting may name its flag outright (``flag="drafter"``), and a field
   that is set at run time, never by hand, is ``derived`` (no flag);
-* help, lower bound and choices come from the field's metadata (``setting``).
+* help, lower bound and choices come from the field's metadata (``setting``); a
+  ``bool`` field's help says what its flag does (``--no-calibrate``: what skipping does);
+* ``--help`` lists the flags in groups: a field's ``group``, else the group its
+  nested config is declared with;
+* a renamed flag keeps its old names (``formerly``; a seconds flag also its name
+  without the unit) as hidden aliases, flag and variable, that warn when used.
 
 ``add_flags`` declares the flags and ``from_args`` builds the config, checks
 the bounds (a usage error names the flag), and nests the parts again.
@@ -30,11 +36,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+GENERAL = "general"  # the --help group of a flag that names none
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
@@ -46,18 +55,22 @@ def setting(
     choices: Sequence[str] | None = None,
     flag: str | None = None,
     off: int | None = None,
+    group: str | None = None,
+    formerly: Sequence[str] = (),
     **kwargs,
 ) -> Any:
     """A config field with what its flag says: ``help``, the ``minimum`` and ``choices`` it
-    accepts, its name when not the field's (``flag``, without dashes), and a number that
-    also means None (``off``)."""
-    metadata = {"help": help, "minimum": minimum, "choices": choices, "flag": flag, "off": off}
+    accepts, its name when not the field's (``flag``, without dashes), a number that
+    also means None (``off``), the ``--help`` group it is listed in, and the names it
+    had before (``formerly``, without dashes), still accepted."""
+    metadata = {"help": help, "minimum": minimum, "choices": choices, "flag": flag, "off": off, "group": group, "formerly": tuple(formerly)}
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
-def nested(factory: Callable[[], Any], *, prefix: str = "") -> Any:
-    """A config dataclass inside another, its flags named ``prefix`` + their own names."""
-    return dataclasses.field(default_factory=factory, metadata={"prefix": prefix})
+def nested(factory: Callable[[], Any], *, prefix: str = "", group: str | None = None) -> Any:
+    """A config dataclass inside another, its flags named ``prefix`` + their own names and
+    listed under ``group`` (unless a field names its own)."""
+    return dataclasses.field(default_factory=factory, metadata={"prefix": prefix, "group": group})
 
 
 def derived(default: Any) -> Any:
@@ -76,6 +89,16 @@ class _Flag:
     minimum: float | None
     choices: Sequence[str] | None
     off: int | None = None  # a number the flag also takes for None
+    group: str = GENERAL
+    formerly: tuple[str, ...] = ()  # older names, without dashes, still accepted
+
+    @property
+    def is_bytes(self) -> bool:
+        return self.kind is int and (self.path[-1].endswith("_bytes") or self.path[-1] == "max_bytes")
+
+    @property
+    def is_seconds(self) -> bool:
+        return self.path[-1].endswith("_s")
 
     @property
     def dest(self) -> str:
@@ -90,6 +113,16 @@ class _Flag:
     def variable(self, prefix: str) -> str:
         return prefix + self.option[2:].replace("-", "_").upper()
 
+    def shown_default(self) -> str:
+        """The default as ``--help`` and the reference write it: 8MiB, 10s, none."""
+        if self.default is None:
+            return "none"
+        if self.is_bytes:
+            return format_size(self.default)
+        if self.is_seconds:
+            return f"{self.default:g}s"
+        return str(self.default)
+
 
 def flags(cls: type, skip: Sequence[str] = ()) -> list[_Flag]:
     """The flags of config dataclass ``cls`` (and the dataclasses it nests), less the fields in ``skip``."""
@@ -101,7 +134,7 @@ def flags(cls: type, skip: Sequence[str] = ()) -> list[_Flag]:
     return found
 
 
-def _walk(cls: type, path: tuple[str, ...], skip: set[str], prefix: str) -> Iterator[_Flag]:
+def _walk(cls: type, path: tuple[str, ...], skip: set[str], prefix: str, group: str = GENERAL) -> Iterator[_Flag]:
     hints = typing.get_type_hints(cls)
     defaults = cls()
     for field in dataclasses.fields(cls):
@@ -110,13 +143,30 @@ def _walk(cls: type, path: tuple[str, ...], skip: set[str], prefix: str) -> Iter
             continue
         default = getattr(defaults, field.name)
         if dataclasses.is_dataclass(default):
-            yield from _walk(type(default), (*path, field.name), skip, prefix + meta.get("prefix", ""))
+            inner = meta.get("group") or group
+            yield from _walk(type(default), (*path, field.name), skip, prefix + meta.get("prefix", ""), inner)
             continue
         kind, optional = _kind(hints[field.name], f"{cls.__name__}.{field.name}")
-        name = meta.get("flag") or prefix + field.name.removesuffix("_s").replace("_", "-")
-        help_text = meta.get("help") or ""
+        formerly = tuple(meta.get("formerly") or ())
+        if meta.get("flag"):
+            name = meta["flag"]
+        elif field.name.endswith("_s"):
+            name = prefix + field.name.removesuffix("_s").replace("_", "-") + "-seconds"
+            formerly += (prefix + field.name.removesuffix("_s").replace("_", "-"),)
+        else:
+            name = prefix + field.name.replace("_", "-")
         yield _Flag(
-            (*path, field.name), name, kind, optional, default, help_text, meta.get("minimum"), meta.get("choices"), meta.get("off")
+            (*path, field.name),
+            name,
+            kind,
+            optional,
+            default,
+            meta.get("help") or "",
+            meta.get("minimum"),
+            meta.get("choices"),
+            meta.get("off"),
+            meta.get("group") or group,
+            formerly,
         )
 
 
@@ -138,7 +188,37 @@ def _parse(flag: _Flag, text: str) -> Any:
             return _BOOL_WORDS[text.strip().lower()]
         except KeyError:
             raise ValueError(f"expected one of {sorted(_BOOL_WORDS)}, got {text!r}") from None
+    if flag.is_bytes:
+        return parse_size(text)
     return flag.kind(text)
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
+_SIZE_UNITS = "kmgt"
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``65536``, ``64KiB``, ``8MiB``, ``1GiB``, ``8M`` (binary) or ``8MB`` (decimal)."""
+    match = _SIZE.fullmatch(text)
+    if match is None or (match[3] and not match[2]):
+        raise ValueError(f"expected a size in bytes such as 65536, 64KiB, 8MiB or 1GiB, got {text!r}")
+    number, unit, binary, b = match.groups()
+    scale = 1
+    if unit:
+        power = _SIZE_UNITS.index(unit.lower()) + 1
+        scale = 1000**power if b and not binary else 1024**power
+    value = float(number) * scale
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def format_size(value: int) -> str:
+    """The shortest exact binary form of a byte count: 8388608 -> 8MiB, 1000 -> 1000."""
+    for power in range(len(_SIZE_UNITS), 0, -1):
+        if value and value % 1024**power == 0:
+            return f"{value // 1024**power}{_SIZE_UNITS[power - 1].upper()}iB"
+    return str(value)
 
 
 def check_minimums(config: Any) -> None:
@@ -160,39 +240,83 @@ def _parser(flag: _Flag):
 def _metavar(flag: _Flag) -> str | None:
     if flag.choices:
         return None  # argparse shows them
-    if flag.path[-1].endswith("_s"):
+    if flag.is_seconds:
         return "SECONDS"
+    if flag.is_bytes:
+        return "BYTES"
     return {int: "N", float: "NUMBER"}.get(flag.kind) or flag.name.split("-")[-1].upper()
 
 
+def _warn_renamed(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    print(f"{parser.prog}: {old} is deprecated and will be removed; use {new}", file=sys.stderr)
+
+
+class _Renamed(argparse.Action):
+    """A flag's former name: stores into the flag's destination and says it was renamed."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        _warn_renamed(parser, option_string or self.option_strings[0], self.new)
+        setattr(namespace, self.dest, values)
+
+
+def _environment(parser: argparse.ArgumentParser, flag: _Flag, prefix: str) -> tuple[str, str] | None:
+    """(variable, text) of the variable that sets ``flag``: its own, else a former name's (warned)."""
+    variable = flag.variable(prefix)
+    if variable in os.environ:
+        return variable, os.environ[variable]
+    for old in flag.formerly:
+        former = prefix + ("NO_" if flag.kind is bool and flag.default else "") + old.replace("-", "_").upper()
+        if former in os.environ:
+            _warn_renamed(parser, former, variable)
+            return former, os.environ[former]
+    return None
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type, env_prefix: str, skip: Sequence[str] = ()) -> None:
-    """Declare a flag for every field of ``cls``, its default from ``env_prefix`` + NAME when set."""
+    """Declare a flag for every field of ``cls``, in ``--help`` groups, its default from
+    ``env_prefix`` + NAME when set."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for flag in flags(cls, skip):
+        group = groups.get(flag.group)
+        if group is None:
+            group = groups[flag.group] = parser.add_argument_group(flag.group)
         variable = flag.variable(env_prefix)
         default = flag.default
-        if variable in os.environ:
+        given = _environment(parser, flag, env_prefix)
+        if given is not None:
             try:
-                default = _parse(flag, os.environ[variable])
+                default = _parse(flag, given[1])
             except ValueError as error:
-                parser.error(f"{variable}: {error}")
+                parser.error(f"{given[0]}: {error}")
             if flag.kind is bool and flag.default:  # NO_NAME=1: the field is off
                 default = not default
         if flag.kind is bool:
+            if flag.formerly:
+                raise TypeError(f"--{flag.name}: a renamed on/off flag keeps no alias (flags.py stores values only)")
             action = "store_false" if flag.default else "store_true"
-            help_text = f"{'off: ' if flag.default else ''}{flag.help} ({variable}=1)"
-            parser.add_argument(flag.option, dest=flag.dest, action=action, default=default, help=help_text)
+            group.add_argument(flag.option, dest=flag.dest, action=action, default=default, help=f"{flag.help} ({variable}=1)")
             continue
-        shown = "none" if flag.default is None else flag.default
-        help_text = f"{flag.help} ({variable}; default {shown})"
-        parser.add_argument(
-            flag.option,
-            dest=flag.dest,
-            type=_parser(flag),
-            default=default,
-            choices=flag.choices,
-            metavar=_metavar(flag),
-            help=help_text,
-        )
+        help_text = f"{flag.help} ({variable}; default {flag.shown_default()})"
+        kwargs: dict[str, Any] = {"dest": flag.dest, "type": _parser(flag), "choices": flag.choices, "metavar": _metavar(flag)}
+        group.add_argument(flag.option, default=default, help=help_text, **kwargs)
+        for old in flag.formerly:
+            group.add_argument("--" + old, action=_Renamed, new=flag.option, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+
+def warn_unknown_variables(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -> None:
+    """Say which ``env_prefix`` variables name no flag of ``cls`` (a typo, or a flag since
+    removed), since they are otherwise ignored without a word."""
+    known = set()
+    for flag in flags(cls):
+        known.add(flag.variable(env_prefix))
+        no = "NO_" if flag.kind is bool and flag.default else ""
+        known.update(env_prefix + no + old.replace("-", "_").upper() for old in flag.formerly)
+    for variable in sorted(name for name in os.environ if name.startswith(env_prefix) and name not in known):
+        print(f"{parser.prog}: {variable} names no flag and is ignored (--help lists each flag's variable)", file=sys.stderr)
 
 
 def from_args(parser: argparse.ArgumentParser, cls: type, args: argparse.Namespace, skip: Sequence[str] = (), **given: Any) -> Any:

@@ -28,13 +28,29 @@ TIMEOUT_S = 5.0
 ENV_PREFIX = "SPECDEC_HEALTHCHECK_"
 
 
-def main(argv: list[str] | None = None) -> int:
+TLS_FLAGS = {
+    "tls-ca": "the CA (PEM) that signed the server's certificate, or that certificate itself: check over TLS",
+    "tls-cert": "client certificate (PEM) for a server that requires one (mutual TLS; with --tls-key)",
+    "tls-key": "the key of --tls-cert (PEM)",
+    "tls-server-name": "the name the server's certificate is checked against, when not the address checked",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    """The health check's command line (``docs/reference/tools.md`` is made from it)."""
     parser = argparse.ArgumentParser(prog="python -m specdec.healthcheck", description="exit 0 when gRPC health says SERVING")
     parser.add_argument("target", help="HOST:PORT")
     parser.add_argument("service", nargs="?", default="", help="service name (default: the whole server)")
-    for flag in ("tls-ca", "tls-cert", "tls-key", "tls-server-name"):
-        parser.add_argument("--" + flag, default=os.environ.get(ENV_PREFIX + flag.replace("-", "_").upper()) or None)
-    args = parser.parse_args(argv)
+    for flag, meaning in TLS_FLAGS.items():
+        parser.add_argument("--" + flag, default=None, help=f"{meaning} (${ENV_PREFIX}{flag.replace('-', '_').upper()}; default: none)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    for flag in TLS_FLAGS:  # the variables are read here: --help shows no environment's values
+        name = flag.replace("-", "_")
+        setattr(args, name, getattr(args, name) or os.environ.get(ENV_PREFIX + name.upper()) or None)
     options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
     try:
         channel = serving.channel(args.target, args.tls_ca, options, args.tls_cert, args.tls_key)

@@ -118,7 +118,7 @@ class ServiceProcess:
 
     def wait_until_serving(self, service: str = "", timeout_s: float = HEALTH_TIMEOUT_S) -> None:
         """Block until health reports SERVING for ``service`` (Watch streams each change: no polling).
-        A Watch the service cuts (a silent stream is cancelled after --auxiliary-stream-idle,
+        A Watch the service cuts (a silent stream is cancelled after --auxiliary-stream-idle-seconds,
         or gives its thread to a waiting one) is watched again, until ``timeout_s``."""
         assert self.channel is not None
         health = health_pb2_grpc.HealthStub(self.channel)

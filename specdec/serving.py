@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec.flags import add_flags, from_args
+from specdec.flags import add_flags, from_args, warn_unknown_variables
 from specdec.limits import ConnectionLimits
 from specdec.settings import check_tls
 
@@ -62,7 +62,7 @@ def message_options(max_bytes: int) -> list[tuple[str, int]]:
 # The streams that wait on their client and that every port offers: server
 # reflection (bidirectional) and health Watch (one request, then updates).
 AUXILIARY_STREAM_PREFIXES = ("/grpc.reflection.", "/grpc.health.v1.Health/Watch")
-# How often the guard looks for streams silent too long: well under --auxiliary-stream-quiet's 1 s.
+# How often the guard looks for streams silent too long: well under --auxiliary-stream-quiet-seconds's 1 s.
 AUXILIARY_SWEEP_S = 0.25
 
 
@@ -361,13 +361,20 @@ def channel(
     return grpc.secure_channel(target, credentials, options=options)
 
 
+def service_parser(cls: type, prog: str, description: str, env_prefix: str) -> argparse.ArgumentParser:
+    """A service's command line, unparsed: ``--help`` groups its flags (and ``docs/reference`` is made from it)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, usage="%(prog)s [-h] [--FLAG VALUE ...]")
+    add_flags(parser, cls, env_prefix)
+    return parser
+
+
 def parse_service_config(
     cls: type, prog: str, description: str, env_prefix: str, argv: list[str] | None
 ) -> tuple[argparse.ArgumentParser, Any]:
     """A service's command line: a flag per field of config dataclass ``cls`` (``specdec.flags``).
     Returns the parser too; a rule a config's own checks enforce (ValueError) is a usage error."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    add_flags(parser, cls, env_prefix)
+    parser = service_parser(cls, prog, description, env_prefix)
+    warn_unknown_variables(parser, cls, env_prefix)
     args = parser.parse_args(argv)
     try:
         return parser, from_args(parser, cls, args)

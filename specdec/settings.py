@@ -10,9 +10,11 @@ from typing import Any
 
 from specdec.flags import setting
 
+TLS = "TLS"  # the --help group of the TLS flags
+
 
 def metrics_port_setting(default: int) -> Any:
-    return setting(default, minimum=0, off=-1, help="Prometheus /metrics port (0: a free one; -1 or none: off)")
+    return setting(default, minimum=0, off=-1, group="server", help="Prometheus /metrics port (0: a free one; -1 or none: off)")
 
 
 def health_port_setting() -> Any:
@@ -20,21 +22,22 @@ def health_port_setting() -> Any:
         None,
         minimum=0,
         off=-1,
+        group="server",
         help="plaintext gRPC health service on threads of its own, answered at any load: for liveness and "
         "readiness probes (0: a free one; -1 or none: off, health on the service port only)",
     )
 
 
 def tls_cert_setting() -> Any:
-    return setting(None, help="PEM certificate: serve over TLS (with --tls-key)")
+    return setting(None, group=TLS, help="PEM certificate: serve over TLS (with --tls-key)")
 
 
 def tls_key_setting() -> Any:
-    return setting(None, help="PEM key of --tls-cert")
+    return setting(None, group=TLS, help="PEM key of --tls-cert")
 
 
 def tls_client_ca_setting() -> Any:
-    return setting(None, help="PEM CA: require client certificates it signed (mutual TLS; needs --tls-cert)")
+    return setting(None, group=TLS, help="PEM CA: require client certificates it signed (mutual TLS; needs --tls-cert)")
 
 
 def check_tls(cert: object, key: object, trust: object, names: tuple[str, str, str], client: bool) -> None:

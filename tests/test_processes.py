@@ -21,7 +21,7 @@ class Running:
 
 
 def test_waiting_for_serving_watches_again_when_the_service_cuts_a_silent_watch():
-    # Was: a verifier whose model took longer to load than --auxiliary-stream-idle (60 s) was
+    # Was: a verifier whose model took longer to load than --auxiliary-stream-idle-seconds (60 s) was
     # reported as never serving (CANCELLED), though it served a moment later.
     server, guard = serving.grpc_server(ConnectionLimits(auxiliary_stream_idle_s=0.2), 2, 2, serving.MAX_MESSAGE_BYTES)
     health = serving.add_health_and_reflection(server, SERVICE)  # NOT_SERVING until set

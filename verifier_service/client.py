@@ -2,7 +2,7 @@
 
     python -m verifier_service.client "prompt" [--stream] [--json] [--k K] [--max-new-tokens N]
         [--temperature T] [--top-p P] [--top-k K] [--seed S] [--stop STR ...] [--no-chat]
-        [--target HOST:PORT] [--timeout SECONDS] [--tls-ca PATH [--tls-cert PATH --tls-key PATH]] [--api-key KEY]
+        [--target HOST:PORT] [--timeout-seconds SECONDS] [--tls-ca PATH [--tls-cert PATH --tls-key PATH]] [--api-key KEY]
 
 Prints the generated text on stdout (chunk by chunk with --stream) and a
 one-line summary of the request's statistics on stderr; with --json, one JSON
@@ -51,23 +51,27 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """The client's command line (``docs/reference/tools.md`` is made from it)."""
     parser = argparse.ArgumentParser(prog="python -m verifier_service.client", description=__doc__.splitlines()[0])
-    parser.add_argument("prompt")
+    parser.add_argument("prompt", help="the prompt: a user message, or raw text with --no-chat")
     parser.add_argument("--stream", action="store_true", help="print text as it is accepted (GenerateStream)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text and a summary")
-    parser.add_argument("--max-new-tokens", type=non_negative_int, default=DEFAULT_MAX_NEW_TOKENS)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
-    parser.add_argument("--seed", type=non_negative_int, default=None, help="makes sampling reproducible")
+    parser.add_argument(
+        "--max-new-tokens", type=non_negative_int, default=DEFAULT_MAX_NEW_TOKENS, help="tokens to generate at most (default %(default)s)"
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1: off (default %(default)s)")
+    parser.add_argument("--top-k", type=non_negative_int, default=0, help="0: off (default %(default)s)")
+    parser.add_argument("--seed", type=non_negative_int, default=None, help="makes sampling reproducible (default: none)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument(
         "--k", type=non_negative_int, default=None, help="draft tokens per step; 0 disables speculation; omitted: the server chooses"
     )
     parser.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as raw text, without the chat template")
-    parser.add_argument("--target", default=os.environ.get(TARGET_ENV, DEFAULT_TARGET), help=f"HOST:PORT (${TARGET_ENV})")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="deadline of the call, in seconds")
+    parser.add_argument("--target", default=None, help=f"HOST:PORT of the verifier (${TARGET_ENV}; default {DEFAULT_TARGET})")
+    parser.add_argument("--timeout-seconds", type=float, default=DEFAULT_TIMEOUT_S, help="deadline of the call (default %(default)s)")
+    parser.add_argument("--timeout", dest="timeout_seconds", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # former name
     parser.add_argument("--tls-ca", type=Path, default=None, help="root certificate (PEM); given: connect with TLS")
     parser.add_argument(
         "--tls-cert",
@@ -75,17 +79,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="client certificate (PEM) for a server that requires one (mutual TLS; with --tls-key and --tls-ca)",
     )
-    parser.add_argument("--tls-key", type=Path, default=None)
-    parser.add_argument(
-        "--api-key", default=os.environ.get(API_KEY_ENV) or None, help=f"sent as 'authorization: Bearer KEY' (${API_KEY_ENV})"
-    )
-    args = parser.parse_args(argv)
+    parser.add_argument("--tls-key", type=Path, default=None, help="the key of --tls-cert (PEM)")
+    parser.add_argument("--api-key", default=None, help=f"sent as 'authorization: Bearer KEY' (${API_KEY_ENV}; default: none)")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser_ = parser()
+    args = parser_.parse_args(argv)
+    error = parser_.error
+    # The variables are read here, not as defaults: --help (and the reference made from it) never shows a key.
+    args.target = args.target or os.environ.get(TARGET_ENV) or DEFAULT_TARGET
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.api_key is not None and "," in args.api_key:
-        parser.error(f"--api-key (or ${API_KEY_ENV}) takes one key; this one has a comma")
+        error(f"--api-key (or ${API_KEY_ENV}) takes one key; this one has a comma")
     if bool(args.tls_cert) != bool(args.tls_key):
-        parser.error("--tls-cert and --tls-key go together")
+        error("--tls-cert and --tls-key go together")
     if args.tls_cert and not args.tls_ca:
-        parser.error("--tls-cert needs --tls-ca: a client certificate is sent over TLS only")
+        error("--tls-cert needs --tls-ca: a client certificate is sent over TLS only")
     return args
 
 
@@ -145,8 +156,8 @@ def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
 def generate(stub: rpc.VerifierStub, request: pb.GenerateRequest, args: argparse.Namespace) -> pb.GenerateResponse:
     metadata = call_metadata(getattr(args, "api_key", None))
     if not args.stream:
-        return stub.Generate(request, timeout=args.timeout, metadata=metadata)
-    call = stub.GenerateStream(request, timeout=args.timeout, metadata=metadata)
+        return stub.Generate(request, timeout=args.timeout_seconds, metadata=metadata)
+    call = stub.GenerateStream(request, timeout=args.timeout_seconds, metadata=metadata)
     try:
         response = join_chunks(call, on_text=None if args.json else print_flushed)
     finally:

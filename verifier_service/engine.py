@@ -115,12 +115,17 @@ class EngineConfig:
     # cost of scoring more than ~9 tokens a row stops being nearly free.
     max_speculative_tokens: int = setting(16, minimum=0, help="the most draft tokens a request may ask to verify per step")
     # n-gram chains past ~8 tokens are rarely all right (bench: K=8 ~ best K).
-    adaptive_max_k: int = setting(8, minimum=1, help="draft depth asked for when K is adaptive; the planner verifies what pays")
+    max_adaptive_k: int = setting(
+        8, minimum=1, formerly=["adaptive-max-k"], help="draft depth asked for when K is adaptive; the planner verifies what pays"
+    )
     # The planner picks from these by expected tokens per second of step, so
     # asking for more costs the drafter's time, not the target's: on a GPU a
     # pass of 64 tokens costs about what one of 1 does, and wide trees pay.
-    adaptive_max_nodes: int = setting(
-        16, minimum=0, help="draft tree nodes asked for when K is adaptive (0: chains only); the planner verifies those worth their cost"
+    max_adaptive_nodes: int = setting(
+        16,
+        minimum=0,
+        formerly=["adaptive-max-nodes"],
+        help="draft tree nodes asked for when K is adaptive (0: chains only); the planner verifies those worth their cost",
     )
     # On a 2-core CPU a step of 16 rows costs ~2x a step of 1; more rows stop
     # paying long before memory runs out.
@@ -131,11 +136,13 @@ class EngineConfig:
         None, minimum=1, help="KV cache positions per request, prompt + max_new_tokens (none: the model's context, at most 4096)"
     )
     # Bounds a request's hold on a batch slot.
-    max_new_tokens_limit: int = setting(4096, minimum=1, help="the longest generation one request may ask for")
+    max_new_tokens_limit: int = setting(
+        4096, minimum=1, flag="max-new-tokens", formerly=["max-new-tokens-limit"], help="the longest generation one request may ask for"
+    )
     # Each stop string is searched for in every new piece of output, and
     # streaming holds back up to its length.
-    stop_strings_limit: int = setting(16, minimum=1, help="stop strings one request may give")
-    stop_string_length_limit: int = setting(256, minimum=1, help="characters per stop string")
+    max_stop_strings: int = setting(16, minimum=1, formerly=["stop-strings-limit"], help="stop strings one request may give")
+    max_stop_string_length: int = setting(256, minimum=1, formerly=["stop-string-length-limit"], help="characters per stop string")
     # Larger chunks use the GEMMs better (per-token cost falls ~2x from 64 to
     # 256 tokens on CPU) but stall the running sequences longer; 256 costs
     # them about a 2-3 decode steps' time.
@@ -155,10 +162,12 @@ class EngineConfig:
 
     # Each level is one small batched matmul chain; the planner verifies only the
     # head tokens whose measured acceptance pays for their place in the pass.
-    head_depth: int = setting(4, minimum=0, help="tokens deep the trained draft head (--draft-head) drafts per step (0: none)")
+    draft_head_depth: int = setting(
+        4, minimum=0, formerly=["head-depth"], help="tokens deep the trained draft head (--draft-head) drafts per step (0: none)"
+    )
 
     # Each entry costs a column write at every verified position of the request.
-    logit_bias_limit: int = setting(300, minimum=0, help="logit_bias entries one request may give")
+    max_logit_bias: int = setting(300, minimum=0, formerly=["logit-bias-limit"], help="logit_bias entries one request may give")
     # Each asked-for alternative costs a top-k per emitted token; OpenAI allows 20.
     max_logprobs: int = setting(20, minimum=0, help="the most alternatives per token a request may ask log-probabilities of")
     # A prompt's log-probabilities are kept per position (1 + alternatives values) until the
@@ -173,12 +182,12 @@ class EngineConfig:
             raise ValueError(f"successor_top_k must be at most {MAX_PREDICTIONS} (what the drafter keeps), got {self.successor_top_k}")
 
     def check_logit_bias_count(self, entries: int) -> None:
-        """``InvalidRequest`` for a ``logit_bias`` of more than --logit-bias-limit entries. The
+        """``InvalidRequest`` for a ``logit_bias`` of more than --max-logit-bias entries. The
         front doors call it on the count alone, before converting or checking any entry (a
         600k-entry map took its conversion's time first), and ``validate`` again."""
-        if entries > self.logit_bias_limit:
-            limit = self.logit_bias_limit
-            raise InvalidRequest("logit_bias", f"{{field}} takes at most {limit} tokens (--logit-bias-limit), got {entries}")
+        if entries > self.max_logit_bias:
+            limit = self.max_logit_bias
+            raise InvalidRequest("logit_bias", f"{{field}} takes at most {limit} tokens (--max-logit-bias), got {entries}")
 
 
 @dataclass(eq=False)
@@ -425,17 +434,17 @@ class SpeculativeEngine:
                 "num_speculative_tokens",
                 f"{{field}} must be in [0, {config.max_speculative_tokens}] (unset = adaptive), got {request.num_speculative_tokens}",
             )
-        if len(request.stop) > config.stop_strings_limit:
+        if len(request.stop) > config.max_stop_strings:
             raise InvalidRequest(
-                "stop", f"{{field}} takes at most {config.stop_strings_limit} strings (--stop-strings-limit), got {len(request.stop)}"
+                "stop", f"{{field}} takes at most {config.max_stop_strings} strings (--max-stop-strings), got {len(request.stop)}"
             )
         for index, stop in enumerate(request.stop):
             if not stop:
                 raise InvalidRequest("stop", f"{{field}}[{index}] is empty; stop strings must be non-empty")
-            if len(stop) > config.stop_string_length_limit:
+            if len(stop) > config.max_stop_string_length:
                 raise InvalidRequest(
                     "stop",
-                    f"{{field}}[{index}] is {len(stop)} characters; at most {config.stop_string_length_limit} (--stop-string-length-limit)",
+                    f"{{field}}[{index}] is {len(stop)} characters; at most {config.max_stop_string_length} (--max-stop-string-length)",
                 )
         sampling = request.sampling
         config.check_logit_bias_count(len(sampling.logit_bias))
@@ -536,7 +545,7 @@ class SpeculativeEngine:
         for row in asking:
             sequence = row.sequence
             sequence.proposed = row.asked = True
-            max_nodes = self.config.adaptive_max_nodes if sequence.request.num_speculative_tokens is None else 0
+            max_nodes = self.config.max_adaptive_nodes if sequence.request.num_speculative_tokens is None else 0
             requests.append(
                 DraftRequest(
                     sequence.session_id,
@@ -586,14 +595,14 @@ class SpeculativeEngine:
         is worth the measured time of a level. Fixed-K rows take the head's chain to
         their K, as they verify every draft token.
         """
-        if self.head is None or not self.config.head_depth:
+        if self.head is None or not self.config.draft_head_depth:
             return
         self._head_record.pending = None
         chosen = []
         for row, request in zip(asking, requests):
             sequence = row.sequence
             feature, sequence.head_feature = sequence.head_feature, None
-            depth, tree = min(request.k, self.config.head_depth), bool(request.max_nodes)
+            depth, tree = min(request.k, self.config.draft_head_depth), bool(request.max_nodes)
             if feature is None or depth <= 0 or (row.draft and not tree):
                 continue
             if row.draft and self._drafter_hazard(row) >= self.planner.source_hazard(SOURCE_HEAD, sequence.calibration):
@@ -851,7 +860,7 @@ class SpeculativeEngine:
                 if sequence is not None and outcome.tokens:
                     rows = produced[sequence][: len(outcome.tokens)]
                     self.feature_listener(outcome.sequence, features[rows], list(outcome.tokens))
-        if self.head is None or not self.config.head_depth:
+        if self.head is None or not self.config.draft_head_depth:
             return
         for sequence in self._active:
             if sequence in produced and sequence.finish_reason is None and self._speculates(sequence):
@@ -1074,7 +1083,7 @@ class SpeculativeEngine:
         # its own (recovered or bonus), so K drafts can fill at most K + 1.
         remaining = sequence.request.max_new_tokens - len(sequence.generated)
         k = sequence.request.num_speculative_tokens
-        return max(0, min(self.config.adaptive_max_k if k is None else k, remaining - 1))
+        return max(0, min(self.config.max_adaptive_k if k is None else k, remaining - 1))
 
     def _usable(self, draft: ProposedDraft, k: int, max_nodes: int) -> tuple[list[int], list[int]]:
         """The draft's nodes the engine can verify, and their parents among them.

@@ -10,7 +10,7 @@ validation (``SpeculativeEngine.validate``), spans and metrics.
 
 What OpenAI's API says is followed where it has a rule: ``temperature``
 defaults to 1 (sampling; 0 is greedy), ``/v1/completions``' ``max_tokens``
-to 16, chat's to what the request's cache room and ``--max-new-tokens-limit``
+to 16, chat's to what the request's cache room and ``--max-new-tokens``
 allow; ``n`` choices are sequences queued together. ``/v1/completions``
 takes a list of prompts (strings or token-id lists): each is a sequence of
 its own, ``n`` choices per prompt, prompt i's at indices i*n to i*n+n-1
@@ -48,16 +48,16 @@ view, and ``/health`` stay open); a caller has at most
 ``/detokenize`` included (429); a body not declared
 ``Content-Type: application/json`` is refused unread (415: a page on another
 site can POST a form or plain text without a CORS preflight); a body over
-``--http-max-body-bytes`` is refused from its Content-Length before a byte
+``--max-http-body-bytes`` is refused from its Content-Length before a byte
 of it is read (413), and prompt text over ``--max-prompt-chars`` before any
 template or tokenizer runs (400). Texts (log-probabilities' take a tokenizer
 decode per alternative per token) and answers' JSON are made on worker
 threads, never on the event loop that serves every stream.
 Every malformed body (any nesting depth, lone surrogates, invalid UTF-8,
 wrong types) is a 400, and anything unexpected a 500, both in OpenAI's shape.
-The server (``HttpServer``) caps open connections (``--http-max-connections``)
+The server (``HttpServer``) caps open connections (``--max-http-connections``)
 and gives a request's headers and its body deadlines of their own
-(``--http-header-timeout``, ``--http-body-timeout``), which uvicorn lacks.
+(``--http-header-timeout-seconds``, ``--http-body-timeout-seconds``), which uvicorn lacks.
 """
 
 from __future__ import annotations
@@ -394,7 +394,7 @@ class OpenAIApi:
     async def _answer(self, request: Request, chat: bool, caller: str, places: list, release: Callable[[], None]) -> Response:
         request_id = f"http-{secrets.token_hex(6)}"
         received = await self._body(request, request_id)
-        # Parsing, chat templates and tokenizing up to --http-max-body-bytes take a worker
+        # Parsing, chat templates and tokenizing up to --max-http-body-bytes take a worker
         # thread, so the event loop keeps serving the other requests' streams meanwhile.
         generations, stream, include_usage, echo, prompt_logprobs = await anyio.to_thread.run_sync(
             self._parse, received, chat, request_id, limiter=self.limiter
@@ -443,11 +443,11 @@ class OpenAIApi:
 
     async def _body(self, request: Request, request_id: str) -> bytearray:
         """The body, sent as JSON (415 otherwise, before a byte is read), up to
-        --http-max-body-bytes (413 beyond: from its Content-Length before a byte is read,
+        --max-http-body-bytes (413 beyond: from its Content-Length before a byte is read,
         else while a chunked one arrives)."""
         _require_json(request.headers)
-        limit, received = self.service.config.http_max_body_bytes, bytearray()
-        too_large = ApiError(413, f"the body is over {limit} bytes (--http-max-body-bytes)", code="body_too_large")
+        limit, received = self.service.config.max_http_body_bytes, bytearray()
+        too_large = ApiError(413, f"the body is over {limit} bytes (--max-http-body-bytes)", code="body_too_large")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:  # h11 has refused any other Content-Length
             raise too_large
@@ -1261,8 +1261,8 @@ class _LimitedH11(H11Protocol):
         self._heard = False  # bytes came in this phase
         if len(self.connections) >= self.limits.max_connections:
             self.transport = transport
-            log.info("HTTP: refused a connection: %d are open (--http-max-connections)", len(self.connections))
-            message = f"the server has {len(self.connections)} open HTTP connections (--http-max-connections); retry shortly"
+            log.info("HTTP: refused a connection: %d are open (--max-http-connections)", len(self.connections))
+            message = f"the server has {len(self.connections)} open HTTP connections (--max-http-connections); retry shortly"
             transport.write(ApiError(503, message, kind="server_error", code="too_many_connections").raw())
             transport.close()
             return
@@ -1307,7 +1307,7 @@ class _LimitedH11(H11Protocol):
         self._deadline = None
         if self.transport.is_closing():
             return
-        flag = f"--http-{'header' if what == 'headers' else 'body'}-timeout"
+        flag = f"--http-{'header' if what == 'headers' else 'body'}-timeout-seconds"
         peer = "%s:%d" % self.client if self.client else "a client"
         cycle = self.cycle if what == "body" else None
         if cycle is not None and not cycle.response_started or what == "headers" and self._heard:

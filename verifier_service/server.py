@@ -33,7 +33,7 @@ import secrets
 import ssl
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,24 +92,31 @@ TOKEN_SOURCES = {
 }
 
 
+# --help groups (specdec.flags).
+SERVER, MODEL, DRAFTER, HTTP = "server", "model", "drafter (--drafter HOST:PORT)", "HTTP API"
+CALLERS, ENGINE, CONNECTIONS = "callers, API keys and learning scopes", "engine and batching", "gRPC connections"
+
+
 @dataclass(frozen=True)
 class VerifierConfig:
     """The service's settings, the engine's and the scheduler's nested: each field is a flag
     and a SPECDEC_VERIFIER_* variable (``specdec.flags``)."""
 
-    port: int = setting(50052, help="gRPC port (0: a free one)")
-    host: str = setting("127.0.0.1", help="address to bind")
-    model: str = setting(DEFAULT_MODEL, help="the embedded default, or any Hugging Face causal LM path or name")
+    port: int = setting(50052, group=SERVER, help="gRPC port (0: a free one)")
+    host: str = setting("127.0.0.1", group=SERVER, help="address to bind")
+    model: str = setting(DEFAULT_MODEL, group=MODEL, help="the embedded default, or any Hugging Face causal LM path or name")
     # vLLM's flag: clients name the model as they know it.
     served_model_name: str | None = setting(
         None,
+        group=MODEL,
         help="names the HTTP API answers to, comma-separated; the first is the one it reports (none: --model, and for the "
         f"default model also {DEFAULT_MODEL_HUB_NAME})",
     )
-    device: str | None = setting(None, help="cpu, cuda, cuda:1 (none: CUDA when present, else CPU)")
+    device: str | None = setting(None, group=MODEL, help="cpu, cuda, cuda:1 (none: CUDA when present, else CPU)")
     # float32 keeps greedy output identical to transformers' own; see model_loading.DTYPES.
     dtype: str = setting(
         "float32",
+        group=MODEL,
         choices=["float32", "bfloat16", "auto"],
         help="weights and activations (auto: bfloat16 where the hardware has native bf16: GPUs, AMX or AVX512-BF16 CPUs)",
     )
@@ -118,32 +125,39 @@ class VerifierConfig:
     # (README: the draft head), and a default must not slow any batch down.
     draft_head: str = setting(
         "none",
+        group=MODEL,
         help="a trained draft head's folder; auto: the one trained for this model in the cache folder "
         "($SPECDEC_CACHE_DIR/draft-heads), if there is one; none: no head",
     )
-    head_vocabulary: int = setting(
+    draft_head_vocabulary: int = setting(
         DEFAULT_HEAD_VOCABULARY,
+        group=MODEL,
         minimum=0,
+        formerly=["head-vocabulary"],
         help="the draft head drafts only its this many most frequent tokens (0: all it was trained on): fewer weights read a level",
     )
     # How the verifier reaches the drafter: --drafter HOST:PORT and the --drafter-* flags.
-    drafter: DrafterClientConfig = nested(DrafterClientConfig, prefix="drafter-")
+    drafter: DrafterClientConfig = nested(DrafterClientConfig, prefix="drafter-", group=DRAFTER)
     # A 4K-token prompt as ids is ~20 KB.
-    max_message_bytes: int = setting(serving.MAX_MESSAGE_BYTES, minimum=1, help="gRPC message size cap, both ways")
-    grace_s: float = setting(10.0, minimum=0.0, help="seconds SIGTERM gives in-flight requests")
-    http_port: int = setting(8000, minimum=-1, help="OpenAI-compatible HTTP API and the live view at / (0: a free one, -1: off)")
+    max_message_bytes: int = setting(serving.MAX_MESSAGE_BYTES, group=SERVER, minimum=1, help="gRPC message size cap, both ways")
+    grace_s: float = setting(10.0, group=SERVER, minimum=0.0, help="seconds SIGTERM gives in-flight requests")
+    http_port: int = setting(
+        8000, group=HTTP, minimum=-1, help="OpenAI-compatible HTTP API and the live view at / (0: a free one, -1: off)"
+    )
     # Off by default, so make run, the benchmarks and a loopback-only deployment need
     # none; anything reachable from a network should set keys. Not in the config's repr
     # (the start-up log). The flag can take one key only (flags.py has no repeated flags):
     # several go comma-separated, or one a line in --api-key-file.
     api_key: str | None = setting(
         None,
+        group=CALLERS,
         repr=False,
         help="API key(s), comma-separated, that /v1 and gRPC Generate/GenerateStream require as "
         "'authorization: Bearer KEY' (none: open). A command line is visible to local users: prefer the variable or --api-key-file",
     )
     api_key_file: str | None = setting(
         None,
+        group=CALLERS,
         help="file of API keys, one a line, each optionally followed by scope=NAME: keys of one scope share what the drafter "
         "learns from them, and each other key learns alone ('#' comments and blank lines skipped); adds to --api-key",
     )
@@ -151,27 +165,34 @@ class VerifierConfig:
     # secret nobody can name another caller's scope. Not in the config's repr.
     scope_secret: str | None = setting(
         None,
+        group=CALLERS,
         repr=False,
         help="secret (16+ characters) that learning scopes' ids are keyed with; verifiers sharing a drafter share what "
         "they learn for a key only with one secret (none: --scope-secret-file, else one kept in the cache folder)",
     )
-    scope_secret_file: str | None = setting(None, help="file holding --scope-secret (its first line)")
+    scope_secret_file: str | None = setting(None, group=CALLERS, help="file holding --scope-secret (its first line)")
     # A fleet-wide table of text that is safe to share: every caller's drafts read it,
     # only its own keys write it.
     shared_scope: str | None = setting(
-        None, help="a scope named in --api-key-file whose learned text every caller's drafts also read (none: each reads its own only)"
+        None,
+        group=CALLERS,
+        help="a scope named in --api-key-file whose learned text every caller's drafts also read (none: each reads its own only)",
     )
     # Half of the default batch and queue (16 + 64): one client cannot take every
     # slot and queue place, while 16-client benchmarks from one host still fit.
     max_requests_per_caller: int = setting(
         40,
+        group=CALLERS,
         minimum=1,
         help="requests one caller (API key; else client certificate; else address) may have in flight, over HTTP and gRPC together",
     )
     # OpenAI allows 128. Each choice is a sequence of its own (a batch slot, a caller's
     # place): 8 leaves a default batch of 16 room for another such request.
     max_choices: int = setting(
-        8, minimum=1, help="choices (n) one HTTP request may ask for; each is a sequence, counted against --max-requests-per-caller"
+        8,
+        group=CALLERS,
+        minimum=1,
+        help="choices (n) one HTTP request may ask for; each is a sequence, counted against --max-requests-per-caller",
     )
     # None: what the cache can hold could never need more characters: a position
     # per token, each at most the tokenizer's longest token plus one separator a
@@ -179,25 +200,35 @@ class VerifierConfig:
     # template or tokenizer runs, so a huge text costs no tokenizing.
     max_prompt_chars: int | None = setting(
         None,
+        group=CALLERS,
         minimum=1,
         help="characters of prompt text (a chat's contents together) accepted before tokenizing "
         "(none: the per-request cache positions x (the tokenizer's longest token + 1))",
     )
     # A 4,096-token prompt is ~20-100 KB of JSON; 1 MiB holds a 128K-token one, and with
-    # --http-max-connections bounds what half-sent bodies can hold (256 MiB).
-    http_max_body_bytes: int = setting(1 << 20, minimum=1, help="HTTP request body cap in bytes (413 beyond; from Content-Length first)")
+    # --max-http-connections bounds what half-sent bodies can hold (256 MiB).
+    max_http_body_bytes: int = setting(
+        1 << 20,
+        minimum=1,
+        group=HTTP,
+        formerly=["http-max-body-bytes"],
+        help="HTTP request body cap in bytes (413 beyond; from Content-Length first)",
+    )
     # Headers arrive in one packet; 10 s allows a very slow link and still frees a
     # slow-loris connection quickly.
-    http_header_timeout_s: float = setting(10.0, minimum=0.001, help="seconds a client may take to send a request's headers")
+    http_header_timeout_s: float = setting(10.0, group=HTTP, minimum=0.001, help="seconds a client may take to send a request's headers")
     # The whole body, from its headers: a 1 MiB body at ~17 KB/s.
-    http_body_timeout_s: float = setting(60.0, minimum=0.001, help="seconds a client may take to send a request's body")
+    http_body_timeout_s: float = setting(60.0, group=HTTP, minimum=0.001, help="seconds a client may take to send a request's body")
     # 3x the 80 requests the scheduler holds (16 + 64), room for clients' idle
     # keep-alive connections, and well inside a 1,024 open-file limit.
-    http_max_connections: int = setting(256, minimum=1, help="open HTTP connections; beyond, new ones get 503 and are closed")
+    max_http_connections: int = setting(
+        256, minimum=1, group=HTTP, formerly=["http-max-connections"], help="open HTTP connections; beyond, new ones get 503 and are closed"
+    )
     # Browsers refuse a page's cross-origin calls unless the server allows its origin.
     # None: no CORS headers, so only pages served from this port (the live view) call it.
     allowed_origins: str | None = setting(
         None,
+        group=HTTP,
         help="origins (comma-separated, e.g. https://app.example.com; * for any) whose browser pages "
         "may call the HTTP API (none: same origin only)",
     )
@@ -209,22 +240,27 @@ class VerifierConfig:
     # (a deployment behind a name should list it).
     allowed_hosts: str | None = setting(
         None,
+        group=HTTP,
         help="host names (comma-separated, no port; * for any) the HTTP API answers to in a request's Host header "
         "(none: the --host address's: localhost, 127.0.0.1 and ::1 for a loopback address, any for 0.0.0.0 or ::)",
     )
     calibrate: bool = setting(
-        True, help="measure the step cost at start-up (without: a flat cost refined by real steps; for tests and tiny models)"
+        True,
+        group=ENGINE,
+        help="serve from a flat step cost that real steps refine instead of measuring the cost at start-up (tests, tiny models)",
     )
-    # Calibrating takes ~20 s on an idle 2-core machine (at most --calibration-budget);
+    # Calibrating takes ~20 s on an idle 2-core machine (at most --calibration-budget-seconds);
     # a start with a stored one serves from it at once.
     calibration_cache: bool = setting(
         True,
-        help="keep the step-cost calibration under the cache folder ($SPECDEC_CACHE_DIR/calibration) and serve from it "
-        "at later starts (lowered when a probe or real steps show the machine faster, never replaced by a busy start's timings)",
+        group=ENGINE,
+        help="neither read nor keep a stored step-cost calibration: measure it at every start. By default it is kept under the "
+        "cache folder ($SPECDEC_CACHE_DIR/calibration) and served from at once at later starts (lowered when a probe or real "
+        "steps show the machine faster, never replaced by a busy start's timings)",
     )
-    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    connections: ConnectionLimits = nested(ConnectionLimits, group=CONNECTIONS)
+    engine: EngineConfig = nested(EngineConfig, group=ENGINE)
+    scheduler: SchedulerConfig = nested(SchedulerConfig, group=ENGINE)
     # The settings every service has (specdec.serving): health outside the request limit.
     tls_cert: str | None = settings.tls_cert_setting()
     tls_key: str | None = settings.tls_key_setting()
@@ -240,8 +276,8 @@ class VerifierConfig:
             raise ValueError(f"--shared-scope {self.shared_scope!r} is no scope of --api-key-file (a line 'KEY scope=NAME' names one)")
         self.origins()
         self.hosts()
-        if self.head_vocabulary == 1:  # each drafting step takes the head's two best guesses
-            raise ValueError("--head-vocabulary is 0 (every token the head was trained on) or at least 2, got 1")
+        if self.draft_head_vocabulary == 1:  # each drafting step takes the head's two best guesses
+            raise ValueError("--draft-head-vocabulary is 0 (every token the head was trained on) or at least 2, got 1")
 
     def served_names(self) -> list[str]:
         """The names the HTTP API answers to, the reported one first (--served-model-name)."""
@@ -522,7 +558,7 @@ class VerifierServer:
         observer = ServiceObserver(self.service.tracing, self.service.metrics)
         proposer = observer.traced(self.drafter) if self.drafter is not None else None
         folder = cache_root() / "calibration" if config.calibration_cache else None
-        head = find_head(config.draft_head, loaded.model, loaded.tokenizer, config.head_vocabulary)
+        head = find_head(config.draft_head, loaded.model, loaded.tokenizer, config.draft_head_vocabulary)
         engine = SpeculativeEngine(loaded.model, loaded.tokenizer, proposer, config.engine, step_cost, folder, head)
         engine.generate([GenerationRequest([0, 1, 2, 3], 4, num_speculative_tokens=0)])  # warm-up
         scheduler = Scheduler(engine, config.scheduler, observer)
@@ -603,7 +639,7 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     if config.http_port >= 0:
         names = config.served_names()
         api = OpenAIApi(service, names[0], names[1:])
-        limits = HttpLimits(config.http_max_connections, config.http_header_timeout_s, config.http_body_timeout_s)
+        limits = HttpLimits(config.max_http_connections, config.http_header_timeout_s, config.http_body_timeout_s)
         verifier.http = HttpServer(api.app, config.host, config.http_port, limits, http_tls(config), config.grace_s)
         verifier.http.start()
     if service.keys.required:

@@ -234,20 +234,29 @@ def train(
     return step
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The trainer's command line (``docs/reference/tools.md`` is made from it)."""
     parser = argparse.ArgumentParser(prog="python -m verifier_service.train_head", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the target (default %(default)s)")
     parser.add_argument("--out", type=Path, default=None, help="folder for the head (default: the cache folder the verifier reads)")
     parser.add_argument("--minutes", type=float, default=60.0, help="the whole budget, end to end (default %(default)s)")
-    parser.add_argument("--data-share", type=float, default=0.5, help="share of the budget spent generating answers")
+    parser.add_argument("--data-share", type=float, default=0.5, help="share of the budget spent generating answers (default %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=32, help="answers generated at once (default %(default)s)")
     parser.add_argument("--width", type=int, default=DEFAULT_WIDTH, help="the head's inner size (default %(default)s)")
-    parser.add_argument("--draft-vocabulary", type=int, default=DEFAULT_DRAFT_VOCABULARY, help="tokens the head drafts from")
-    parser.add_argument("--train-batch", type=int, default=256)
-    parser.add_argument("--learning-rate", type=float, default=2e-3)
-    parser.add_argument("--held-out-share", type=float, default=0.08, help="share of the data budget spent on held-out answers")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--draft-vocabulary", type=int, default=DEFAULT_DRAFT_VOCABULARY, help="tokens the head drafts from (default %(default)s)"
+    )
+    parser.add_argument("--train-batch", type=int, default=256, help="positions per optimiser step (default %(default)s)")
+    parser.add_argument("--learning-rate", type=float, default=2e-3, help="AdamW's peak rate, on a cosine schedule (default %(default)s)")
+    parser.add_argument(
+        "--held-out-share", type=float, default=0.08, help="share of the data budget spent on held-out answers (default %(default)s)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     started = time.monotonic()
     budget = args.minutes * 60

@@ -173,10 +173,10 @@ def test_writes_never_hold_every_thread_and_each_wait_is_bounded(tmp_path):
         # Two threads wait on the writer; Propose still runs (drafts from the context alone).
         draft = servicer.Propose(open_request("p", [1, 2, 3, 1, 2], k=1), FakeContext(peer="ipv4:10.0.1.9:1")).drafts[0]
         assert list(draft.tokens) == [3]
-        for thread in held:  # no deadline was given: --max-write-wait ends the wait
+        for thread in held:  # no deadline was given: --max-write-wait-seconds ends the wait
             thread.join(30)
             assert not thread.is_alive()
-        assert [(c.code, "--max-write-wait" in c.details) for c in outcomes] == [(grpc.StatusCode.UNAVAILABLE, True)] * 2
+        assert [(c.code, "--max-write-wait-seconds" in c.details) for c in outcomes] == [(grpc.StatusCode.UNAVAILABLE, True)] * 2
         assert servicer.admission.writes == 0
     finally:
         stores.close()

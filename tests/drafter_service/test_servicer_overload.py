@@ -161,7 +161,7 @@ def test_sequences_without_room_answer_unavailable_and_a_retry_stores_only_those
 def test_below_min_free_space_writes_are_refused_drafts_served_and_the_refusal_clears(tmp_path):
     # Any real disk is "full" under a threshold larger than itself; the tmpfs test
     # (tests/e2e/test_drafter_disk_full.py) fills a real one.
-    with started_writer(tmp_path, min_free_mb=1 << 40) as (config, stores, writer):
+    with started_writer(tmp_path, min_free_bytes=1 << 60) as (config, stores, writer):
         servicer = DrafterServicer(config, stores, writer)
         assert servicer.registry.get_sample_value("specdec_drafter_disk_full") == 1
         request = pb.ObserveRequest(vocabulary=VOCABULARY, observe_id="o", sequences=[pb.TokenSequence(tokens=[1, 2, 3, 4])])
@@ -169,7 +169,7 @@ def test_below_min_free_space_writes_are_refused_drafts_served_and_the_refusal_c
         with pytest.raises(Aborted):
             servicer.Observe(request, context)
         assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "below --min-free-mb" in context.details and "until space is freed" in context.details
+        assert "below --min-free-bytes" in context.details and "until space is freed" in context.details
         assert stores.find(VOCABULARY) is None  # no table created on a full disk
         stores.disk.min_free_bytes = 1  # an operator frees space; the janitor's next check sees it
         stores.disk.check()
@@ -265,7 +265,7 @@ def test_a_long_observation_whose_caller_gave_up_stops_and_a_retry_stores_only_t
         writer.submit([gave_up])
         while gave_up.next_chunk == 0:  # the writer has started on it
             time.sleep(0.001)
-        gave_up.abandoned = True  # its handler stopped waiting (deadline, cancel, --max-write-wait)
+        gave_up.abandoned = True  # its handler stopped waiting (deadline, cancel, --max-write-wait-seconds)
         assert gave_up.done.wait(60)
         assert isinstance(gave_up.error, TimeoutError)
         stored = gave_up.next_chunk

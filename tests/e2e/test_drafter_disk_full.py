@@ -109,8 +109,8 @@ def start(disk: SmallDisk) -> ServiceProcess:
         str(disk.mount_point / "db"),
         "--metrics-port",
         "-1",
-        "--min-free-mb",
-        "1",
+        "--min-free-bytes",
+        "1MiB",
         "--max-bytes",
         str(16 << 20),
         prefix=disk.enter,
@@ -133,7 +133,7 @@ def test_a_full_disk_refuses_writes_keeps_drafting_survives_restarts_and_recover
         with pytest.raises(grpc.RpcError) as refused:
             observe(stub, TABLE_B, "new-table", remembered)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "--min-free-mb 1" in refused.value.details()
+        assert "--min-free-bytes 1MiB" in refused.value.details()
         assert not (disk.path / "db" / TABLE_B).exists()
         # Writes to the existing table: refused, retryable. Drafts: still served.
         with pytest.raises(grpc.RpcError) as refused:
@@ -167,10 +167,10 @@ def test_a_full_disk_refuses_writes_keeps_drafting_survives_restarts_and_recover
                 time.sleep(0.5)
         assert observe(stub, TABLE_B, "new-table", remembered).applied_sequences == 1
 
-        # Above --min-free-mb, but a commit bigger than what is left: LMDB's write
+        # Above --min-free-bytes, but a commit bigger than what is left: LMDB's write
         # fails mid-commit (EIO). Refused as disk-full, not INTERNAL; nothing half-written.
         big = [rng.randrange(100, 30_000) for _ in range(8_000)]
-        disk.fill(leave_bytes=(1 << 20) + (1 << 17))  # ~1.1 MiB: above --min-free-mb, below the commit's ~2.4 MB
+        disk.fill(leave_bytes=(1 << 20) + (1 << 17))  # ~1.1 MiB: above --min-free-bytes, below the commit's ~2.4 MB
         with pytest.raises(grpc.RpcError) as refused:
             observe(stub, TABLE_A, "big", big)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()

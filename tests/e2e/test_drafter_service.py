@@ -387,7 +387,7 @@ def test_reopening_an_open_session_is_already_exists(tmp_path):
 
 
 def test_sigterm_drains_and_exits_zero(tmp_path):
-    with drafter(tmp_path / "db", "--grace", "2") as server:
+    with drafter(tmp_path / "db", "--grace-seconds", "2") as server:
         observe(server.stub, "o1", [1, 2, 3, 4, 5])
         started = time.monotonic()
         assert server.terminate() == 0
@@ -406,7 +406,7 @@ def test_flags_come_from_environment_variables(tmp_path):
 
 
 def test_idle_sessions_expire_and_then_are_not_found(tmp_path):
-    with drafter(tmp_path / "db", "--session-idle-timeout", "1") as server:
+    with drafter(tmp_path / "db", "--session-idle-timeout-seconds", "1") as server:
         propose(server.stub, "idle", [1, 2, 3], 0, open_=True)
         deadline = time.monotonic() + 15
         while server.stub.Stats(pb.StatsRequest(), timeout=5).open_sessions and time.monotonic() < deadline:

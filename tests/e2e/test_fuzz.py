@@ -277,9 +277,9 @@ def verifier(drafter, tiny_model_dir):
         "--no-calibrate",
         "--drafter",
         drafter.address,
-        "--drafter-timeout",
+        "--drafter-timeout-seconds",
         "5",
-        "--max-new-tokens-limit",
+        "--max-new-tokens",
         str(MAX_NEW_TOKENS_LIMIT),
         env={**os.environ},
     )

@@ -74,7 +74,7 @@ def test_idle_streams_cannot_take_the_drafters_threads(tmp_path):
     # and the streams were never timed out (held 300 s). Reflection streams now run on
     # threads of their own: one caller's 20 idle streams leave even 2 worker threads free.
     args = ("--port", "0", "--db", str(tmp_path / "db"), "--max-workers", "2", "--max-auxiliary-streams", "4")
-    limits = ("--max-waiting-auxiliary-streams", "8", "--auxiliary-stream-idle", "3", "--auxiliary-stream-quiet", "3")
+    limits = ("--max-waiting-auxiliary-streams", "8", "--auxiliary-stream-idle-seconds", "3", "--auxiliary-stream-quiet-seconds", "3")
     with running("drafter_service", *args, *limits, env=ENV) as drafter:
         grpc.channel_ready_future(drafter.channel).result(timeout=CALL_TIMEOUT_S)
         silent, outcomes = threading.Event(), []
@@ -116,7 +116,7 @@ def test_two_verifiers_share_one_drafter_what_one_learns_drafts_for_the_other(tm
     drafter = ServiceProcess("drafter_service", "--port", "0", "--db", str(tmp_path / "db"), env=ENV)
     try:
         drafter.wait_until_serving("specdec.v1.Drafter", CALL_TIMEOUT_S)
-        flags = ("--drafter", drafter.address, "--drafter-timeout", "5")
+        flags = ("--drafter", drafter.address, "--drafter-timeout-seconds", "5")
         with running_tiny_verifier(tiny_model_dir, *flags) as first, running_tiny_verifier(tiny_model_dir, *flags) as second:
             for verifier in (first, second):
                 verifier.wait_until_serving("specdec.v1.Verifier", CALL_TIMEOUT_S)
@@ -142,7 +142,7 @@ def test_two_verifiers_share_one_drafter_what_one_learns_drafts_for_the_other(tm
 
 def test_idle_streams_cannot_take_the_verifiers_request_slots(tiny_model_dir):
     # Was: 88 idle reflection streams (batch + queue + 8) and every Generate got RESOURCE_EXHAUSTED.
-    limits = ("--max-auxiliary-streams", "4", "--max-waiting-auxiliary-streams", "8", "--auxiliary-stream-idle", "2")
+    limits = ("--max-auxiliary-streams", "4", "--max-waiting-auxiliary-streams", "8", "--auxiliary-stream-idle-seconds", "2")
     with running_tiny_verifier(tiny_model_dir, *limits) as verifier:
         verifier.wait_until_serving("specdec.v1.Verifier", CALL_TIMEOUT_S)
         silent, outcomes = threading.Event(), []

@@ -35,7 +35,7 @@ def keyed(chat_model_dir, tmp_path_factory):
     verifier = HttpVerifier(
         chat_model_dir,
         *("--api-key", FLAG_KEY, "--api-key-file", str(keys), "--max-requests-per-caller", "1"),
-        *("--max-new-tokens-limit", str(LONG_RUNNING_TOKENS), "--max-sequence-tokens", str(1 << 16)),
+        *("--max-new-tokens", str(LONG_RUNNING_TOKENS), "--max-sequence-tokens", str(1 << 16)),
     )
     try:
         yield verifier

@@ -25,8 +25,8 @@ CALL_TIMEOUT_S = 120
 def verifier(chat_model_dir):
     server = HttpVerifier(
         chat_model_dir,
-        *("--http-header-timeout", "1", "--http-body-timeout", "1", "--max-requests-per-caller", "1"),
-        *("--max-new-tokens-limit", str(LONG_RUNNING_TOKENS), "--max-sequence-tokens", str(1 << 16)),
+        *("--http-header-timeout-seconds", "1", "--http-body-timeout-seconds", "1", "--max-requests-per-caller", "1"),
+        *("--max-new-tokens", str(LONG_RUNNING_TOKENS), "--max-sequence-tokens", str(1 << 16)),
     )
     try:
         yield server
@@ -51,13 +51,13 @@ def status_and_error(raw: bytes) -> tuple[int, dict]:
 
 def test_half_a_request_line_is_cut_off_after_the_header_timeout(verifier):
     status, error = status_and_error(raw_exchange(verifier, b"POST /v1/chat/completions HT"))
-    assert status == 408 and "--http-header-timeout" in error["message"]
+    assert status == 408 and "--http-header-timeout-seconds" in error["message"]
 
 
 def test_a_body_that_stops_arriving_is_cut_off_after_the_body_timeout(verifier):
     head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
     status, error = status_and_error(raw_exchange(verifier, head + b'{"prompt": [5'))
-    assert status == 408 and "--http-body-timeout" in error["message"]
+    assert status == 408 and "--http-body-timeout-seconds" in error["message"]
     assert "Traceback" not in verifier.process.log()
 
 

@@ -51,7 +51,7 @@ def services(tmp_path_factory, chat_model_dir):
     try:
         drafter.wait_until_serving("specdec.v1.Drafter", 60)
         # A loaded test machine must not turn drafts off (the production deadline is 0.1 s).
-        verifier = HttpVerifier(chat_model_dir, "--drafter", drafter.address, "--drafter-timeout", "5")
+        verifier = HttpVerifier(chat_model_dir, "--drafter", drafter.address, "--drafter-timeout-seconds", "5")
         try:
             yield drafter, verifier
         finally:

@@ -37,7 +37,7 @@ def server(chat_model_dir):
     verifier = HttpVerifier(
         chat_model_dir,
         *("--max-batch-size", "1", "--max-queued", "1"),
-        *("--max-new-tokens-limit", str(LONG_RUNNING_TOKENS), "--max-sequence-tokens", str(LONG_CONTEXT)),
+        *("--max-new-tokens", str(LONG_RUNNING_TOKENS), "--max-sequence-tokens", str(LONG_CONTEXT)),
     )
     try:
         yield verifier
@@ -348,11 +348,11 @@ def test_a_number_too_large_for_a_float_fails_only_its_own_request(server):
 
 
 def test_a_chat_body_over_the_http_limit_is_refused_413_through_the_openai_client(server):
-    """7 MiB of chat text: refused from its Content-Length (--http-max-body-bytes, 1 MiB), never parsed or tokenized."""
+    """7 MiB of chat text: refused from its Content-Length (--max-http-body-bytes, 1 MiB), never parsed or tokenized."""
     with pytest.raises(openai.APIStatusError) as raised:
         server.client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "t5 " * ((7 << 20) // 3)}])
     assert raised.value.status_code == 413
-    assert raised.value.code == "body_too_large" and "--http-max-body-bytes" in raised.value.message
+    assert raised.value.code == "body_too_large" and "--max-http-body-bytes" in raised.value.message
     assert probe(server)
 
 
@@ -384,7 +384,7 @@ def test_langchains_chat_openai_gets_grpcs_answer_and_a_named_refusal_for_tools(
 def test_sigterm_exits_without_waiting_on_idle_connections_or_health_watches(chat_model_dir):
     """Nothing running: an open health Watch, an idle keep-alive HTTP connection and an idle
     gRPC channel do not hold the exit for the grace period (600 s here; the wait allows 120)."""
-    verifier = HttpVerifier(chat_model_dir, "--grace", "600")
+    verifier = HttpVerifier(chat_model_dir, "--grace-seconds", "600")
     try:
         watch = health_pb2_grpc.HealthStub(verifier.process.channel).Watch(health_pb2.HealthCheckRequest(service=""))
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING

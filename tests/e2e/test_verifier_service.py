@@ -45,7 +45,7 @@ CALL_TIMEOUT_S = 120  # every call that should complete gets a deadline this lon
 # Context of the "long" copy of the tiny model: requests of tens of thousands
 # of tokens, which run for a minute and are cancelled long before they end.
 LONG_RUNNING_TOKENS = 60_000
-MAX_NEW_TOKENS_LIMIT = 400  # the shared tiny server's --max-new-tokens-limit (below its 512-token context)
+MAX_NEW_TOKENS_LIMIT = 400  # the shared tiny server's --max-new-tokens (below its 512-token context)
 # Prompts whose greedy continuations cycle without EOS (checked by the tests that rely on it).
 PROMPTS = [
     [5, 9, 14, 20],
@@ -120,7 +120,7 @@ class Drafter(ServiceProcess):
 
 # A loaded test machine must not turn drafts off: the default 0.1 s Propose
 # deadline is tuned for production, where a missed draft only costs speed.
-DRAFTER_TIMEOUT = ("--drafter-timeout", "5")
+DRAFTER_TIMEOUT = ("--drafter-timeout-seconds", "5")
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def tiny_server(tmp_path_factory, tiny_model_dir):
             "--drafter",
             drafter.address,
             *DRAFTER_TIMEOUT,
-            "--max-new-tokens-limit",
+            "--max-new-tokens",
             str(MAX_NEW_TOKENS_LIMIT),
         )
         try:
@@ -157,7 +157,7 @@ def single_slot_server(long_tiny_model_dir):
         "1",
         "--max-queued",
         "1",
-        "--max-new-tokens-limit",
+        "--max-new-tokens",
         str(LONG_RUNNING_TOKENS),
         "--max-sequence-tokens",
         str(LONG_CONTEXT),
@@ -385,7 +385,7 @@ def test_drafter_killed_mid_run_and_restarted_on_the_same_port(tmp_path, long_ti
             "--drafter",
             f"127.0.0.1:{port}",
             *DRAFTER_TIMEOUT,
-            "--max-new-tokens-limit",
+            "--max-new-tokens",
             str(KILL_TOKENS),
         )
         repeated = request(REPEATED_PROMPT, REPEATED_TOKENS, k=4)
@@ -657,13 +657,13 @@ BAD_INPUTS = [
         "17 stop strings",
         {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "stop": [f"t{i}" for i in range(17)]},
         INVALID,
-        "stop takes at most 16 strings (--stop-strings-limit), got 17",
+        "stop takes at most 16 strings (--max-stop-strings), got 17",
     ),
     (
         "a 257-character stop string",
         {"prompt_token_ids": [5, 6], "max_new_tokens": 4, "stop": ["t7", "é" * 257]},
         INVALID,
-        "stop[1] is 257 characters; at most 256 (--stop-string-length-limit)",
+        "stop[1] is 257 characters; at most 256 (--max-stop-string-length)",
     ),
 ]
 
@@ -724,9 +724,9 @@ def test_sigterm_lets_the_running_request_finish_then_exits_zero(long_tiny_model
         "--model",
         str(long_tiny_model_dir),
         "--no-calibrate",
-        "--grace",
+        "--grace-seconds",
         str(GRACE_S),
-        "--max-new-tokens-limit",
+        "--max-new-tokens",
         str(SHUTDOWN_TOKENS),
     )
     try:

@@ -96,7 +96,7 @@ def verifier():
 
 
 def run(target: str, *flags: str) -> int:
-    return client.main(["a prompt", "--target", target, "--timeout", "10", *flags])
+    return client.main(["a prompt", "--target", target, "--timeout-seconds", "10", *flags])
 
 
 def test_flags_become_request_fields(verifier):
@@ -163,7 +163,7 @@ def test_negative_k_is_rejected_by_the_parser(capsys):
 def test_target_defaults_to_the_environment_variable(verifier, monkeypatch):
     servicer, target = verifier
     monkeypatch.setenv(client.TARGET_ENV, target)
-    assert client.main(["from env", "--timeout", "10"]) == 0
+    assert client.main(["from env", "--timeout-seconds", "10"]) == 0
     assert [r.prompt for r in servicer.requests] == ["from env"]
 
 
@@ -251,7 +251,7 @@ def test_other_status_codes_exit_1(verifier, capsys, stream):
 def test_timeout_is_the_calls_deadline(verifier, capsys):
     servicer, target = verifier
     servicer.hang.set()
-    code = client.main(["slow", "--target", target, "--timeout", "0.3"])
+    code = client.main(["slow", "--target", target, "--timeout-seconds", "0.3"])
     assert code == 1
     assert capsys.readouterr().err.startswith("error: DEADLINE_EXCEEDED: ")
 

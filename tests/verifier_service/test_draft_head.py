@@ -336,7 +336,7 @@ def test_greedy_output_with_the_head_drafting_equals_plain_decoding(trained, tin
     """The head alone (no drafter service): chains for a fixed K, its chain and second guess
     for adaptive K; what it gets right is accepted, and the output is plain greedy's."""
     prompts = [tiny_tokenizer(text).input_ids for text in HELD_OUT_TEXTS[:4]]
-    engine = head_engine(trained, tiny_model, tiny_tokenizer, adaptive_max_k=4, head_depth=3)
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, max_adaptive_k=4, draft_head_depth=3)
     outcomes_sources = []
     handles = [engine.add(GenerationRequest(p, 30, num_speculative_tokens=k)) for p in prompts]
     results = {}
@@ -361,7 +361,7 @@ def test_greedy_with_the_head_and_a_drafter_tree_stays_exact(trained, tiny_model
     from tests.verifier_service.test_engine_adaptive import truth
 
     proposer = TreeProposer(lambda prompt: truth(tiny_model, prompt), shape=lambda path, depth: branch_tree(path, min(depth, 2)))
-    engine = head_engine(trained, tiny_model, tiny_tokenizer, proposer, adaptive_max_k=4, adaptive_max_nodes=12)
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, proposer, max_adaptive_k=4, max_adaptive_nodes=12)
     results = engine.generate([GenerationRequest(p, 31, num_speculative_tokens=None) for p in PROMPTS])
     for prompt, result in zip(PROMPTS, results):
         assert result.token_ids == truth(tiny_model, prompt)[:31]
@@ -375,7 +375,7 @@ def test_sampled_output_with_the_head_is_plain_samplings(trained, tiny_model, ti
     prompts = [tiny_tokenizer(text).input_ids for text in HELD_OUT_TEXTS[:4]]
     plain = engine_for(tiny_model, tiny_tokenizer, None)
     expected = [r.token_ids for r in plain.generate([GenerationRequest(p, 30, sampling, num_speculative_tokens=0) for p in prompts])]
-    engine = head_engine(trained, tiny_model, tiny_tokenizer, adaptive_max_k=4)
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, max_adaptive_k=4)
     results = engine.generate([GenerationRequest(p, 30, sampling, num_speculative_tokens=None) for p in prompts])
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.draft_tokens for r in results) > 0
@@ -385,7 +385,7 @@ def test_no_head_drafts_for_requests_without_speculation_or_with_depth_0(trained
     prompt = tiny_tokenizer(HELD_OUT_TEXTS[0]).input_ids
     for engine, k in (
         (head_engine(trained, tiny_model, tiny_tokenizer), 0),
-        (head_engine(trained, tiny_model, tiny_tokenizer, head_depth=0), None),
+        (head_engine(trained, tiny_model, tiny_tokenizer, draft_head_depth=0), None),
     ):
         [result] = engine.generate([GenerationRequest(prompt, 12, num_speculative_tokens=k)])
         assert result.stats.draft_tokens == 0
@@ -464,7 +464,7 @@ def head_tokens(row) -> int:
 
 def test_the_head_drafts_only_for_rows_whose_drafter_draft_is_weak(trained, tiny_model, tiny_tokenizer):
     random.seed(0)
-    engine = head_engine(trained, tiny_model, tiny_tokenizer, adaptive_max_k=4, adaptive_max_nodes=12)
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, max_adaptive_k=4, max_adaptive_nodes=12)
     teach(engine, "context", 0.95)
     teach(engine, "global", 0.05)
     teach(engine, SOURCE_HEAD, 0.6)
@@ -486,7 +486,7 @@ def test_the_heads_chain_stops_where_verifying_it_would_not_pay(trained, tiny_mo
     worth any depth when a wider pass is free, two levels on a CPU-like step at one row
     (a token must survive 0.14 of the time), none at 16 rows (0.73)."""
     random.seed(0)
-    engine = head_engine(trained, tiny_model, tiny_tokenizer, cost=cost, adaptive_max_k=4, adaptive_max_nodes=12)
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, cost=cost, max_adaptive_k=4, max_adaptive_nodes=12)
     teach(engine, SOURCE_HEAD, 0.5)
     step = [decoding_row(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[index % 8]) for index in range(rows)]
     requests = [DraftRequest(row.sequence.session_id, row.sequence.tokens, 4, max_nodes=12) for row in step]
@@ -515,7 +515,7 @@ def test_the_heads_first_level_runs_only_where_its_guesses_have_paid(trained, ti
     level runs only where a guess like those is worth verifying: at one row on a CPU-like
     step or at any width on a flat one, not at 16 rows on a CPU, where none would be."""
     random.seed(0)
-    engine = head_engine(trained, tiny_model, tiny_tokenizer, cost=cost, adaptive_max_k=4, adaptive_max_nodes=12)
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, cost=cost, max_adaptive_k=4, max_adaptive_nodes=12)
     teach(engine, SOURCE_HEAD, 0.5)
     levels = CountedLevels(engine)
     for attempt in range(3):
@@ -567,7 +567,7 @@ def test_a_head_whose_steps_vary_is_not_stopped_by_a_few_unlucky_ones():
 
 def test_a_step_settles_what_the_heads_tokens_brought(trained, tiny_model, tiny_tokenizer):
     """A real step with the head drafting records its outcome for that step's width."""
-    engine = head_engine(trained, tiny_model, tiny_tokenizer, adaptive_max_k=4, adaptive_max_nodes=12)
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, max_adaptive_k=4, max_adaptive_nodes=12)
     for text in HELD_OUT_TEXTS[:3]:
         engine.add(GenerationRequest(tiny_tokenizer(text).input_ids, 12))
     emitted = 0

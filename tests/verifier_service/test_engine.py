@@ -336,7 +336,7 @@ def test_more_requests_than_slots_wait_for_one_to_free(tiny_model, tiny_tokenize
         (GenerationRequest([1], 0), r"max_new_tokens 0 generates nothing; it is taken only to score the prompt"),
         (GenerationRequest([1], -1), r"max_new_tokens must be in \[1, 4096\], got -1"),
         (GenerationRequest([1], 4097), r"max_new_tokens must be in \[1, 4096\], got 4097"),
-        (GenerationRequest([1], 5, stop=("a",) * 17), r"stop takes at most 16 strings \(--stop-strings-limit\), got 17"),
+        (GenerationRequest([1], 5, stop=("a",) * 17), r"stop takes at most 16 strings \(--max-stop-strings\), got 17"),
         (GenerationRequest([1], 5, stop=("a", "")), r"stop\[1\] is empty"),
         (GenerationRequest([1], 5, stop=("x" * 257,)), r"stop\[0\] is 257 characters; at most 256"),
         (GenerationRequest([1], 5, num_speculative_tokens=-1), "num_speculative_tokens"),

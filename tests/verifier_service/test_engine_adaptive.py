@@ -128,7 +128,7 @@ def test_flat_cost_and_oracle_verify_the_whole_adaptive_draft(tiny_model, tiny_t
     engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost({1: 1.0, 1024: 1.0}))
     [result] = engine.generate([GenerationRequest(PROMPTS[0], 28, num_speculative_tokens=None)])
     assert result.token_ids == truth(tiny_model, PROMPTS[0])[:28]
-    # Every step costs the same, so each verifies all adaptive_max_k = 8 drafts:
+    # Every step costs the same, so each verifies all max_adaptive_k = 8 drafts:
     # prefill gives 1 token, then 3 steps of 8 accepted + 1 bonus give the other 27.
     assert [call.k for call in proposer.calls] == [8, 8, 8]
     assert result.stats.target_forward_passes == 1 + 3

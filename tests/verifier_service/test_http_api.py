@@ -301,12 +301,12 @@ def call_asgi(
 
 
 def test_a_body_over_the_limit_is_refused_from_its_content_length_before_a_byte_is_read(tiny_model, chat_tokenizer):
-    service = started(tiny_model, chat_tokenizer, http_max_body_bytes=1000)
+    service = started(tiny_model, chat_tokenizer, max_http_body_bytes=1000)
     try:
         app = OpenAIApi(service, MODEL).app
         status, body, parts_read = call_asgi(app, [(b"content-length", b"7340032")], [b"{" * 65536] * 3)
         assert (status, body["error"]["code"], parts_read) == (413, "body_too_large", 0)
-        assert "--http-max-body-bytes" in body["error"]["message"]
+        assert "--max-http-body-bytes" in body["error"]["message"]
         # Chunked (no Content-Length): refused as soon as the parts read pass the limit.
         status, body, parts_read = call_asgi(app, [(b"transfer-encoding", b"chunked")], [b" " * 600] * 5)
         assert (status, body["error"]["code"], parts_read) == (413, "body_too_large", 2)
@@ -448,10 +448,10 @@ def test_the_module_keeps_one_bearer_parser():
 NEW_SETTINGS = {  # flag -> (config field, a value other than its default)
     "--max-requests-per-caller": ("max_requests_per_caller", 7),
     "--max-prompt-chars": ("max_prompt_chars", 1000),
-    "--http-max-body-bytes": ("http_max_body_bytes", 4096),
-    "--http-header-timeout": ("http_header_timeout_s", 2.5),
-    "--http-body-timeout": ("http_body_timeout_s", 3.5),
-    "--http-max-connections": ("http_max_connections", 9),
+    "--max-http-body-bytes": ("max_http_body_bytes", 4096),
+    "--http-header-timeout-seconds": ("http_header_timeout_s", 2.5),
+    "--http-body-timeout-seconds": ("http_body_timeout_s", 3.5),
+    "--max-http-connections": ("max_http_connections", 9),
     "--allowed-hosts": ("allowed_hosts", "api.example.com"),
 }
 
@@ -471,7 +471,7 @@ def test_the_http_limits_reach_the_server(tiny_model, chat_tokenizer):
     from verifier_service.server import create_server
 
     config = VerifierConfig(
-        port=0, http_port=0, metrics_port=None, http_max_connections=9, http_header_timeout_s=2.5, http_body_timeout_s=3.5
+        port=0, http_port=0, metrics_port=None, max_http_connections=9, http_header_timeout_s=2.5, http_body_timeout_s=3.5
     )
     verifier = create_server(config)
     try:
@@ -1031,18 +1031,18 @@ def test_a_json_content_type_with_parameters_is_taken(client):
 
 
 def test_a_logit_bias_over_the_limit_is_refused_by_its_count_before_any_entry_is_read(client):
-    """Over --logit-bias-limit (300) the count is the error, before any key is read (the first
+    """Over --max-logit-bias (300) the count is the error, before any key is read (the first
     key here is not even a token id)."""
     bias = {"t5": 1} | {str(token): 1 for token in range(400)}
     error = assert_openai_error(client.post("/v1/completions", json=completion(logit_bias=bias)), 400)
-    assert error["param"] == "logit_bias" and "at most 300 tokens (--logit-bias-limit), got 401" in error["message"]
+    assert error["param"] == "logit_bias" and "at most 300 tokens (--max-logit-bias), got 401" in error["message"]
 
 
 def test_a_grpc_logit_bias_over_the_limit_is_refused_before_it_is_converted(open_service):
     request = pb.GenerateRequest(prompt_token_ids=[5], max_new_tokens=2, logit_bias={token: 1.0 for token in range(100_000)})
     with pytest.raises(InvalidRequest) as refused:
         VerifierServicer(open_service)._generation_request(request)  # the proto's map, before it is made a tuple
-    assert refused.value.field == "logit_bias" and "at most 300 tokens (--logit-bias-limit), got 100000" in str(refused.value)
+    assert refused.value.field == "logit_bias" and "at most 300 tokens (--max-logit-bias), got 100000" in str(refused.value)
 
 
 @pytest.mark.parametrize("stream", [False, True])

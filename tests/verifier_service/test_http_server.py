@@ -95,7 +95,7 @@ def test_half_a_request_line_is_answered_408_and_closed(quick):
         connection.sendall(b"POST /echo HT")
         status, body = response_of(read_until_closed(connection))
     assert (status, body["error"]["code"]) == (408, "request_timeout")
-    assert "headers took over 1 s (--http-header-timeout)" in body["error"]["message"]
+    assert "headers took over 1 s (--http-header-timeout-seconds)" in body["error"]["message"]
 
 
 def test_headers_trickled_a_byte_at_a_time_are_cut_off_too(quick):
@@ -121,7 +121,7 @@ def test_a_trickled_body_is_answered_408_and_the_route_sees_the_client_gone(quic
     with connect(quick) as connection:
         connection.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
         status, body = response_of(read_until_closed(connection))
-    assert status == 408 and "body took over 1 s (--http-body-timeout)" in body["error"]["message"]
+    assert status == 408 and "body took over 1 s (--http-body-timeout-seconds)" in body["error"]["message"]
     wait_for(lambda: quick.server.config.app.state.disconnects == 1, "the route saw the disconnect")
 
 
@@ -161,7 +161,7 @@ def test_connections_past_the_cap_get_503_and_are_closed_until_one_closes():
         with connect(server) as refused:
             status, body = response_of(read_until_closed(refused))
         assert (status, body["error"]["code"]) == (503, "too_many_connections")
-        assert "--http-max-connections" in body["error"]["message"]
+        assert "--max-http-connections" in body["error"]["message"]
         held.pop().close()
         wait_for(lambda: len(server.server.server_state.connections) == 2, "the server let one go")
         with connect(server) as admitted:

@@ -172,7 +172,7 @@ def test_greedy_trees_with_rules_accept_along_the_shaped_path(tiny_model, tiny_t
     params = RULES[name]
     references = {tuple(p): reference_decode(tiny_model, p, params, 64) for p in PROMPTS}
     proposer = TreeProposer(lambda prompt: references[tuple(prompt)])
-    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), adaptive_max_k=4, adaptive_max_nodes=12)
+    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), max_adaptive_k=4, max_adaptive_nodes=12)
     results = engine.generate([GenerationRequest(p, 31, params, num_speculative_tokens=None) for p in PROMPTS])
     for prompt, result in zip(PROMPTS, results):
         assert result.token_ids == references[tuple(prompt)][:31]
@@ -190,7 +190,7 @@ def test_a_tree_whose_siblings_differ_only_by_a_repeat_is_shaped_per_branch(tiny
         return [path[0] if index % 3 != 2 and path else token for index, token in enumerate(tokens)], parents
 
     proposer = TreeProposer(lambda prompt: references[tuple(prompt)], repeat_siblings)
-    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), adaptive_max_k=4, adaptive_max_nodes=12)
+    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), max_adaptive_k=4, max_adaptive_nodes=12)
     results = engine.generate([GenerationRequest(p, 30, params, num_speculative_tokens=None) for p in PROMPTS])
     assert [r.token_ids for r in results] == [references[tuple(p)][:30] for p in PROMPTS]
 
@@ -229,7 +229,7 @@ def test_seeded_sampling_with_rules_is_plain_samplings_token_for_token(tiny_mode
     expected = [r.token_ids for r in plain.generate([GenerationRequest(p, 30, params, num_speculative_tokens=0) for p in PROMPTS])]
     references = {tuple(p): e for p, e in zip(PROMPTS, expected)}
     proposer = TreeProposer(lambda prompt: references[tuple(prompt)])
-    trees = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), adaptive_max_k=4, adaptive_max_nodes=12)
+    trees = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), max_adaptive_k=4, max_adaptive_nodes=12)
     results = trees.generate([GenerationRequest(p, 30, params, num_speculative_tokens=None) for p in PROMPTS])
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.accepted_tokens for r in results) > 0
@@ -315,13 +315,13 @@ def test_rejected_drafts_leave_no_logprobs(tiny_model, tiny_tokenizer):
         (GenerationRequest([5], 4, SamplingParams(logit_bias=((3, 101.0),))), "logit_bias[3] must be in [-100, 100]"),
         (GenerationRequest([5], 4, SamplingParams(logit_bias=((3, 1.0), (3, 2.0)))), "logit_bias names a token twice"),
         (GenerationRequest([5], 4, SamplingParams(logit_bias=((64, 1.0),))), "logit_bias names token ids outside the vocabulary"),
-        (GenerationRequest([5], 4, SamplingParams(logit_bias=tuple((t, 1.0) for t in range(4)))), "--logit-bias-limit"),
+        (GenerationRequest([5], 4, SamplingParams(logit_bias=tuple((t, 1.0) for t in range(4)))), "--max-logit-bias"),
         (GenerationRequest([5], 4, SamplingParams(min_tokens=5)), "min_tokens (5) must not exceed the tokens asked for (4)"),
         (GenerationRequest([5], 4, logprobs=6), "logprobs must be in [0, 5]"),
     ],
 )
 def test_bad_rules_are_refused_with_a_message_naming_the_field(tiny_model, tiny_tokenizer, request_, message):
-    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, None, EngineConfig(logit_bias_limit=3, max_logprobs=5))
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, None, EngineConfig(max_logit_bias=3, max_logprobs=5))
     with pytest.raises(ValueError) as caught:
         engine.validate(request_)
     assert message in str(caught.value)

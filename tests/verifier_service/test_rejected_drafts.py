@@ -94,7 +94,7 @@ def test_a_tree_turns_down_the_best_guess_after_its_path_and_counts_the_other_br
     def shape(path):
         return [path[0], wrong(path[1]), wrong(path[1], 2), wrong(path[2])], [-1, 0, 0, 1]
 
-    engine = engine_for(tiny_model, tiny_tokenizer, ScriptedTrees(tiny_model, shape), FrozenStepCost(FLAT), adaptive_max_k=4)
+    engine = engine_for(tiny_model, tiny_tokenizer, ScriptedTrees(tiny_model, shape), FrozenStepCost(FLAT), max_adaptive_k=4)
     outcomes = outcomes_of(engine, GenerationRequest(PROMPTS[1], 11, num_speculative_tokens=None))
     done = 1
     for outcome in outcomes[:3]:  # while the tree's depth fits in what is left to generate

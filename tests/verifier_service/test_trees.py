@@ -128,7 +128,7 @@ def test_greedy_trees_equal_plain_decoding_and_accept_whole_paths(tiny_model, ti
     """The true path is never a first child, so every accepted path is moved into place;
     with a flat cost every node is verified and each step accepts the full depth."""
     proposer = TreeProposer(lambda prompt: truth(tiny_model, prompt))
-    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), adaptive_max_k=4, adaptive_max_nodes=12)
+    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), max_adaptive_k=4, max_adaptive_nodes=12)
     prompts = PROMPTS[:batch]
     results = engine.generate([GenerationRequest(p, 31, num_speculative_tokens=None) for p in prompts])
     for prompt, result in zip(prompts, results):
@@ -154,7 +154,7 @@ def test_rows_cut_into_several_attention_calls_stay_exact(tiny_model, tiny_token
     monkeypatch.setattr(kv_cache, "partition_rows", recording)
     prompts = [*PROMPTS[:3], [(7 * j) % 60 + 2 for j in range(300)]]
     proposer = TreeProposer(lambda prompt: truth(tiny_model, prompt), prompts=prompts)
-    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), adaptive_max_k=4, adaptive_max_nodes=12)
+    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), max_adaptive_k=4, max_adaptive_nodes=12)
     results = engine.generate([GenerationRequest(p, 31, num_speculative_tokens=None) for p in prompts])
     for prompt, result in zip(prompts, results):
         assert result.token_ids == truth(tiny_model, prompt)[:31]
@@ -172,7 +172,7 @@ def test_greedy_trees_with_joins_and_rejections_equal_plain_decoding(tiny_model,
 
     proposer = TreeProposer(lambda prompt: truth(tiny_model, prompt), partly_right)
     engine = engine_for(
-        tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), max_batch_size=2, prefill_chunk_tokens=3, adaptive_max_nodes=24
+        tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), max_batch_size=2, prefill_chunk_tokens=3, max_adaptive_nodes=24
     )
     results = engine.generate([GenerationRequest(p, 40, num_speculative_tokens=None) for p in PROMPTS])
     for prompt, result in zip(PROMPTS, results):
@@ -185,7 +185,7 @@ def test_the_planner_verifies_only_part_of_a_tree_when_tokens_cost(tiny_model, t
     ancestors (else the pass would score nodes whose parents it never saw), and the output
     is still exact."""
     proposer = TreeProposer(lambda prompt: truth(tiny_model, prompt))
-    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost.linear(1.0, 0.1), adaptive_max_k=4, adaptive_max_nodes=12)
+    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost.linear(1.0, 0.1), max_adaptive_k=4, max_adaptive_nodes=12)
     results = engine.generate([GenerationRequest(p, 30, num_speculative_tokens=None) for p in PROMPTS])
     for prompt, result in zip(PROMPTS, results):
         assert result.token_ids == truth(tiny_model, prompt)[:30]
@@ -215,7 +215,7 @@ def test_sampled_trees_emit_exactly_what_plain_sampling_does(tiny_model, tiny_to
     expected = [r.token_ids for r in plain.generate([GenerationRequest(p, 30, sampling, num_speculative_tokens=0) for p in PROMPTS])]
     reference = {tuple(p): e for p, e in zip(PROMPTS, expected)}
     proposer = TreeProposer(lambda prompt: reference[tuple(prompt)])
-    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), adaptive_max_k=4, adaptive_max_nodes=12)
+    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), max_adaptive_k=4, max_adaptive_nodes=12)
     results = engine.generate([GenerationRequest(p, 30, sampling, num_speculative_tokens=None) for p in PROMPTS])
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.accepted_tokens for r in results) > 0
@@ -240,7 +240,7 @@ def hostile_tree(path: list[int], depth: int):
 
 def test_a_hostile_tree_changes_no_token(tiny_model, tiny_tokenizer):
     proposer = TreeProposer(lambda prompt: truth(tiny_model, prompt), hostile_tree)
-    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), adaptive_max_k=4, adaptive_max_nodes=64)
+    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), max_adaptive_k=4, max_adaptive_nodes=64)
     results = engine.generate([GenerationRequest(p, 25, num_speculative_tokens=None) for p in PROMPTS])
     for prompt, result in zip(PROMPTS, results):
         assert result.token_ids == truth(tiny_model, prompt)[:25]
@@ -270,7 +270,7 @@ def test_the_usable_tree_keeps_valid_nodes_and_their_order(tiny_model, tiny_toke
 
 def test_each_propose_carries_the_targets_top_predictions_at_the_positions_scored(tiny_model, tiny_tokenizer):
     proposer = TreeProposer(lambda prompt: truth(tiny_model, prompt))
-    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), adaptive_max_k=3, adaptive_max_nodes=9)
+    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost(FLAT), max_adaptive_k=3, max_adaptive_nodes=9)
     engine.generate([GenerationRequest(p, 20, num_speculative_tokens=None) for p in PROMPTS[:2]])
     by_session: dict[str, list[DraftRequest]] = {}
     for request in proposer.requests:

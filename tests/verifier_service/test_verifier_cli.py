@@ -13,19 +13,19 @@ from verifier_service.server import VerifierConfig
 SETTINGS = {  # flag -> (config field path, a value other than its default)
     "--max-batch-size": ("engine.max_batch_size", 3),
     "--max-queued": ("scheduler.max_queued", 5),
-    "--max-new-tokens-limit": ("engine.max_new_tokens_limit", 100),
+    "--max-new-tokens": ("engine.max_new_tokens_limit", 100),
     "--max-sequence-tokens": ("engine.max_sequence_tokens", 1024),
     "--prefill-chunk-tokens": ("engine.prefill_chunk_tokens", 64),
     "--max-speculative-tokens": ("engine.max_speculative_tokens", 4),
-    "--adaptive-max-k": ("engine.adaptive_max_k", 5),
+    "--max-adaptive-k": ("engine.max_adaptive_k", 5),
     "--max-message-bytes": ("max_message_bytes", 1 << 20),
-    "--stop-strings-limit": ("engine.stop_strings_limit", 4),
-    "--stop-string-length-limit": ("engine.stop_string_length_limit", 32),
-    "--drafter-timeout": ("drafter.timeout_s", 0.5),
-    "--drafter-backoff": ("drafter.backoff_s", 2.0),
+    "--max-stop-strings": ("engine.max_stop_strings", 4),
+    "--max-stop-string-length": ("engine.max_stop_string_length", 32),
+    "--drafter-timeout-seconds": ("drafter.timeout_s", 0.5),
+    "--drafter-backoff-seconds": ("drafter.backoff_s", 2.0),
     "--drafter-open-tokens-per-call": ("drafter.open_tokens_per_call", 1000),
     "--drafter-max-pending-observations": ("drafter.max_pending_observations", 7),
-    "--grace": ("grace_s", 3.0),
+    "--grace-seconds": ("grace_s", 3.0),
     "--health-port": ("health_port", 50062),
     "--metrics-port": ("metrics_port", 9200),
 }
@@ -64,7 +64,7 @@ def test_every_field_of_the_config_is_a_flag():
     """No setting can be added to the config (or the engine's, or the scheduler's) without reaching the command line."""
     derived = {".".join(flag.path) for flag in flags(VerifierConfig)}
     assert derived == set(leaf_paths(VerifierConfig))
-    assert {"engine.adaptive_max_k", "scheduler.max_queued", "calibrate", "drafter.target", "tls_cert", "metrics_port"} <= derived
+    assert {"engine.max_adaptive_k", "scheduler.max_queued", "calibrate", "drafter.target", "tls_cert", "metrics_port"} <= derived
 
 
 def test_without_flags_the_config_is_the_dataclass_default():
@@ -92,7 +92,7 @@ def test_a_port_is_off_at_minus_one_or_none(flag):
 
 
 def test_the_drafter_link_reaches_the_client_config():
-    link = parse_config(["--drafter", "10.0.0.2:50051", "--drafter-tls-ca", "ca.pem", "--drafter-observe-timeout", "3"]).drafter
+    link = parse_config(["--drafter", "10.0.0.2:50051", "--drafter-tls-ca", "ca.pem", "--drafter-observe-timeout-seconds", "3"]).drafter
     assert (link.target, link.tls_ca, link.observe_timeout_s, link.vocabulary) == ("10.0.0.2:50051", "ca.pem", 3.0, "")
 
 
@@ -114,12 +114,12 @@ def test_an_optional_setting_takes_none(monkeypatch):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--stop-strings-limit", "0"], "--stop-strings-limit must be >= 1, got 0"),
-        (["--stop-string-length-limit", "0"], "--stop-string-length-limit must be >= 1, got 0"),
+        (["--max-stop-strings", "0"], "--max-stop-strings must be >= 1, got 0"),
+        (["--max-stop-string-length", "0"], "--max-stop-string-length must be >= 1, got 0"),
         (["--max-message-bytes", "0"], "--max-message-bytes must be >= 1, got 0"),
         (["--max-batch-size", "0"], "--max-batch-size must be >= 1, got 0"),
         (["--max-speculative-tokens", "-1"], "--max-speculative-tokens must be >= 0, got -1"),
-        (["--grace", "soon"], "argument --grace: invalid float value: 'soon'"),
+        (["--grace-seconds", "soon"], "argument --grace-seconds: invalid float value: 'soon'"),
         (["--max-sequence-tokens", "lots"], "argument --max-sequence-tokens: invalid int or none value: 'lots'"),
         (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
         (["--drafter-tls-cert", "c.pem"], "--drafter-tls-cert and --drafter-tls-key go together"),
@@ -127,8 +127,8 @@ def test_an_optional_setting_takes_none(monkeypatch):
         (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
         (["--tls-client-ca", "ca.pem"], "--tls-client-ca needs --tls-cert and --tls-key"),
         (["--metrics-port", "-2"], "--metrics-port must be >= 0, got -2"),
-        (["--drafter-timeout", "0"], "--drafter-timeout must be >= 0.001, got 0.0"),
-        (["--head-vocabulary", "1"], "--head-vocabulary is 0 (every token the head was trained on) or at least 2, got 1"),
+        (["--drafter-timeout-seconds", "0"], "--drafter-timeout-seconds must be >= 0.001, got 0.0"),
+        (["--draft-head-vocabulary", "1"], "--draft-head-vocabulary is 0 (every token the head was trained on) or at least 2, got 1"),
         (["--shared-scope", "docs"], "--shared-scope 'docs' is no scope of --api-key-file"),
         (["--scope-secret", "short"], "the scope secret must be at least 16 characters"),
         (["--scope-secret-file", "/nonexistent/secret"], "cannot read --scope-secret-file /nonexistent/secret"),

@@ -1,5 +1,6 @@
-# Two entry points matter: `make run` (the main job on the embedded defaults)
-# and `make test` (the whole suite). Both create .venv on first use.
+# Entry points: `make serve` (both services on the embedded defaults, until
+# Ctrl-C), `make test` (the whole suite) and `make run` (the scripted demo).
+# Each creates .venv on first use.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.installed
 # v2, kubernetes-validate): installed once by deploy/install-validators.sh.
 TOOLS_STAMP := $(VENV)/.tools-installed
 
-.PHONY: run test test-fast lint bench install protos check-protos reference clean
+.PHONY: serve run test test-fast lint bench install protos check-protos reference clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +23,9 @@ $(TOOLS_STAMP): $(STAMP) deploy/install-validators.sh
 	touch $(TOOLS_STAMP)
 
 install: $(STAMP) $(TOOLS_STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/specdec serve
 
 run: $(STAMP)
 	$(PY) -m verifier_service.local_run

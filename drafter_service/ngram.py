@@ -11,7 +11,7 @@ Two sources of n-grams are consulted, in this order at each suffix length:
 
 * ``context``: the request's own prompt and generated text (prompt lookup).
   It is indexed incrementally, each step adding only the new tokens, in a
-  ``ContextIndex`` (compact arrays, under 70 bytes a token: context_index.py).
+  ``ContextIndex`` (compact arrays, under 98 bytes a token: context_index.py).
 * ``global``: a table learned from earlier requests' outputs. Anything with
   ``continuations`` and ``observe`` (the ``NGramSource`` protocol) can serve
   as the global table: ``InMemoryNGramTable`` here, an LMDB-backed store in

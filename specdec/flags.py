@@ -94,7 +94,7 @@ class _Flag:
 
     @property
     def is_bytes(self) -> bool:
-        return self.kind is int and (self.path[-1].endswith("_bytes") or self.path[-1] == "max_bytes")
+        return self.kind is int and "bytes" in self.path[-1].split("_")
 
     @property
     def is_seconds(self) -> bool:

@@ -267,7 +267,9 @@ def grpc_server(
         futures.ThreadPoolExecutor(max_workers=workers),
         interceptors=[guard],
         maximum_concurrent_rpcs=max_concurrent_rpcs + guard.room,
-        options=message_options(max_message_bytes) + limits.options(),
+        # grpcio binds with SO_REUSEPORT by default: a second service on a taken port would
+        # start and share its connections. Off, that start fails with the port named.
+        options=[*message_options(max_message_bytes), *limits.options(), ("grpc.so_reuseport", 0)],
     )
     return server, guard
 

@@ -74,8 +74,8 @@ CALIBRATION_COLUMNS = 1024
 
 # A stored calibration's layout (the module docstring); a file of another is measured again.
 STORED_FORMAT = 1
-# Token counts the start-up probe times (best of PROBE_REPEATS each), within
-# PROBE_BUDGET_S: a few passes, ~1 s idle and a few seconds busy on the real model.
+# Token counts the start-up probe of a calibration cut short times (best of PROBE_REPEATS
+# each), within PROBE_BUDGET_S: a few passes, ~1 s idle and a few seconds busy on the real model.
 PROBE_TOKENS = (1, 4, 16)
 PROBE_REPEATS = 3
 PROBE_BUDGET_S = 5.0
@@ -221,13 +221,13 @@ def load_or_calibrate(engine: SpeculativeEngine, folder: Path, clock: Clock = ti
     """The calibration stored in ``folder`` for this key, served at once; else a new one,
     measured within ``engine.config.calibration_budget_s`` and stored for the next start.
 
-    A stored one is probed (a few passes, within PROBE_BUDGET_S): a probe faster by
-    more than LOWER_MARGIN lowers the stored costs (``StoredCalibration.lowered``: they
-    were measured under load); a slower one is a busy machine and changes nothing,
-    since real steps adjust the costs in this process anyway. A calibration cut short
-    by its budget is completed, COMPLETION_BUDGET_S at a time, by the starts that find
-    the machine no busier than when it was measured. The model returned lowers the
-    file again whenever real steps show the machine faster (``KeptStepCostModel``).
+    A complete stored one is served without a forward pass: a start on a busy machine
+    must not wait on timings that load would only spoil. The model returned lowers the
+    file whenever real steps show the machine faster (``KeptStepCostModel``), which is
+    also how costs measured under load come down. A calibration cut short by its budget
+    is probed (a few passes, within PROBE_BUDGET_S) and completed, COMPLETION_BUDGET_S
+    at a time, by the starts that find the machine no busier than when it was measured;
+    a probe faster by more than LOWER_MARGIN lowers its costs (``StoredCalibration.lowered``).
     """
     file = CalibrationFile(folder, calibration_key(engine))
     stored = file.read()
@@ -240,6 +240,9 @@ def load_or_calibrate(engine: SpeculativeEngine, folder: Path, clock: Clock = ti
         return KeptStepCostModel(stored, file)
     if engine.kernels is not None:
         engine.kernels.up_to = stored.up_to
+    if stored.complete:
+        log.info("step cost from %s, served at once; real steps lower it when they show the machine faster", file.path)
+        return KeptStepCostModel(stored, file)
     probed = _probe(engine, stored.points, clock)
     busier = any(probed[count] > stored.points[count] * (1 + LOWER_MARGIN) for count in probed)
     lowered = stored.lowered({count: seconds / stored.points[count] for count, seconds in probed.items()})
@@ -252,9 +255,9 @@ def load_or_calibrate(engine: SpeculativeEngine, folder: Path, clock: Clock = ti
         log.info("step cost from %s kept; the machine is busier than when it was measured (%s); real steps refine it", file.path, shown)
     else:
         log.info("step cost from %s (%s)", file.path, shown or "not probed")
-    if not stored.complete and busier:
+    if busier:
         log.info("stored step cost %s was cut short by its time budget; counts not measured are interpolated", file.path)
-    elif not stored.complete:
+    else:
         stored = _completed(engine, stored, clock)
         file.write(stored)
     return KeptStepCostModel(stored, file)

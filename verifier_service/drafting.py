@@ -61,7 +61,7 @@ class FinishedSequence(NamedTuple):
 class DraftEvidence(NamedTuple):
     """Why the drafter proposed one token (the drafter's ``Evidence``, as the engine reads it)."""
 
-    source: str  # "context" (the request's own tokens) or "global" (learned across requests)
+    source: str  # "context" (the request's own tokens), "global" (learned across requests), "successor", "head"
     match_length: int  # tokens of context suffix that matched
     count: int  # type: ignore[assignment]  # times this continuation followed that suffix (shadows tuple.count)
     total: int  # times any continuation followed it

@@ -421,7 +421,10 @@ class SpeculativeEngine:
                 "max_new_tokens", "{field} 0 generates nothing; it is taken only to score the prompt (its log-probabilities asked for)"
             )
         if not 0 <= request.max_new_tokens <= config.max_new_tokens_limit:
-            raise InvalidRequest("max_new_tokens", f"{{field}} must be in [1, {config.max_new_tokens_limit}], got {request.max_new_tokens}")
+            raise InvalidRequest(
+                "max_new_tokens",
+                f"{{field}} must be in [1, {config.max_new_tokens_limit}] (the server's --max-new-tokens), got {request.max_new_tokens}",
+            )
         needed = len(request.prompt_ids) + request.max_new_tokens
         if needed > self.cache.capacity:
             raise InvalidRequest(

@@ -20,8 +20,8 @@ FINISH_STOP = "stop"  # EOS token or a stop string
 FINISH_LENGTH = "length"  # max_new_tokens reached
 FINISH_CANCELLED = "cancelled"  # the caller gave up (cancel, deadline)
 # Where each emitted token came from (StepOutcome.sources): the target's own
-# (sampled, recovered or bonus), or an accepted draft: the drafter's source
-# ("context", "global"), SOURCE_DRAFT when the drafter gave none.
+# (sampled, recovered or bonus), or an accepted draft: its proposer's source
+# ("context", "global", "successor", "head"), SOURCE_DRAFT when it gave none.
 SOURCE_TARGET = "target"
 SOURCE_DRAFT = "draft"
 FINISH_ERROR = "error"  # a failure that belonged to this sequence alone (StepOutcome.error says which)

@@ -12,8 +12,8 @@ PromQL:
   drafted_by_position{position=i}, positions counted from 0 as vLLM's
   ``spec_decode_num_accepted_tokens_per_pos`` counts them.
 
-The names mirror vLLM's where the quantity is the same (see the README's
-"Metrics" table), and the request latencies are OpenTelemetry's GenAI server
+The names mirror vLLM's where the quantity is the same (docs/reference/metrics.md
+lists each with its vLLM name), and the request latencies are OpenTelemetry's GenAI server
 metrics, named as OpenTelemetry's Prometheus exporter names them
 (``gen_ai.server.time_to_first_token``, unit s ->
 ``gen_ai_server_time_to_first_token_seconds``; attribute ``gen_ai.request.model``

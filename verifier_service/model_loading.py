@@ -49,8 +49,8 @@ class LoadedModel:
 
 
 # What --dtype accepts. float32 is the default everywhere: greedy output is
-# then bit-for-bit transformers' own, while in bfloat16 a row's rounding can
-# depend on how many tokens share its forward pass (README: equality rates).
+# then transformers' own token for token, while in bfloat16 a row's rounding can
+# depend on how many tokens share its forward pass (docs/guides/models-and-precision.md).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # CPU features with native bf16 arithmetic. Without them bf16 is emulated and
 # slower than float32 (measured 4-6x on an AVX2-only EPYC), never faster.

@@ -251,7 +251,7 @@ class OpenAIApi:
         self._ready()
         drafter = self.service.config.drafter.target
         answer: dict[str, Any] = {"status": "ok", "drafter": drafter}
-        if drafter is None:
+        if drafter is None and self.service.config.draft_head == "none":  # a draft head drafts on its own
             answer["warning"] = NO_DRAFTER_WARNING
         return JSONResponse(answer)
 

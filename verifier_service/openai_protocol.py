@@ -219,7 +219,7 @@ def parse(body: dict, model: type[_Body]) -> Any:
             raise ApiError(
                 400,
                 f"unknown field {shown(name)} for {model.ENDPOINT}: this server takes OpenAI's fields and refuses any other "
-                "rather than ignore it (the README lists each field and what is done with it)",
+                "rather than ignore it (docs/guides/openai-api.md lists each field and what is done with it)",
                 param=name,
                 code="unknown_field",
             )

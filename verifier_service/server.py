@@ -19,8 +19,8 @@ cannot hold every batch slot and queue place. Prompt text is bounded in
 characters (``--max-prompt-chars``) before any chat template or tokenizer runs.
 
 Start-up: the port is bound and health says NOT_SERVING while the model
-loads, the step-cost model is calibrated and one request is decoded as a
-warm-up; only then SERVING. The drafter is optional: without one (or while
+loads, the step-cost model is read from the cache folder (or, the first time,
+measured) and a two-token request is decoded as a warm-up; only then SERVING. The drafter is optional: without one (or while
 it is away) every step is plain decoding.
 """
 
@@ -122,7 +122,7 @@ class VerifierConfig:
     )
     # Trained by python -m verifier_service.train_head; refused when trained on another model.
     # Off by default: on a 2-core CPU it pays for one sequence but not yet for 16
-    # (README: the draft head), and a default must not slow any batch down.
+    # (docs/benchmarks.md: the draft head), and a default must not slow any batch down.
     draft_head: str = setting(
         "none",
         group=MODEL,
@@ -255,7 +255,7 @@ class VerifierConfig:
         True,
         group=ENGINE,
         help="neither read nor keep a stored step-cost calibration: measure it at every start. By default it is kept under the "
-        "cache folder ($SPECDEC_CACHE_DIR/calibration) and served from at once at later starts (lowered when a probe or real "
+        "cache folder ($SPECDEC_CACHE_DIR/calibration) and served from at once at later starts (lowered when real "
         "steps show the machine faster, never replaced by a busy start's timings)",
     )
     connections: ConnectionLimits = nested(ConnectionLimits, group=CONNECTIONS)
@@ -560,7 +560,8 @@ class VerifierServer:
         folder = cache_root() / "calibration" if config.calibration_cache else None
         head = find_head(config.draft_head, loaded.model, loaded.tokenizer, config.draft_head_vocabulary)
         engine = SpeculativeEngine(loaded.model, loaded.tokenizer, proposer, config.engine, step_cost, folder, head)
-        engine.generate([GenerationRequest([0, 1, 2, 3], 4, num_speculative_tokens=0)])  # warm-up
+        # Warm-up: a prefill and a one-token pass, the two shapes every request starts with.
+        engine.generate([GenerationRequest([0, 1, 2, 3], 2, num_speculative_tokens=0)])
         scheduler = Scheduler(engine, config.scheduler, observer)
         self.service.metrics.queue_depth.set_function(lambda: scheduler.queue_depth)
         self.service.metrics.active_sequences.set_function(lambda: scheduler.batch_size)

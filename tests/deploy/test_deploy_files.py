@@ -604,8 +604,10 @@ def test_k8s_workloads_probe_grpc_health_and_run_as_non_root(kind, name, health_
     prefix = "SPECDEC_DRAFTER_" if name == "drafter" else "SPECDEC_VERIFIER_"
     assert env_value(container, prefix + "HEALTH_PORT") == str(health_port)
     assert {"name": "health", "containerPort": health_port} in container["ports"]
-    for probe in ("readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"] == {"port": health_port}, probe
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300  # the tables' walk or the model's load before liveness counts
     pod_security = workload["spec"]["template"]["spec"]["securityContext"]
     assert pod_security["runAsNonRoot"] is True and pod_security["runAsUser"] != 0
     # Nothing to escalate to, no capabilities, nothing written outside its volumes.

@@ -579,7 +579,7 @@ BAD_INPUTS = [
         "max_new_tokens above the limit",
         {"prompt_token_ids": [5, 6], "max_new_tokens": MAX_NEW_TOKENS_LIMIT + 1},
         INVALID,
-        f"max_new_tokens must be in [1, {MAX_NEW_TOKENS_LIMIT}], got {MAX_NEW_TOKENS_LIMIT + 1}",
+        f"max_new_tokens must be in [1, {MAX_NEW_TOKENS_LIMIT}] (the server's --max-new-tokens), got {MAX_NEW_TOKENS_LIMIT + 1}",
     ),
     (
         "temperature NaN",

@@ -168,3 +168,21 @@ def test_silent_streams_cuts_the_idle_then_the_longest_quiet_for_each_waiting_st
         for event in held:
             event.set()
         guard.pool.shutdown(wait=True)
+
+
+def test_a_second_server_on_a_taken_port_fails_to_bind_instead_of_sharing_it():
+    first, first_guard = serving.grpc_server(ConnectionLimits(), 2, 4, 1 << 20)
+    port = first.add_insecure_port("127.0.0.1:0")
+    first.start()
+    second, second_guard = serving.grpc_server(ConnectionLimits(), 2, 4, 1 << 20)
+    try:
+        # grpcio reports a failed bind as port 0 or as RuntimeError, by version; SO_REUSEPORT would bind it.
+        try:
+            bound = second.add_insecure_port(f"127.0.0.1:{port}")
+        except RuntimeError:
+            bound = 0
+        assert bound == 0
+    finally:
+        first.stop(0).wait()
+        for guard in (first_guard, second_guard):
+            guard.stop()

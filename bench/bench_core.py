@@ -369,15 +369,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--max-adaptive-nodes", type=int, help="the engine's --max-adaptive-nodes (default: the engine's; 0: chains, as before draft trees)"
     )
-    parser.add_argument("--spec-bench", type=Path, metavar="QUESTIONS", help="run bench.bench_spec on Spec-Bench's question.jsonl instead")
-    args, rest = parser.parse_known_args(argv)
-    if args.spec_bench is not None:
-        from bench import bench_spec
-
-        bench_spec.main([str(args.spec_bench), "--model", args.model, "--out", str(args.out), *rest])
-        return
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = parser.parse_args(argv)
     config = EngineConfig() if args.adaptive_max_nodes is None else EngineConfig(max_adaptive_nodes=args.adaptive_max_nodes)
     loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer

@@ -4,7 +4,7 @@ and transformers' prompt lookup, greedy, on the default model.
     python -m bench.bench_spec ../shared/spec_bench/question.jsonl [--per-group 4] [--max-new-tokens 96]
         [--batch 16] [--rounds 1] [--out bench/results]
 
-(``python -m bench.bench_core --spec-bench PATH`` runs the same.) The prompt
+The prompt
 file is Spec-Bench's ``question.jsonl`` (``bench.spec_bench``); it is read from
 the path given and never copied into the project.
 

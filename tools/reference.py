@@ -25,7 +25,7 @@ from specdec import healthcheck
 from specdec.flags import flags
 from verifier_service import client, train_head
 from verifier_service.__main__ import ENV_PREFIX as VERIFIER_PREFIX
-from verifier_service.server import VerifierConfig
+from verifier_service.config import VerifierConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDER = ROOT / "docs" / "reference"

@@ -46,16 +46,39 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from transformers import PreTrainedModel
 
-from verifier_service.linear_kernels import MEASURED_UP_TO
-
-if TYPE_CHECKING:
-    from verifier_service.engine import SpeculativeEngine
+from verifier_service.kv_cache import SlotKVCache
+from verifier_service.linear_kernels import MEASURED_UP_TO, LinearKernels
 
 log = logging.getLogger(__name__)
+
+
+class CostProbe(Protocol):
+    """What measuring needs of an engine, all public (``SpeculativeEngine`` is one): its
+    model, settings, cache and linear-layer forms, and a packed pass run outside any step."""
+
+    model: PreTrainedModel
+    cache: SlotKVCache
+    kernels: LinearKernels | None
+    device: torch.device
+    context_length: int
+
+    @property
+    def config(self) -> _BudgetedConfig: ...
+
+    @property
+    def slot_count(self) -> int: ...
+
+    def run_pass(self, decode_rows: list[tuple[int, list[int]]], segments: list, keep: list[int]) -> torch.Tensor: ...
+
+
+class _BudgetedConfig(Protocol):
+    @property
+    def calibration_budget_s(self) -> float: ...
 
 Clock = Callable[[], float]
 
@@ -99,7 +122,7 @@ CHECK_EVERY = 256
 _calibrations: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def calibrated_step_cost(engine: SpeculativeEngine, folder: Path | None = None) -> StepCostModel:
+def calibrated_step_cost(engine: CostProbe, folder: Path | None = None) -> StepCostModel:
     """The step-cost model of ``engine``'s model on this machine, measured once per model
     object within ``engine.config.calibration_budget_s`` (and kept in ``folder`` across
     processes, when given: ``load_or_calibrate``)."""
@@ -113,7 +136,7 @@ def calibrated_step_cost(engine: SpeculativeEngine, folder: Path | None = None) 
     return cached
 
 
-def calibration_key(engine: SpeculativeEngine) -> dict:
+def calibration_key(engine: CostProbe) -> dict:
     """What decides the step costs: a stored calibration is reused only under the same."""
     model = engine.model
     return {
@@ -124,7 +147,7 @@ def calibration_key(engine: SpeculativeEngine) -> dict:
         "cpu": _cpu_name(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "slots": len(engine._slots),
+        "slots": engine.slot_count,
         "capacity": engine.cache.capacity,
         "tokens": list(CALIBRATION_TOKENS),
     }
@@ -217,7 +240,7 @@ class CalibrationFile:
             return False
 
 
-def load_or_calibrate(engine: SpeculativeEngine, folder: Path, clock: Clock = time.monotonic) -> StepCostModel:
+def load_or_calibrate(engine: CostProbe, folder: Path, clock: Clock = time.monotonic) -> StepCostModel:
     """The calibration stored in ``folder`` for this key, served at once; else a new one,
     measured within ``engine.config.calibration_budget_s`` and stored for the next start.
 
@@ -263,7 +286,7 @@ def load_or_calibrate(engine: SpeculativeEngine, folder: Path, clock: Clock = ti
     return KeptStepCostModel(stored, file)
 
 
-def _completed(engine: SpeculativeEngine, stored: StoredCalibration, clock: Clock) -> StoredCalibration:
+def _completed(engine: CostProbe, stored: StoredCalibration, clock: Clock) -> StoredCalibration:
     """A calibration cut short by its budget, with as many of the counts it left out as
     COMPLETION_BUDGET_S allows measured now (the machine is no busier than when it was measured)."""
     fits = _fitting_tokens(engine, CALIBRATION_TOKENS)
@@ -278,9 +301,9 @@ def _completed(engine: SpeculativeEngine, stored: StoredCalibration, clock: Cloc
     return replace(stored, points=points, per_context_token=per_context_token, complete=set(fits) <= set(points))
 
 
-def _probe(engine: SpeculativeEngine, stored: dict[int, float], clock: Clock) -> dict[int, float]:
+def _probe(engine: CostProbe, stored: dict[int, float], clock: Clock) -> dict[int, float]:
     """Best-of-PROBE_REPEATS seconds now of the PROBE_TOKENS counts stored, as many as PROBE_BUDGET_S allows."""
-    slots = len(engine._slots)
+    slots = engine.slot_count
     probed: dict[int, float] = {}
     started = clock()
     with torch.inference_mode():
@@ -301,14 +324,14 @@ def measuring_order(tokens: Sequence[int]) -> list[int]:
     return coarse + [count for count in sorted(tokens) if count not in coarse]
 
 
-def _fitting_tokens(engine: SpeculativeEngine, tokens: Sequence[int]) -> list[int]:
+def _fitting_tokens(engine: CostProbe, tokens: Sequence[int]) -> list[int]:
     """The counts a decode-shaped pass over the slots can carry (one cached column each)."""
     limit = min(engine.cache.capacity, engine.context_length) - 1
-    return [count for count in tokens if count <= limit * len(engine._slots)]
+    return [count for count in tokens if count <= limit * engine.slot_count]
 
 
 def calibrate_step_cost(
-    engine: SpeculativeEngine,
+    engine: CostProbe,
     tokens: Sequence[int] = CALIBRATION_TOKENS,
     budget_s: float | None = None,
     clock: Clock = time.monotonic,
@@ -332,7 +355,7 @@ def calibrate_step_cost(
     calibration) instead of timing both and choosing.
     """
     limit = min(engine.cache.capacity, engine.context_length) - 1
-    slots = len(engine._slots)
+    slots = engine.slot_count
     fits = _fitting_tokens(engine, tokens)
     started = clock()
 
@@ -371,7 +394,7 @@ class _Timings:
     def count(self) -> int:
         return len(self.points) + len(self.forms)
 
-    def measure(self, engine: SpeculativeEngine, count: int, slots: int) -> bool:
+    def measure(self, engine: CostProbe, count: int, slots: int) -> bool:
         """Time ``count`` tokens again; whether its best time fell by LOWER_MARGIN (or is its first)."""
         rows = _spread(count, slots, cached=1)
         if not self.choose_forms or engine.kernels is None or count > MEASURED_UP_TO:
@@ -387,7 +410,7 @@ class _Timings:
         self.forms[count] = (min(linear, timed[0]), min(transposed, timed[1]))
         return timed[0] < linear * (1 - LOWER_MARGIN) or timed[1] < transposed * (1 - LOWER_MARGIN)
 
-    def measure_context(self, engine: SpeculativeEngine, slots: int, limit: int) -> None:
+    def measure_context(self, engine: CostProbe, slots: int, limit: int) -> None:
         """The steps of the largest count measured up to 2 per slot, over full slots (as F.linear)."""
         columns = min(limit - 2, CALIBRATION_COLUMNS)
         candidates = [count for count in (*self.points, *self.forms) if count <= 2 * slots]
@@ -400,7 +423,7 @@ class _Timings:
         if self.context is None or seconds < self.context[2]:
             self.context = (count, len(rows) * columns, seconds)
 
-    def model(self, engine: SpeculativeEngine) -> StepCostModel:
+    def model(self, engine: CostProbe) -> StepCostModel:
         """The step costs under the forms ``choose`` keeps, and the cache-read term: the
         full-slot step less its tokens' own cost (both as F.linear), per cached token read."""
         points = dict(self.points)
@@ -428,14 +451,14 @@ def _spread(tokens: int, slots: int, cached: int) -> list[tuple[int, list[int]]]
     return [(cached, [0] * (tokens // rows + (row < tokens % rows))) for row in range(rows)]
 
 
-def _best_time(engine: SpeculativeEngine, repeats: int, decode_rows, segments, keep) -> float:
+def _best_time(engine: CostProbe, repeats: int, decode_rows, segments, keep) -> float:
     cuda = engine.device.type == "cuda"
     times = []
     for _ in range(repeats):
         if cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
-        engine._forward(decode_rows, segments, keep)
+        engine.run_pass(decode_rows, segments, keep)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)

@@ -338,6 +338,16 @@ class SpeculativeEngine:
         self.step_cost = step_cost or calibrated_step_cost(self, calibration_folder)
         self.planner = Planner(self.step_cost)
 
+    @property
+    def slot_count(self) -> int:
+        """Cache slots: sequences that can run at once (``config.max_batch_size``)."""
+        return len(self._slots)
+
+    def run_pass(self, decode_rows: list[tuple[int, list[int]]], segments: list, keep: list[int]) -> torch.Tensor:
+        """One packed forward pass outside any step, for measuring its cost (``calibration``):
+        ``decode_rows``, ``segments`` and ``keep`` as ``_forward`` takes them."""
+        return self._forward(decode_rows, segments, keep)
+
     def _check_slot_attention(self) -> None:
         """One token through the scratch slot: allocates every cache layer, and proves
         that every attention layer reads the packed layout (refusing the model if not)."""

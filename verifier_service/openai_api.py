@@ -97,6 +97,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specdec.serving import CERTIFICATE_CALLER, bearer
+from verifier_service.config import host_name
 from verifier_service.errors import InvalidRequest
 from verifier_service.generation import FINISH_LENGTH, GenerationRequest
 from verifier_service.model_loading import chat_ids
@@ -842,12 +843,6 @@ class _RequestIds:
             await send(message)
 
         await self.app(scope, receive, stamped)
-
-
-def host_name(host: str) -> str:
-    """A host as Host headers are compared: lower case, an IPv6 address without its brackets,
-    no trailing dot ("[::1]" -> "::1", "LocalHost." -> "localhost")."""
-    return host.strip().removeprefix("[").removesuffix("]").rstrip(".").lower()
 
 
 def host_of(header: str) -> str:

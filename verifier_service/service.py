@@ -39,7 +39,7 @@ from verifier_service.scheduler import RequestHandle, Scheduler
 from verifier_service.scopes import DEFAULT_SCOPE, ScopeIds, load_secret
 
 if TYPE_CHECKING:
-    from verifier_service.server import VerifierConfig
+    from verifier_service.config import VerifierConfig
 
 # OpenTelemetry's GenAI operation names: a chat (a chat template applied) or a plain completion.
 CHAT = gen_ai.GenAiOperationNameValues.CHAT.value

@@ -33,6 +33,7 @@ from specdec.v1 import verifier_pb2 as pb
 from tests.conftest import TINY_EOS
 from tests.verifier_service.test_processing import reference_decode
 from verifier_service import openai_api
+from verifier_service.config import VerifierConfig
 from verifier_service.engine import EngineConfig, SpeculativeEngine
 from verifier_service.errors import InvalidRequest
 from verifier_service.metrics import VerifierMetrics
@@ -41,7 +42,7 @@ from verifier_service.openai_api import NO_DRAFTER_WARNING, OpenAIApi
 from verifier_service.openai_protocol import ChatCompletionRequest, CompletionRequest
 from verifier_service.rejection import SamplingParams
 from verifier_service.scheduler import Scheduler, SchedulerConfig
-from verifier_service.server import VerifierConfig, VerifierServicer
+from verifier_service.server import VerifierServicer
 from verifier_service.service import ApiKeys, CallerLimit, VerifierService
 
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"

@@ -12,13 +12,13 @@ from starlette.testclient import TestClient
 
 from specdec import telemetry
 from tests.verifier_service.test_http_api import CAPACITY, CHAT_TEMPLATE, chat_body, completion
+from verifier_service.config import VerifierConfig
 from verifier_service.engine import EngineConfig, SpeculativeEngine
 from verifier_service.generation import GenerationRequest
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.observability import ServiceObserver
 from verifier_service.openai_api import OpenAIApi
 from verifier_service.scheduler import Scheduler, SchedulerConfig
-from verifier_service.server import VerifierConfig
 from verifier_service.service import VerifierService
 
 MODEL = "tiny-model"

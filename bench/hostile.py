@@ -85,7 +85,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2_grpc
 
 from drafter_service.config import DrafterConfig
-from drafter_service.store import MAX_SUCCESSORS
+from drafter_service.table_format import MAX_SUCCESSORS
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 
 LOOPBACK = "127.0.0.1"

@@ -1,7 +1,7 @@
 """python -m drafter_service.check --db DIR: verify every table of a drafter's store, offline.
 
 Each table (one folder per vocabulary fingerprint and learning scope) gets the walk the drafter gives it at
-start-up (``store.walk_tables``), whole instead of bounded, so a table the drafter would
+start-up (``table_check.walk_tables``), whole instead of bounded, so a table the drafter would
 quarantine is a PROBLEM here and one it serves is ok: the file is whole (not truncated)
 and an LMDB environment; it holds this store's sub-databases and format record, in a
 version this code reads; every record of every sub-database is read through its cursor
@@ -10,7 +10,7 @@ decodes per the format, each n-gram with its coldness entry, each successor-tabl
 record with its version and 1..16 predictions. Nothing is changed. It also lists the
 tables the drafter quarantined. Exit 0 when every table is sound, 1 otherwise. Format 1,
 2 and 3 tables are sound: the drafter migrates them to the current format when it opens them
-(``store.MIGRATIONS`` says how; format 1 kept observe ids by decay epoch, and
+(``table_format.MIGRATIONS`` says how; format 1 kept observe ids by decay epoch, and
 those are dropped).
 """
 
@@ -22,7 +22,8 @@ from pathlib import Path
 
 from drafter_service.scopes import split_table_name
 from drafter_service.storage import LOCK_FILE_NAME
-from drafter_service.store import FORMAT_VERSION, MIGRATIONS, TableWalk, walk_tables
+from drafter_service.table_check import TableWalk, walk_tables
+from drafter_service.table_format import FORMAT_VERSION, MIGRATIONS
 
 
 def verdict(name: str, walk: TableWalk) -> str:

@@ -50,7 +50,8 @@ from drafter_service.sessions import (
     SessionTable,
 )
 from drafter_service.storage import DiskFull, StoreRegistry, TooManyVocabularies
-from drafter_service.store import MAX_OBSERVE_ID_BYTES, MAX_SUCCESSORS, LMDBNGramStore, StoreClosed, StoreFull
+from drafter_service.store import LMDBNGramStore, StoreClosed, StoreFull
+from drafter_service.table_format import MAX_OBSERVE_ID_BYTES, MAX_SUCCESSORS
 from drafter_service.writer import CHUNK_SUFFIX_BYTES, ObservationWriter, WriteQueueFull, _Pending
 from specdec import serving, telemetry
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc

@@ -17,7 +17,7 @@ Quarantine
 A table that cannot be served safely is moved aside, renamed
 ``<table>.quarantined-<time>`` in ``--db`` (kept for an operator: never deleted), and
 the others go on serving; a later write to its vocabulary and scope creates a fresh table. At
-start-up, before health says SERVING: each table is walked (``store.walk_tables``: every
+start-up, before health says SERVING: each table is walked (``table_check.walk_tables``: every
 record through its cursor and checked against the format, in a child process so that a
 page on which LMDB aborts condemns the table rather than the drafter; tables above
 ``startup_walk_records`` are walked that far), and one whose walk finds a problem, or that
@@ -50,15 +50,14 @@ import lmdb
 from drafter_service.config import DrafterConfig
 from drafter_service.scopes import DEFAULT_SCOPE, split_table_name, table_name
 from drafter_service.store import (  # noqa: F401 (StoreCorrupted, is_corruption: re-exported for the registry's callers)
-    STARTUP_WALK_RECORDS,
     LMDBNGramStore,
     StoreClosed,
     StoreConfig,
     StoreCorrupted,
-    StoreFormatError,
     is_corruption,
-    walk_tables,
 )
+from drafter_service.table_check import STARTUP_WALK_RECORDS, walk_tables
+from drafter_service.table_format import StoreFormatError
 from specdec.flags import format_size
 
 log = logging.getLogger(__name__)

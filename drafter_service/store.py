@@ -6,62 +6,8 @@ that followed it — but on disk: it survives restarts and kill -9, stays within
 a configured size, forgets stale n-grams, and serves lookups from many threads
 while one thread writes.
 
-On-disk format, version 4 (``FORMAT_VERSION``)
-----------------------------------------------
-One LMDB environment (a directory holding ``data.mdb`` and ``lock.mdb``) with
-six named sub-databases. Every integer is big-endian, so byte order is
-numeric order and keys sharing a prefix sort together. No pickle anywhere.
-
-``meta``
-    ``b"format_version"`` -> uint8, 4. ``b"epoch"`` -> uint32, the current
-    epoch. ``b"epoch_tokens"`` -> uint64, tokens applied since it began.
-    ``b"tracked_bytes"`` -> uint64, see *Size*. ``b"evictions"`` -> uint64,
-    records evicted so far. ``b"successor_tick"`` -> uint32, the successor
-    clock (see *The successor table's bound*). ``b"successor_tick_writes"`` ->
-    uint64, successor keys written since that tick began.
-    ``b"successor_evictions"`` -> uint64, successor records evicted so far.
-``ngrams``
-    key = namespace (8 bytes) | n (uint8) | n tokens (uint32 each).
-    value = value version (uint8, 1: ``VALUE_VERSION``) | last-touched epoch (uint32) | total (uint32)
-    | k pairs (token uint32, count uint32), 1 <= k <= max_continuations,
-    count descending, ties in the order they were stored. Counts are as of
-    the last-touched epoch; total is their sum (saturating at 2**32-1).
-``coldness``
-    key = last-touched epoch (uint32) | total (uint32) | the ``ngrams`` key;
-    value empty. Exactly one per ``ngrams`` record: this sub-db's key order
-    is the eviction order.
-``applied``
-    key = hour applied (uint32, hours since the Unix epoch) | namespace (8
-    bytes) | observe id (UTF-8); value empty. Oldest first, so expiry and
-    eviction read from the front.
-``successors`` (the *successor table*: the target's own predictions)
-    key = namespace (8 bytes) | n (uint8, 1 or 2) | n tokens (uint32 each):
-    the current token, or the previous and the current one.
-    value = value version (uint8, 2: ``SUCCESSOR_VERSION``) | stamp (uint32:
-    the successor tick when the key was last written) | k tokens (uint32
-    each), 1 <= k <= ``MAX_SUCCESSORS``: the target's top k predictions for
-    the token after that key, best first, as a verifier last computed them.
-    The newest replace what was there (Token Recycling's rule: the latest
-    predictions are the best guess). Not in ``tracked_bytes``: bounded by
-    count, ``max_successor_entries`` (see *The successor table's bound*).
-``successor_recency``
-    key = stamp (uint32) | the ``successors`` key; value empty. Exactly one
-    per ``successors`` record, under the stamp its value holds: this sub-db's
-    key order (oldest tick first, then key bytes) is the successor table's
-    eviction order.
-
-Opening a file whose ``format_version`` is 4 reads it. Older ones are migrated
-in place, in one transaction (all of it or nothing), as ``MIGRATIONS``
-summarises: 3's successor values (version 1: the tokens without a stamp) are
-rewritten as version 2 with stamp 0, each with its ``successor_recency``
-entry, and the clock starts at tick 1, so every record migrated is older than
-any written since and nothing learned is lost; 2 gains the two successor
-sub-databases; 1 too, and its ``applied`` ids were keyed by decay epoch: those
-ids are dropped, logged, so a retry in flight across the upgrade may be
-counted twice. Every migration adds the three successor meta records.
-Anything else, or a value whose version byte is not its sub-database's,
-raises ``StoreFormatError``. Code before format 4 refuses a version 4 file
-with that message.
+The file's layout (keys, values, the format version and its migrations) is specified in
+``drafter_service.table_format``; ``drafter_service.table_check`` walks a table against it.
 
 De-duplication window
 ---------------------
@@ -71,13 +17,6 @@ its back-off brings them, are skipped within it. (Version 1 kept ids for 4
 decay epochs, which on a 1 MiB table is ~30 observations: 188 of 200 late
 retries were applied twice.) Expired ids are deleted at the start of each
 apply; ids count towards the size bound and are evicted last.
-
-Namespaces
-----------
-The namespace is a fingerprint of the tokenizer's vocabulary
-(``vocabulary_fingerprint``): token 42 means different text under another
-tokenizer, so a store reads and writes only keys with its own namespace.
-Epochs, the size bound and eviction are shared by all namespaces in a file.
 
 Epochs and decay
 ----------------
@@ -182,30 +121,13 @@ and a call costs at most one eviction and one skipped entry per key it writes
 A table reopened under a smaller bound is trimmed to it when it opens, in
 transactions of ``eviction_chunk_records``.
 
-Checking a table, and damage
-----------------------------
-LMDB keeps no checksums and trusts its pages: a damaged one reads as an error
-(``is_corruption``: MDB_CORRUPTED, MDB_PAGE_NOTFOUND, ...), as plausible but wrong
-records, or aborts the process (an LMDB assertion; 5 of 60 tables given 20 random
-pages did so here). ``walk_table`` reads every record of every sub-database through
-its cursor, so every B-tree page holding one, and checks each against the format
-above: keys rising and shaped as specified; each ``ngrams`` value of version 1 with
-1..255 pairs, distinct tokens, counts most frequent first summing to its total
-(saturated), touched no later than the current epoch, and with its ``coldness``
-entry; as many ``coldness`` entries as n-grams; empty ``coldness`` and ``applied``
-values; the meta records of the file's version; each ``successors`` value of its
-format's version with 1..16 tokens and (format 4) stamped no later than the current
-tick, with its ``successor_recency`` entry; as many of those entries as successor
-records. ``max_records`` bounds it (shared out in proportion to the sub-databases'
-sizes, each walked from its first key): measured here ~1 s per million records
-with the file cached, ~2 s from disk, so a 1 GiB table (~24 million records) takes
-~25-50 s whole. ``walk_tables`` runs walks in child processes, so an abort condemns
-the table, not the caller. The free-page database
-is not walked (py-lmdb cannot open it): damage there surfaces at the next write.
-
-A store given ``on_corruption`` reports a damaged page or record met by any call to
-it; its owner may ``retire`` it (new calls raise ``StoreClosed``, the environment
-closes when the last call in flight ends), and the call then raises ``StoreCorrupted``.
+Damage
+------
+LMDB keeps no checksums and trusts its pages (``drafter_service.table_check`` says what
+damage looks like, and walks a table for it). A store given ``on_corruption`` reports a
+damaged page or record met by any call to it (``is_corruption``); its owner may ``retire``
+it (new calls raise ``StoreClosed``, the environment closes when the last call in flight
+ends), and the call then raises ``StoreCorrupted``.
 
 Durability and concurrency
 --------------------------
@@ -218,20 +140,14 @@ by a lock, so any thread may call ``apply``.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import resource
-import signal
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent import futures
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from itertools import accumulate, chain, compress, islice
 from operator import itemgetter
 from typing import Any, NamedTuple
@@ -239,37 +155,51 @@ from typing import Any, NamedTuple
 import lmdb
 
 from drafter_service.ngram import Continuation, best_of
-from specdec.vocabulary import FINGERPRINT_BYTES, vocabulary_fingerprint  # noqa: F401 (part of the store's API)
+from drafter_service.table_format import (
+    FIRST_PAIR,
+    FORMAT_VERSION,
+    MAX_CONTINUATIONS,
+    MAX_N,
+    MAX_OBSERVE_ID_BYTES,
+    MAX_SUCCESSORS,
+    META_EPOCH,
+    META_EPOCH_TOKENS,
+    META_EVICTIONS,
+    META_SUCCESSOR_EVICTIONS,
+    META_SUCCESSOR_TICK,
+    META_SUCCESSOR_TICK_WRITES,
+    META_TRACKED,
+    META_VERSION,
+    MIGRATED_FORMAT_VERSION,
+    MIGRATIONS,
+    NAMESPACE_BYTES,
+    OUR_DATABASES,
+    PAIR_BYTES,
+    SUB_DATABASES,
+    SUCCESSOR_HEADER,
+    SUCCESSOR_KEYS,
+    SUCCESSOR_TOKENS,
+    SUCCESSOR_VERSION,
+    UINT32,
+    UINT32_MAX,
+    UINT64,
+    UNSTAMPED_FORMAT_VERSION,
+    UNSTAMPED_SUCCESSOR_VERSION,
+    VALUE_HEADER,
+    VALUE_VERSION,
+    StoreFormatError,
+    applied_key,
+    coldness_key,
+    decode_value,
+    encode_value,
+    file_problem,
+    total_count,
+)
 
-FORMAT_VERSION = 4
-# The older formats a store opens, migrating them in place (see the docstring).
-MIGRATED_FORMAT_VERSION = 1
-SUCCESSORLESS_FORMAT_VERSION = 2
-UNSTAMPED_FORMAT_VERSION = 3
-# What opening a table of an older format changes in it (the check tells operators).
-MIGRATIONS = {
-    MIGRATED_FORMAT_VERSION: "its observe ids are dropped, a successor table is added",
-    SUCCESSORLESS_FORMAT_VERSION: "a successor table is added",
-    UNSTAMPED_FORMAT_VERSION: "each successor record is stamped as the oldest, for eviction",
-}
-# Version byte of a ``successors`` value (format 3's, unstamped, is migrated), and the most predictions one holds.
-SUCCESSOR_VERSION = 2
-UNSTAMPED_SUCCESSOR_VERSION = 1
-MAX_SUCCESSORS = 16
 # Successor-clock ticks per max_successor_entries keys written: eviction takes the oldest
 # 1/256th of a table's worth of writes first, and a key rewritten within its tick (a
 # common token, rewritten every step) costs no index update for that many writes.
 SUCCESSOR_TICKS_PER_BOUND = 256
-# Version byte of an ``ngrams`` value (its encoding has not changed since format 1).
-VALUE_VERSION = 1
-NAMESPACE_BYTES = FINGERPRINT_BYTES
-UINT32_MAX = 0xFFFFFFFF
-
-# LMDB's default build rejects keys over 511 bytes: an n-gram key is 9 + 4n
-# bytes and an applied-id key 12 + the id's UTF-8 length.
-LMDB_MAX_KEY_BYTES = 511
-MAX_OBSERVE_ID_BYTES = LMDB_MAX_KEY_BYTES - 4 - NAMESPACE_BYTES
-MAX_N = (LMDB_MAX_KEY_BYTES - NAMESPACE_BYTES - 1) // 4
 # Charged per record on top of key and value: LMDB's 8-byte leaf-node header
 # plus the record's 2-byte slot in its page's offset array.
 RECORD_OVERHEAD_BYTES = 10
@@ -283,37 +213,12 @@ MAP_BYTES_PER_MAX_BYTE = 8
 # Smallest default map: small tables with big batches need room for a whole
 # batch's dirty pages, and 64 MiB of address space is free.
 MIN_MAP_BYTES = 64 << 20
-# Continuations kept per key at most: a drafter uses the first; 255 is far
-# beyond any useful ranking and bounds a value to 9 + 2040 bytes.
-MAX_CONTINUATIONS = 255
-# Named sub-databases: ngrams, coldness, applied, meta, successors, successor_recency.
-SUB_DATABASES = 6
 # Map bytes reserved per successor record: key 17 + value <= 69 and its recency
 # entry's key 21, with LMDB's headers (~130 bytes), in pages about half full, with
 # copy-on-write copies.
 SUCCESSOR_MAP_BYTES = 640
 
 _COUNT = itemgetter(1)  # of a (token, count) pair
-_HEADER = struct.Struct(">BII")  # version, last-touched epoch, total
-_PAIR_BYTES = 8
-_UINT32 = struct.Struct(">I")
-_EPOCH_TOTAL = struct.Struct(">II")
-_FIRST_PAIR = struct.Struct(">II")
-# Packers for 0..MAX_CONTINUATIONS (token, count) pairs, built once: values are encoded per write.
-_PAIRS = [struct.Struct(f">{2 * n}I") for n in range(MAX_CONTINUATIONS + 1)]
-_UINT64 = struct.Struct(">Q")
-# A successor key after its namespace (n, then n tokens), for n = 1, 2; a value's k tokens.
-_SUCCESSOR_KEYS = {n: struct.Struct(f">B{n}I") for n in (1, 2)}
-_SUCCESSOR_HEADER = struct.Struct(">BI")  # version, stamp
-_TOKENS = [struct.Struct(f">{n}I") for n in range(MAX_SUCCESSORS + 1)]
-_META_VERSION = b"format_version"
-_META_EPOCH = b"epoch"
-_META_EPOCH_TOKENS = b"epoch_tokens"
-_META_TRACKED = b"tracked_bytes"
-_META_EVICTIONS = b"evictions"
-_META_SUCCESSOR_TICK = b"successor_tick"
-_META_SUCCESSOR_TICK_WRITES = b"successor_tick_writes"
-_META_SUCCESSOR_EVICTIONS = b"successor_evictions"
 
 log = logging.getLogger(__name__)
 
@@ -327,10 +232,6 @@ class StoreFull(RuntimeError):
     def __init__(self, message: str, results: list[bool | None]) -> None:
         super().__init__(message)
         self.results = results
-
-
-class StoreFormatError(RuntimeError):
-    """The file was written in a format this code does not read, or is not ours, or is damaged."""
 
 
 class StoreClosed(RuntimeError):
@@ -359,49 +260,6 @@ def is_corruption(error: BaseException) -> bool:
     """Whether ``error`` says the table's file is damaged (not the caller's fault, not the disk's
     being full): LMDB's corruption errors, and a stored record that does not decode."""
     return isinstance(error, (*_LMDB_CORRUPTION, StoreFormatError))
-
-
-# LMDB's meta pages (lmdb.h, 64-bit): page header (16 bytes), then mm_magic,
-# mm_version, mm_address, mm_mapsize, mm_dbs[2] (48 bytes each, the first's
-# md_pad holding the page size), mm_last_pg, mm_txnid.
-_LMDB_MAGIC = 0xBEEFC0DE
-_LMDB_META = struct.Struct("<II")  # magic, version, at +16
-_LMDB_PAGE_SIZE = struct.Struct("<I")  # at +40
-_LMDB_LAST_PAGE_AND_TXN = struct.Struct("<QQ")  # at +136
-# Sub-databases a store's main database names; anything else is not ours.
-_SUCCESSORLESS_DATABASES = {b"ngrams", b"coldness", b"applied", b"meta"}  # formats 1 and 2
-_UNSTAMPED_DATABASES = {*_SUCCESSORLESS_DATABASES, b"successors"}  # format 3
-_OUR_DATABASES = {*_UNSTAMPED_DATABASES, b"successor_recency"}
-
-
-def file_problem(path: str | os.PathLike[str]) -> str | None:
-    """Why ``path/data.mdb`` cannot be opened safely, or None (also when there is none yet).
-
-    Checked without mapping the file: LMDB maps it whole, and a page past the end
-    of a truncated file kills the process with SIGBUS, which no handler catches.
-    """
-    data_file = os.path.join(path, "data.mdb")
-    if not os.path.exists(data_file):
-        return None
-    size = os.path.getsize(data_file)
-    with open(data_file, "rb") as handle:
-        head = handle.read(2 * 65536)
-    if len(head) < 4096 + 152:
-        return f"data.mdb is {size} bytes: too short for LMDB's two meta pages"
-    if _LMDB_META.unpack_from(head, 16)[0] != _LMDB_MAGIC:
-        return "data.mdb is not an LMDB file (bad magic)"
-    page_size = _LMDB_PAGE_SIZE.unpack_from(head, 40)[0]
-    if page_size not in (4096, 8192, 16384, 32768, 65536) or len(head) < page_size + 152:
-        return f"data.mdb has an implausible page size {page_size}"
-    metas = [
-        _LMDB_LAST_PAGE_AND_TXN.unpack_from(head, offset + 136)
-        for offset in (0, page_size)
-        if _LMDB_META.unpack_from(head, offset + 16)[0] == _LMDB_MAGIC
-    ]
-    last_page, _txn = max(metas, key=lambda meta: meta[1])
-    if (last_page + 1) * page_size > size:
-        return f"data.mdb is truncated: its last page ends at byte {(last_page + 1) * page_size}, the file has {size}"
-    return None
 
 
 # Upper bounds on LMDB's lock file layout (lmdb.h: MDB_txninfo's header is two
@@ -514,32 +372,7 @@ class StoreConfig:
         return int(self.max_bytes * self.low_water_fraction)
 
 
-# --- pure format and merge functions ------------------------------------------
-
-
-def encode_value(epoch: int, pairs: Sequence[tuple[int, int]], total: int | None = None) -> bytes:
-    """The ``ngrams`` value: header, then (token, count) pairs as stored."""
-    flat = list(chain.from_iterable(pairs))
-    if total is None:
-        total = total_count(pairs)
-    return _HEADER.pack(VALUE_VERSION, epoch, total) + _PAIRS[len(pairs)].pack(*flat)
-
-
-def decode_value(value: bytes) -> tuple[int, int, list[tuple[int, int]]]:
-    """(last-touched epoch, total, pairs) of an ``ngrams`` value; asserts the version."""
-    if not value or value[0] != VALUE_VERSION:
-        version = value[0] if value else None
-        raise StoreFormatError(f"n-gram value has version {version}; this code reads version {VALUE_VERSION}")
-    if len(value) < _HEADER.size + _PAIR_BYTES or (len(value) - _HEADER.size) % _PAIR_BYTES:
-        raise StoreFormatError(f"n-gram value of {len(value)} bytes is not a header plus one or more whole pairs")
-    _version, epoch, total = _HEADER.unpack_from(value)
-    flat = struct.unpack_from(f">{(len(value) - _HEADER.size) // 4}I", value, _HEADER.size)
-    return epoch, total, list(zip(flat[0::2], flat[1::2]))
-
-
-def total_count(pairs: Sequence[tuple[int, int]]) -> int:
-    total = sum(count for _token, count in pairs)
-    return total if total < UINT32_MAX else UINT32_MAX
+# --- pure merge functions ------------------------------------------------------
 
 
 def decayed(pairs: Sequence[tuple[int, int]], age: int, decay_shift: int) -> list[tuple[int, int]]:
@@ -637,14 +470,6 @@ def record_bytes(key: bytes, value: bytes) -> int:
     return len(key) + len(value) + RECORD_OVERHEAD_BYTES
 
 
-def coldness_key(epoch: int, total: int, ngram_key: bytes) -> bytes:
-    return _EPOCH_TOTAL.pack(epoch, total) + ngram_key
-
-
-def applied_key(hour: int, namespace: bytes, observe_id: bytes) -> bytes:
-    return _UINT32.pack(hour) + namespace + observe_id
-
-
 # --- the store --------------------------------------------------------------
 
 
@@ -701,13 +526,13 @@ class StoreSnapshot:
         value = self._value(key)
         if value is None:
             return None
-        if len(value) < _HEADER.size + _PAIR_BYTES:
+        if len(value) < VALUE_HEADER.size + PAIR_BYTES:
             return best_of(self.continuations(key))  # damaged: decode_value says how
-        version, last_touched, total = _HEADER.unpack_from(value)
+        version, last_touched, total = VALUE_HEADER.unpack_from(value)
         if version == VALUE_VERSION and last_touched == self._epoch:
             # Pairs are stored most frequent first: the head is the answer.
             # (A plain tuple: this runs per draft token, and unpacks like a Continuation.)
-            return (*_FIRST_PAIR.unpack_from(value, _HEADER.size), total)  # type: ignore[return-value]
+            return (*FIRST_PAIR.unpack_from(value, VALUE_HEADER.size), total)  # type: ignore[return-value]
         return best_of(self.continuations(key))  # decay, or a bad version (raises)
 
     def _value(self, key: tuple[int, ...]) -> bytes | None:
@@ -724,8 +549,8 @@ class StoreSnapshot:
     def successors(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
         """The target's latest top predictions after ``key`` ((current,) or (previous, current)),
         best first, or None. A value this code cannot read is None too: drafts are hints, and
-        ``walk_table`` reports it."""
-        packer = _SUCCESSOR_KEYS.get(len(key))
+        ``table_check.walk_table`` reports it."""
+        packer = SUCCESSOR_KEYS.get(len(key))
         if packer is None:
             return None
         try:
@@ -734,10 +559,10 @@ class StoreSnapshot:
             return None
         if value is None:
             return None
-        count, odd = divmod(len(value) - _SUCCESSOR_HEADER.size, 4)
+        count, odd = divmod(len(value) - SUCCESSOR_HEADER.size, 4)
         if odd or not 0 < count <= MAX_SUCCESSORS or value[0] != SUCCESSOR_VERSION:
             return None
-        return _TOKENS[count].unpack_from(value, _SUCCESSOR_HEADER.size)
+        return SUCCESSOR_TOKENS[count].unpack_from(value, SUCCESSOR_HEADER.size)
 
     def observe(self, tokens: Sequence[int]) -> None:
         raise TypeError("a snapshot is read-only; observe through the store")
@@ -804,7 +629,7 @@ class LMDBNGramStore:
         """One read transaction for many lookups (a whole Propose batch): a
         consistent view, and no per-lookup transaction cost. Never blocks the writer."""
         with self._use() as env, env.begin() as txn:
-            epoch = _UINT32.unpack(txn.get(_META_EPOCH, db=self._meta))[0]  # type: ignore[arg-type]  # written at creation
+            epoch = UINT32.unpack(txn.get(META_EPOCH, db=self._meta))[0]  # type: ignore[arg-type]  # written at creation
             yield StoreSnapshot(self, txn, epoch)
 
     def observe(self, tokens: Sequence[int]) -> None:
@@ -846,13 +671,13 @@ class LMDBNGramStore:
         """
         records: dict[bytes, bytes] = {}  # key -> its tokens, packed: the newest, in the order last given
         for key, tokens in updates:
-            packer = _SUCCESSOR_KEYS.get(len(key))
+            packer = SUCCESSOR_KEYS.get(len(key))
             if packer is None or not 0 < len(tokens) <= MAX_SUCCESSORS:
                 raise ValueError(f"a successor key has 1 or 2 tokens and 1..{MAX_SUCCESSORS} predictions, got {key} -> {len(tokens)}")
             try:
                 packed = self.config.namespace + packer.pack(len(key), *key)
                 records.pop(packed, None)
-                records[packed] = _TOKENS[len(tokens)].pack(*tokens)
+                records[packed] = SUCCESSOR_TOKENS[len(tokens)].pack(*tokens)
             except struct.error:
                 raise ValueError(f"successor key {key} or its predictions hold a token id outside uint32") from None
         bound = self.config.max_successor_entries
@@ -866,11 +691,11 @@ class LMDBNGramStore:
             excess = txn.stat(self._successors)["entries"] + sum(stamp is None for stamp in stamps.values()) - bound
             if excess > 0:
                 self._evict_successors(txn, meta, excess, records)
-            stamp = _UINT32.pack(meta.tick)
+            stamp = UINT32.pack(meta.tick)
             for packed, held in stamps.items():
                 if held != meta.tick:  # within its tick, a key keeps its recency entry
                     if held is not None:
-                        txn.delete(_UINT32.pack(held) + packed, db=self._recency)
+                        txn.delete(UINT32.pack(held) + packed, db=self._recency)
                     txn.put(stamp + packed, b"", db=self._recency)
                 txn.put(packed, bytes((SUCCESSOR_VERSION,)) + stamp + records[packed], db=self._successors)
             ticks, meta.tick_writes = divmod(meta.tick_writes + len(records), self.config.successor_writes_per_tick)
@@ -883,9 +708,9 @@ class LMDBNGramStore:
         value = txn.get(key, db=self._successors)
         if value is None:
             return None
-        if len(value) < _SUCCESSOR_HEADER.size or value[0] != SUCCESSOR_VERSION:
+        if len(value) < SUCCESSOR_HEADER.size or value[0] != SUCCESSOR_VERSION:
             raise StoreFormatError(f"successor value of {key.hex()} is not version {SUCCESSOR_VERSION} with a stamp")
-        return int(_SUCCESSOR_HEADER.unpack_from(value)[1])
+        return int(SUCCESSOR_HEADER.unpack_from(value)[1])
 
     def _evict_successors(self, txn: lmdb.Transaction, meta: _SuccessorMeta, count: int, keep: Mapping[bytes, bytes]) -> int:
         """Evict up to ``count`` successor records, least recently written first, none of ``keep``."""
@@ -894,7 +719,7 @@ class LMDBNGramStore:
         found = recency.first()
         while found and removed < count:
             index_key = recency.key()
-            key = index_key[_UINT32.size :]
+            key = index_key[UINT32.size :]
             if key in keep:
                 found = recency.next()
                 continue
@@ -1014,14 +839,14 @@ class LMDBNGramStore:
             names = set(txn.cursor().iternext(keys=True, values=False))
             version = None
             if b"meta" in names:
-                version = txn.get(_META_VERSION, db=self._env.open_db(b"meta", txn=txn, create=False))
-        if names and (not names <= _OUR_DATABASES or version is None):
+                version = txn.get(META_VERSION, db=self._env.open_db(b"meta", txn=txn, create=False))
+        if names and (not names <= OUR_DATABASES or version is None):
             raise StoreFormatError(f"{self.config.path} is an LMDB environment without this store's format record: not ours")
 
     def _initialise_meta(self, txn: lmdb.Transaction) -> None:
-        version = txn.get(_META_VERSION, db=self._meta)
+        version = txn.get(META_VERSION, db=self._meta)
         if version is None:
-            txn.put(_META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
+            txn.put(META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
             self._write_meta(txn, _Meta(epoch=0, epoch_tokens=0, tracked_bytes=0, evictions=0))
             self._write_successor_meta(txn, _SuccessorMeta(tick=0, tick_writes=0, evictions=0))
         elif version[0] in MIGRATIONS and len(version) == 1:
@@ -1030,7 +855,7 @@ class LMDBNGramStore:
             raise StoreFormatError(f"{self.config.path} has store format version {version[0]}; this code reads version {FORMAT_VERSION}")
 
     def _migrate(self, txn: lmdb.Transaction, version: int) -> None:
-        """Bring a file of an older ``version`` to this format, in the opening transaction (see the docstring)."""
+        """Bring a file of an older ``version`` to this format, in the opening transaction (see ``table_format``)."""
         dropped = 0
         if version == MIGRATED_FORMAT_VERSION:  # ids keyed by decay epoch: drop them
             meta = self._read_meta(txn)
@@ -1042,7 +867,7 @@ class LMDBNGramStore:
             self._write_meta(txn, meta)
         stamped = 0
         if version == UNSTAMPED_FORMAT_VERSION:  # every record gets stamp 0: older than anything written from now on
-            oldest = _UINT32.pack(0)
+            oldest = UINT32.pack(0)
             cursor = txn.cursor(db=self._successors)
             for key, value in cursor:
                 if not value or value[0] != UNSTAMPED_SUCCESSOR_VERSION:
@@ -1051,7 +876,7 @@ class LMDBNGramStore:
                 txn.put(oldest + key, b"", db=self._recency)
                 stamped += 1
         self._write_successor_meta(txn, _SuccessorMeta(tick=1, tick_writes=0, evictions=0))
-        txn.put(_META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
+        txn.put(META_VERSION, bytes((FORMAT_VERSION,)), db=self._meta)
         log.log(
             logging.WARNING if dropped else logging.INFO,
             "%s: migrated store format %d to %d (%s: dropped %d observe ids kept by epoch, stamped %d successor records)",
@@ -1068,10 +893,10 @@ class LMDBNGramStore:
             return layout.unpack(txn.get(key, db=self._meta))[0]  # type: ignore[arg-type]  # written at creation
 
         return _Meta(
-            epoch=get(_META_EPOCH, _UINT32),
-            epoch_tokens=get(_META_EPOCH_TOKENS, _UINT64),
-            tracked_bytes=get(_META_TRACKED, _UINT64),
-            evictions=get(_META_EVICTIONS, _UINT64),
+            epoch=get(META_EPOCH, UINT32),
+            epoch_tokens=get(META_EPOCH_TOKENS, UINT64),
+            tracked_bytes=get(META_TRACKED, UINT64),
+            evictions=get(META_EVICTIONS, UINT64),
         )
 
     def _read_successor_meta(self, txn: lmdb.Transaction) -> _SuccessorMeta:
@@ -1079,21 +904,21 @@ class LMDBNGramStore:
             return layout.unpack(txn.get(key, db=self._meta))[0]  # type: ignore[arg-type]  # written at creation or migration
 
         return _SuccessorMeta(
-            tick=get(_META_SUCCESSOR_TICK, _UINT32),
-            tick_writes=get(_META_SUCCESSOR_TICK_WRITES, _UINT64),
-            evictions=get(_META_SUCCESSOR_EVICTIONS, _UINT64),
+            tick=get(META_SUCCESSOR_TICK, UINT32),
+            tick_writes=get(META_SUCCESSOR_TICK_WRITES, UINT64),
+            evictions=get(META_SUCCESSOR_EVICTIONS, UINT64),
         )
 
     def _write_successor_meta(self, txn: lmdb.Transaction, meta: _SuccessorMeta) -> None:
-        txn.put(_META_SUCCESSOR_TICK, _UINT32.pack(meta.tick), db=self._meta)
-        txn.put(_META_SUCCESSOR_TICK_WRITES, _UINT64.pack(meta.tick_writes), db=self._meta)
-        txn.put(_META_SUCCESSOR_EVICTIONS, _UINT64.pack(meta.evictions), db=self._meta)
+        txn.put(META_SUCCESSOR_TICK, UINT32.pack(meta.tick), db=self._meta)
+        txn.put(META_SUCCESSOR_TICK_WRITES, UINT64.pack(meta.tick_writes), db=self._meta)
+        txn.put(META_SUCCESSOR_EVICTIONS, UINT64.pack(meta.evictions), db=self._meta)
 
     def _write_meta(self, txn: lmdb.Transaction, meta: _Meta) -> None:
-        txn.put(_META_EPOCH, _UINT32.pack(meta.epoch), db=self._meta)
-        txn.put(_META_EPOCH_TOKENS, _UINT64.pack(meta.epoch_tokens), db=self._meta)
-        txn.put(_META_TRACKED, _UINT64.pack(meta.tracked_bytes), db=self._meta)
-        txn.put(_META_EVICTIONS, _UINT64.pack(meta.evictions), db=self._meta)
+        txn.put(META_EPOCH, UINT32.pack(meta.epoch), db=self._meta)
+        txn.put(META_EPOCH_TOKENS, UINT64.pack(meta.epoch_tokens), db=self._meta)
+        txn.put(META_TRACKED, UINT64.pack(meta.tracked_bytes), db=self._meta)
+        txn.put(META_EVICTIONS, UINT64.pack(meta.evictions), db=self._meta)
 
     # -- internals: applying
 
@@ -1191,7 +1016,7 @@ class LMDBNGramStore:
     def _expire_ids(self, txn: lmdb.Transaction, meta: _Meta, cutoff: int) -> None:
         """Delete the ids applied before hour ``cutoff`` (the key order is the hour's)."""
         cursor = txn.cursor(db=self._applied)
-        while cursor.first() and _UINT32.unpack_from(cursor.key())[0] < cutoff:
+        while cursor.first() and UINT32.unpack_from(cursor.key())[0] < cutoff:
             meta.tracked_bytes -= record_bytes(cursor.key(), cursor.value())
             cursor.delete()
 
@@ -1204,7 +1029,7 @@ class LMDBNGramStore:
             # The commonest case under fresh text: a new n-gram seen once in this
             # batch (counts are < UINT32_MAX: one batch holds < 2^32 tokens).
             ((token, total),) = additions.items()
-            value = _HEADER.pack(VALUE_VERSION, meta.epoch, total) + _FIRST_PAIR.pack(token, total)
+            value = VALUE_HEADER.pack(VALUE_VERSION, meta.epoch, total) + FIRST_PAIR.pack(token, total)
         else:
             if old is None:  # nothing to decay or merge
                 pairs = _ranked(additions.items())[: config.max_continuations]
@@ -1289,7 +1114,7 @@ class LMDBNGramStore:
         coldness = txn.cursor(db=self._coldness)
         while more() and coldness.first():
             index_key = coldness.key()
-            ngram_key = index_key[2 * _UINT32.size :]
+            ngram_key = index_key[2 * UINT32.size :]
             value = txn.pop(ngram_key, db=self._ngrams)
             if value is not None:
                 meta.tracked_bytes -= record_bytes(ngram_key, value)
@@ -1307,283 +1132,3 @@ class LMDBNGramStore:
 
 def _tree_pages(stat: Mapping[str, Any]) -> int:
     return stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
-
-
-# --- checking a table: the start-up walk and drafter_service.check -------------------------
-
-# Records the drafter's start-up walk reads per table (walk_table's max_records): measured
-# 0.85 s here with the file cached, 2.3 s from disk, so a drafter with a few big tables
-# reaches SERVING in seconds, not minutes; a table of up to ~40 MB tracked (~44 bytes a
-# record) holds fewer and is walked whole.
-STARTUP_WALK_RECORDS = 1_000_000
-# The meta records (see the format above) and each one's length: formats 1-3, and this one.
-_OLDER_META_LAYOUT = {_META_VERSION: 1, _META_EPOCH: 4, _META_EPOCH_TOKENS: 8, _META_TRACKED: 8, _META_EVICTIONS: 8}
-_META_LAYOUT = {**_OLDER_META_LAYOUT, _META_SUCCESSOR_TICK: 4, _META_SUCCESSOR_TICK_WRITES: 8, _META_SUCCESSOR_EVICTIONS: 8}
-# The sub-databases of each format a store reads.
-_DATABASES_OF_VERSION = {
-    MIGRATED_FORMAT_VERSION: _SUCCESSORLESS_DATABASES,
-    SUCCESSORLESS_FORMAT_VERSION: _SUCCESSORLESS_DATABASES,
-    UNSTAMPED_FORMAT_VERSION: _UNSTAMPED_DATABASES,
-    FORMAT_VERSION: _OUR_DATABASES,
-}
-_NGRAM_KEY_MAX = NAMESPACE_BYTES + 1 + 4 * MAX_N
-# Signals LMDB dies of on a damaged page: an assertion (abort), or a pointer into nowhere.
-_DAMAGE_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
-_CHILD_WALK = "import sys; from drafter_service.store import _walk_in_child; _walk_in_child(sys.argv[1:])"
-
-
-@dataclass(frozen=True)
-class TableWalk:
-    """What ``walk_table`` found in one table."""
-
-    problem: str | None  # why it cannot be served; None: every record walked is sound
-    records: int = 0  # records walked, over all sub-databases
-    entries: int = 0  # records the table holds (0 when unreadable)
-    version: int | None = None  # format version read; None: unreadable, or a table never written
-
-    @property
-    def whole(self) -> bool:
-        """Every record was walked (a bound left none unread)."""
-        return self.records >= self.entries
-
-
-class _Unsound(Exception):
-    """A record that breaks the format: the walk stops at the first."""
-
-
-class _Walker:
-    """One read transaction's walk over a table: every record of every sub-database read
-    through its cursor (so every B-tree page holding one), in key order, and checked against
-    the format above. ``max_records`` is shared out in proportion to the sub-databases' sizes;
-    each is walked from its first key."""
-
-    def __init__(self, env: lmdb.Environment, max_records: int | None) -> None:
-        self.env, self.max_records = env, max_records
-        self.records = self.entries = self.meta_records = 0
-        self.version: int | None = None
-
-    def walk(self) -> None:
-        with self.env.begin() as self.txn:
-            self._walk()
-
-    def _walk(self) -> None:
-        names = set(self.txn.cursor().iternext(keys=True, values=False))
-        if not names:
-            return  # an environment never written (creation cut short): the store sets it up
-        if names not in _DATABASES_OF_VERSION.values():
-            raise _Unsound(f"its sub-databases are {sorted(names)}, not this store's")
-        dbs = {name: self.env.open_db(name, txn=self.txn, create=False) for name in names}
-        epoch, tick = self._meta(dbs[b"meta"])
-        if names != _DATABASES_OF_VERSION[self.version]:  # type: ignore[index]  # _meta set it
-            raise _Unsound(f"format version {self.version} with sub-databases {sorted(names)}")
-        walked = (b"ngrams", b"coldness", b"applied", b"successors", b"successor_recency")
-        sizes = {name: self.txn.stat(dbs[name])["entries"] for name in walked if name in dbs}
-        self.entries = self.meta_records + sum(sizes.values())
-        if sizes[b"ngrams"] != sizes[b"coldness"]:
-            raise _Unsound(f"it holds {sizes[b'ngrams']} n-gram records but {sizes[b'coldness']} coldness entries (one each)")
-        if b"successor_recency" in sizes and sizes[b"successors"] != sizes[b"successor_recency"]:
-            raise _Unsound(
-                f"it holds {sizes[b'successors']} successor records but {sizes[b'successor_recency']} successor-recency entries (one each)"
-            )
-        limits = dict(sizes)
-        if self.max_records is not None and sum(sizes.values()) > self.max_records:
-            # Rounded up: every sub-database holding records has some walked.
-            limits = {name: -(-self.max_records * size // sum(sizes.values())) for name, size in sizes.items()}
-        self._ngrams(dbs[b"ngrams"], dbs[b"coldness"], limits[b"ngrams"], sizes[b"ngrams"], epoch)
-        self._coldness(dbs[b"coldness"], limits[b"coldness"], sizes[b"coldness"], epoch)
-        self._applied(dbs[b"applied"], limits[b"applied"], sizes[b"applied"])
-        if b"successors" in dbs:
-            recency = dbs.get(b"successor_recency")
-            self._successors(dbs[b"successors"], recency, limits[b"successors"], sizes[b"successors"], tick)
-        if b"successor_recency" in dbs:
-            self._recency(dbs[b"successor_recency"], limits[b"successor_recency"], sizes[b"successor_recency"], tick)
-
-    def _meta(self, db: Any) -> tuple[int, int | None]:
-        """Check the meta records; the current epoch and successor tick (None before format 4)."""
-        records = dict(self.txn.cursor(db=db))
-        self.records += len(records)
-        version = records.get(_META_VERSION)
-        if version is None or len(version) != 1 or version[0] not in _DATABASES_OF_VERSION:
-            raise _Unsound(f"format version {version!r}; this code reads {FORMAT_VERSION} (and 1 to 3, migrating them)")
-        self.version = version[0]
-        layout = _META_LAYOUT if self.version == FORMAT_VERSION else _OLDER_META_LAYOUT
-        if {key: len(value) for key, value in records.items()} != layout:
-            raise _Unsound(f"its meta records are {sorted(records)}, not format {self.version}'s")
-        self.meta_records = len(layout)
-        tick = _UINT32.unpack(records[_META_SUCCESSOR_TICK])[0] if self.version == FORMAT_VERSION else None
-        return _UINT32.unpack(records[_META_EPOCH])[0], tick
-
-    def _cursor(self, db: Any, limit: int) -> Iterator[tuple[bytes, bytes]]:
-        return islice(self.txn.cursor(db=db), limit)
-
-    def _walked(self, what: str, walked: int, limit: int, entries: int) -> None:
-        """Count a loop's records; a tree that ends before its header's count is damaged."""
-        self.records += walked
-        if walked < min(limit, entries):
-            raise _Unsound(f"the {what} tree ends after {walked} records; its header counts {entries}")
-
-    # The loops below run per record (millions): inlined checks, no helper calls.
-
-    def _ngrams(self, db: Any, coldness: Any, limit: int, entries: int, epoch: int) -> None:
-        get, previous, header, pair = self.txn.get, b"", _HEADER.size, _PAIR_BYTES
-        walked = 0
-        for key, value in self._cursor(db, limit):
-            walked += 1
-            if key <= previous:  # a damaged tree can loop
-                raise _Unsound(f"n-gram keys out of order at {key.hex()}")
-            previous = key
-            size = len(key)
-            if size <= NAMESPACE_BYTES or size != NAMESPACE_BYTES + 1 + 4 * key[NAMESPACE_BYTES] or size > _NGRAM_KEY_MAX:
-                raise _Unsound(f"n-gram key {key.hex()} is not namespace | n | n tokens")
-            pairs, odd = divmod(len(value) - header, pair)
-            if odd or not 0 < pairs <= MAX_CONTINUATIONS or value[0] != VALUE_VERSION:
-                raise _Unsound(f"n-gram value of {key.hex()} is not version {VALUE_VERSION}, a header and 1..{MAX_CONTINUATIONS} pairs")
-            _version, touched, total = _HEADER.unpack_from(value)
-            if pairs == 1:
-                count = _UINT32.unpack_from(value, header + 4)[0]
-                sound = touched <= epoch and total == count
-            else:
-                sound = touched <= epoch and _sound_pairs(_PAIRS[pairs].unpack_from(value, header), total)
-            if not sound:
-                raise _Unsound(f"n-gram value of {key.hex()} breaks the format (epoch, total, or its continuations' order)")
-            if get(_EPOCH_TOTAL.pack(touched, total) + key, db=coldness) is None:
-                raise _Unsound(f"n-gram record {key.hex()} has no coldness entry")
-        self._walked("n-gram", walked, limit, entries)
-
-    def _coldness(self, db: Any, limit: int, entries: int, epoch: int) -> None:
-        previous, head = b"", _EPOCH_TOTAL.size + NAMESPACE_BYTES + 1  # epoch, total, namespace, n
-        walked = 0
-        for key, value in self._cursor(db, limit):
-            walked += 1
-            if key <= previous:
-                raise _Unsound(f"coldness keys out of order at {key.hex()}")
-            previous = key
-            size = len(key)
-            if value or size < head or size != head + 4 * key[head - 1] or size > head + 4 * MAX_N:
-                raise _Unsound(f"coldness entry {key.hex()} is not epoch | total | n-gram key, with no value")
-            if _UINT32.unpack_from(key)[0] > epoch:
-                raise _Unsound(f"coldness entry {key.hex()} is from an epoch after the current {epoch}")
-        self._walked("coldness", walked, limit, entries)
-
-    def _applied(self, db: Any, limit: int, entries: int) -> None:
-        previous, head = b"", _UINT32.size + NAMESPACE_BYTES  # hour, namespace
-        walked = 0
-        for key, value in self._cursor(db, limit):
-            walked += 1
-            if key <= previous:
-                raise _Unsound(f"applied-id keys out of order at {key.hex()}")
-            previous = key
-            if value or len(key) <= head:
-                raise _Unsound(f"applied id {key.hex()} is not hour | namespace | observe id, with no value")
-            try:
-                key[head:].decode("utf-8")
-            except UnicodeDecodeError:
-                raise _Unsound(f"applied id {key.hex()} is not UTF-8") from None
-        self._walked("applied-id", walked, limit, entries)
-
-    def _successors(self, db: Any, recency: Any, limit: int, entries: int, tick: int | None) -> None:
-        """Format 4's successor records (``recency`` given), or format 3's unstamped ones."""
-        get, previous, head = self.txn.get, b"", NAMESPACE_BYTES + 1  # namespace, n
-        version, header = (SUCCESSOR_VERSION, _SUCCESSOR_HEADER.size) if recency is not None else (UNSTAMPED_SUCCESSOR_VERSION, 1)
-        walked = 0
-        for key, value in self._cursor(db, limit):
-            walked += 1
-            if key <= previous:
-                raise _Unsound(f"successor keys out of order at {key.hex()}")
-            previous = key
-            count, odd = divmod(len(value) - header, 4)
-            if len(key) < head or key[head - 1] not in (1, 2) or len(key) != head + 4 * key[head - 1]:
-                raise _Unsound(f"successor key {key.hex()} is not namespace | n (1 or 2) | n tokens")
-            if odd or not 0 < count <= MAX_SUCCESSORS or value[0] != version:
-                raise _Unsound(f"successor value of {key.hex()} is not version {version} and 1..{MAX_SUCCESSORS} tokens")
-            if recency is None:
-                continue
-            stamp = value[1:header]
-            if _UINT32.unpack(stamp)[0] > tick:  # type: ignore[operator]  # format 4: a tick
-                raise _Unsound(f"successor record {key.hex()} is stamped after the current tick {tick}")
-            if get(stamp + key, db=recency) is None:
-                raise _Unsound(f"successor record {key.hex()} has no successor-recency entry")
-        self._walked("successor", walked, limit, entries)
-
-    def _recency(self, db: Any, limit: int, entries: int, tick: int | None) -> None:
-        previous, head = b"", _UINT32.size + NAMESPACE_BYTES + 1  # stamp, namespace, n
-        walked = 0
-        for key, value in self._cursor(db, limit):
-            walked += 1
-            if key <= previous:
-                raise _Unsound(f"successor-recency keys out of order at {key.hex()}")
-            previous = key
-            if value or len(key) < head or key[head - 1] not in (1, 2) or len(key) != head + 4 * key[head - 1]:
-                raise _Unsound(f"successor-recency entry {key.hex()} is not stamp | successor key, with no value")
-            if _UINT32.unpack_from(key)[0] > tick:  # type: ignore[operator]  # format 4: a tick
-                raise _Unsound(f"successor-recency entry {key.hex()} is stamped after the current tick {tick}")
-        self._walked("successor-recency", walked, limit, entries)
-
-
-def _sound_pairs(flat: tuple[int, ...], total: int) -> bool:
-    """(token, count) pairs as stored: distinct tokens, counts most frequent first, summing to total (saturated)."""
-    counts = flat[1::2]
-    return total == min(sum(counts), UINT32_MAX) and all(a >= b for a, b in zip(counts, counts[1:])) and len(set(flat[0::2])) == len(counts)
-
-
-def walk_table(path: str | os.PathLike[str], max_records: int | None = None) -> TableWalk:
-    """Check a table (a directory holding data.mdb) without changing it: whole when
-    ``max_records`` is None, else about that many records (see ``_Walker``).
-
-    In this process: LMDB trusts its pages, and on some damaged ones aborts the process
-    (an assertion) instead of raising. The drafter and the checker use ``walk_tables``.
-    """
-    problem = file_problem(path)
-    if problem is not None:
-        return TableWalk(problem)
-    try:
-        env = lmdb.open(os.fspath(path), readonly=True, max_dbs=SUB_DATABASES, readahead=False)
-    except lmdb.Error as error:
-        return TableWalk(f"LMDB cannot open it: {error}")
-    walker = _Walker(env, max_records)
-    try:
-        walker.walk()
-        problem = None
-    except _Unsound as unsound:
-        problem = str(unsound)
-    except Exception as error:  # damaged pages (lmdb.CorruptedError, PageNotFoundError), undecodable records
-        problem = f"unreadable: {type(error).__name__}: {error}"
-    finally:
-        env.close()
-    return TableWalk(problem, walker.records, walker.entries, walker.version)
-
-
-def walk_tables(paths: Sequence[str | os.PathLike[str]], max_records: int | None = None) -> list[TableWalk]:
-    """``walk_table`` of each path, each in a child process (several at once), so that a page
-    on which LMDB aborts or faults condemns its table, not the caller.
-
-    Raises RuntimeError when a walk could not run at all (the child failed otherwise than
-    by one of those signals): that says nothing about the table.
-    """
-    if not paths:
-        return []
-    with futures.ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1)) as pool:
-        return list(pool.map(lambda path: _walk_in_a_child(path, max_records), paths))
-
-
-def _walk_in_a_child(path: str | os.PathLike[str], max_records: int | None) -> TableWalk:
-    # The package's own root first, wherever the caller was started from.
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
-    command = [sys.executable, "-c", _CHILD_WALK, os.fspath(path), str(max_records)]
-    child = subprocess.run(command, capture_output=True, text=True, env=environment, check=False)
-    if child.returncode == 0:
-        return TableWalk(**json.loads(child.stdout.splitlines()[-1]))
-    last_words = (child.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
-    if -child.returncode in _DAMAGE_SIGNALS:
-        name = signal.Signals(-child.returncode).name
-        return TableWalk(f"reading it crashed LMDB ({name}: {last_words}): its pages are damaged")
-    raise RuntimeError(f"the walk of {os.fspath(path)} could not run (exit status {child.returncode}): {last_words}")
-
-
-def _walk_in_child(argv: list[str]) -> None:
-    """The child's side of ``walk_tables``: one TableWalk as JSON on stdout."""
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # an abort here is a finding, not a crash to debug
-    path, max_records = argv
-    walk = walk_table(path, None if max_records == "None" else int(max_records))
-    print(json.dumps(asdict(walk)), flush=True)

@@ -1,6 +1,7 @@
 """Tests for drafter_service.store: format, merge, decay, eviction, durability.
 
-Record sizes used below (module docstring, RECORD_OVERHEAD_BYTES = 10): a
+Record sizes used below (drafter_service.table_format's layout, and the store's
+RECORD_OVERHEAD_BYTES = 10): a
 2-gram key is 8 + 1 + 2*4 = 17 bytes, a value with one pair 9 + 8 = 17, its
 coldness key 8 + 17 = 25; so one 2-gram with one continuation tracks
 17 + 17 + 10 + 25 + 10 = 79 bytes.
@@ -25,27 +26,21 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from drafter_service import store as store_module
 from drafter_service.ngram import SOURCE_GLOBAL, InMemoryNGramTable, NGramConfig
 from drafter_service.sessions import NGramDrafter
 from drafter_service.store import (
     FILE_BYTES_PER_MAX_BYTE,
-    UINT32_MAX,
     LMDBNGramStore,
     StoreClosed,
     StoreConfig,
     StoreCorrupted,
-    StoreFormatError,
     StoreFull,
-    TableWalk,
     count_ngrams,
-    decode_value,
     first_occurrences,
     is_corruption,
-    vocabulary_fingerprint,
-    walk_table,
-    walk_tables,
 )
+from drafter_service.table_check import TableWalk, walk_table
+from drafter_service.table_format import UINT32_MAX, StoreFormatError
 
 NAMESPACE = b"testvoc0"
 OTHER_NAMESPACE = b"othervoc"
@@ -61,14 +56,6 @@ def contents(store, keys):
 
 
 # --- format ---------------------------------------------------------------------
-
-
-def test_vocabulary_fingerprint_hashes_the_sorted_vocabulary():
-    # Golden value: sha256(uint32 0 | uint32 1 | "a" | uint32 1 | uint32 1 | "b")[:8].
-    # If it changes, every stored table is orphaned, so the change must be deliberate.
-    assert vocabulary_fingerprint([("a", 0), ("b", 1)]).hex() == "55a99400f7af5c63"
-    assert vocabulary_fingerprint([("b", 1), ("a", 0)]).hex() == "55a99400f7af5c63"  # item order is irrelevant
-    assert vocabulary_fingerprint([("a", 1), ("b", 0)]).hex() == "650457edecc9ca4d"  # ids matter
 
 
 def test_config_rejects_a_namespace_that_is_not_8_bytes(tmp_path):
@@ -112,7 +99,7 @@ def test_an_unknown_file_version_is_refused_on_open(tmp_path):
 
 def as_older_format(path: str, version: int) -> None:
     """Rewrite a table of this format as format ``version`` (1, 2 or 3) left it, by each one's
-    layout (the module docstring's history): 3 had successor values of version 1 (the tokens,
+    layout (drafter_service.table_format's history): 3 had successor values of version 1 (the tokens,
     unstamped), no successor_recency and no successor meta records; 2 and 1 no successor table."""
     env = lmdb.open(path, max_dbs=6, map_size=1 << 30)  # sparse: room to rewrite a big table
     with env.begin(write=True) as txn:
@@ -130,9 +117,7 @@ def as_older_format(path: str, version: int) -> None:
     env.close()
 
 
-def test_a_value_too_short_for_one_pair_is_a_format_error(tmp_path):
-    with pytest.raises(StoreFormatError, match="1 bytes is not a header plus one or more whole pairs"):
-        decode_value(b"\x01")  # (1 - 9) % 8 == 0: once taken for a header and no pairs, then a struct.error
+def test_the_fast_path_reads_no_header_past_a_value_too_short_for_one_pair(tmp_path):
     config = make_config(tmp_path, n_min=2, n_max=2)
     LMDBNGramStore(config).close()
     put_ngram_value(config, (1, 2), b"\x01\x00\x00")
@@ -784,73 +769,6 @@ class StoreMatchesModel(RuleBasedStateMachine):
 
 StoreMatchesModel.TestCase.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
 TestStoreMatchesModel = StoreMatchesModel.TestCase
-
-
-# --- the walk: start-up's and drafter_service.check's ---------------------------------------
-
-
-def test_the_walk_reads_every_record_of_a_sound_table_or_as_many_as_it_is_allowed(tmp_path):
-    config = make_config(tmp_path, n_min=2, n_max=2)
-    with LMDBNGramStore(config) as store:
-        store.apply([("a", [1, 2, 3, 4]), ("b", [1, 2, 5])])
-        store.advance_epoch()
-        store.observe([1, 2, 3])
-    # 2 bigrams ((1, 2) -> 3, 5; (2, 3) -> 4), each with its coldness entry, 2 applied ids, 8 meta records.
-    assert walk_table(config.path) == TableWalk(None, records=14, entries=14, version=4)
-    # 2 shared out by size, rounded up: one n-gram, one coldness entry, one applied id.
-    assert walk_table(config.path, max_records=2) == TableWalk(None, records=11, entries=14, version=4)
-    assert walk_tables([config.path, config.path], max_records=2) == [walk_table(config.path, max_records=2)] * 2
-
-
-def test_an_environment_never_written_is_sound_and_empty(tmp_path):
-    config = make_config(tmp_path)
-    lmdb.open(config.path).close()  # a creation cut short after LMDB's meta pages, before the store's first commit
-    assert walk_table(config.path) == TableWalk(None)
-    with LMDBNGramStore(config) as store:  # and the store takes it over
-        store.observe([1, 2, 3])
-
-
-@pytest.mark.parametrize(
-    "value, coldness, problem",
-    [
-        (struct.pack(">BIIIIII", 1, 0, 3, 7, 1, 8, 2), struct.pack(">II", 0, 3), "breaks the format"),  # counts rising
-        (struct.pack(">BIIII", 1, 0, 5, 7, 4), struct.pack(">II", 0, 5), "breaks the format"),  # total is not the sum
-        (struct.pack(">BIIIIII", 1, 0, 2, 7, 1, 7, 1), struct.pack(">II", 0, 2), "breaks the format"),  # a token twice
-        (struct.pack(">BIIII", 1, 9, 1, 7, 1), struct.pack(">II", 9, 1), "breaks the format"),  # from a future epoch
-        (struct.pack(">BIIII", 2, 0, 1, 7, 1), struct.pack(">II", 0, 1), "is not version 1"),
-        (struct.pack(">BIIII", 1, 0, 1, 7, 1), struct.pack(">II", 0, 2), "has no coldness entry"),
-    ],
-    ids=["counts rising", "wrong total", "token twice", "future epoch", "value version", "no coldness entry"],
-)
-def test_the_walk_finds_a_record_that_breaks_the_format(tmp_path, value, coldness, problem):
-    config = make_config(tmp_path, n_min=2, n_max=2)
-    LMDBNGramStore(config).close()
-    put_ngram_value(config, (1, 2), value, coldness)
-    walk = walk_table(config.path)
-    assert walk.problem is not None and problem in walk.problem and walk.problem.startswith("n-gram ")
-
-
-def test_the_walk_counts_n_grams_against_coldness_entries(tmp_path):
-    config = make_config(tmp_path, n_min=2, n_max=2)
-    with LMDBNGramStore(config) as store:
-        store.observe([1, 2, 3])
-    env = lmdb.open(config.path, max_dbs=4)
-    with env.begin(write=True) as txn:
-        txn.put(b"\x00" * 25, b"", db=env.open_db(b"coldness", txn=txn))  # an entry for no n-gram
-    env.close()
-    assert walk_table(config.path).problem == "it holds 1 n-gram records but 2 coldness entries (one each)"
-
-
-def test_a_walk_that_lmdb_kills_condemns_the_table_and_one_that_cannot_run_raises(tmp_path, monkeypatch):
-    config = make_config(tmp_path)
-    LMDBNGramStore(config).close()
-    # As LMDB does on some damaged pages: an assertion, which aborts (seen on 5 of 60 tables with 20 random pages).
-    monkeypatch.setattr(store_module, "_CHILD_WALK", "import os, sys; print('mdb.c: Assertion failed', file=sys.stderr); os.abort()")
-    (walk,) = walk_tables([config.path])
-    assert walk == TableWalk("reading it crashed LMDB (SIGABRT: mdb.c: Assertion failed): its pages are damaged")
-    monkeypatch.setattr(store_module, "_CHILD_WALK", "raise SystemExit('no module named lmdb')")
-    with pytest.raises(RuntimeError, match=r"could not run \(exit status 1\): no module named lmdb"):
-        walk_tables([config.path])  # says nothing about the table: never a quarantine
 
 
 # --- corruption and closing --------------------------------------------------------------

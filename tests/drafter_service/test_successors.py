@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import logging
 import random
-import struct
 import time
 
 import grpc
-import lmdb
 import pytest
 from test_hostile_callers import aborted, running  # noqa: F401  (a fixture)
 from test_servicer_overload import VOCABULARY, FakeContext
@@ -18,7 +16,8 @@ from test_store import as_older_format
 from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR, Evidence, InMemoryNGramTable, NGramConfig, propose_tree
 from drafter_service.sessions import ContextIndex
 from drafter_service.storage import DiskSpace
-from drafter_service.store import LMDBNGramStore, StoreConfig, TableWalk, walk_table
+from drafter_service.store import LMDBNGramStore, StoreConfig
+from drafter_service.table_check import TableWalk, walk_table
 from drafter_service.writer import ObservationWriter
 from specdec.v1 import drafter_pb2 as pb
 
@@ -143,60 +142,6 @@ def test_a_format_3_table_is_migrated_keeping_every_record_each_older_than_any_w
     walk = walk_table(path)
     # (1, 2) and its coldness entry, 3 records, their 3 recency entries, 8 meta records.
     assert (walk.problem, walk.version, walk.entries) == (None, 4, 2 + 3 + 3 + 8)
-
-
-STAMP_0 = struct.pack(">I", 0)
-
-
-@pytest.mark.parametrize(
-    "key, value, problem, served",
-    [
-        (b"\x01" + struct.pack(">I", 5), b"\x01" + STAMP_0 + struct.pack(">I", 7), "is not version 2", None),
-        (b"\x01" + struct.pack(">I", 5), b"\x02" + STAMP_0, "is not version 2 and 1..16 tokens", None),
-        (b"\x03" + struct.pack(">3I", 1, 2, 5), b"\x02" + STAMP_0 + struct.pack(">I", 7), "is not namespace | n (1 or 2)", None),
-        (b"\x01" + struct.pack(">I", 5), b"\x02" + struct.pack(">2I", 9, 7), "is stamped after the current tick 0", (7,)),
-    ],
-    ids=["value version", "no tokens", "three-token key", "future stamp"],
-)
-def test_the_walk_finds_a_successor_record_that_breaks_the_format(tmp_path, key, value, problem, served):
-    with make_store(tmp_path) as store:
-        path = store.config.path
-    env = lmdb.open(path, max_dbs=6)
-    with env.begin(write=True) as txn:  # the record with its recency entry, so that they count as one each
-        txn.put(NAMESPACE + key, value, db=env.open_db(b"successors", txn=txn))
-        txn.put(value[1:5] + NAMESPACE + key, b"", db=env.open_db(b"successor_recency", txn=txn))
-    env.close()
-    walk = walk_table(path)
-    assert walk.problem is not None and problem in walk.problem
-    with make_store(tmp_path) as store:  # served meanwhile: an unreadable record reads as none
-        assert store.successors((5,)) == served
-
-
-@pytest.mark.parametrize(
-    "change, problem",
-    [
-        ("drop the entry", "it holds 2 successor records but 1 successor-recency entries (one each)"),
-        ("add an entry", "it holds 2 successor records but 3 successor-recency entries (one each)"),
-        ("restamp the entry", "has no successor-recency entry"),
-    ],
-)
-def test_the_walk_finds_a_missing_or_extra_successor_recency_entry(tmp_path, change, problem):
-    with make_store(tmp_path) as store:
-        store.record_successors([((5,), (6,)), ((6,), (7,))])  # both stamped 0
-        path = store.config.path
-    assert walk_table(path).problem is None
-    env = lmdb.open(path, max_dbs=6)
-    with env.begin(write=True) as txn:
-        recency = env.open_db(b"successor_recency", txn=txn)
-        entry = STAMP_0 + NAMESPACE + b"\x01" + struct.pack(">I", 5)
-        if change != "add an entry":
-            assert txn.delete(entry, db=recency)
-        if change != "drop the entry":  # a second entry for (5,), or (after the delete) one under another stamp
-            txn.put(struct.pack(">I", 1) + entry[4:], b"", db=recency)
-            txn.put(b"successor_tick", struct.pack(">I", 1), db=env.open_db(b"meta", txn=txn))
-    env.close()
-    walk = walk_table(path)
-    assert walk.problem is not None and problem in walk.problem, walk.problem
 
 
 def test_a_backup_holds_the_successor_table(tmp_path):

@@ -370,7 +370,7 @@ def main(argv=None) -> None:
         "--max-adaptive-nodes", type=int, help="the engine's --max-adaptive-nodes (default: the engine's; 0: chains, as before draft trees)"
     )
     args = parser.parse_args(argv)
-    config = EngineConfig() if args.adaptive_max_nodes is None else EngineConfig(max_adaptive_nodes=args.adaptive_max_nodes)
+    config = EngineConfig() if args.max_adaptive_nodes is None else EngineConfig(max_adaptive_nodes=args.max_adaptive_nodes)
     loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
     warm_ids = chat_prompt_ids(tokenizer, "Say hello.")

@@ -267,7 +267,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
-    head = find_head(args.draft_head, model, tokenizer, args.head_vocabulary)
+    head = find_head(args.draft_head, model, tokenizer, args.draft_head_vocabulary)
     methods = [name for name in args.methods.split(",") if name in ALL_METHODS and (name != "head" or head is not None)]
     print(f"methods: {methods}" + (f"; head {head.manifest}" if head is not None else ""), flush=True)
     warm = SpeculativeEngine(model, tokenizer)  # measures the step cost, once per model

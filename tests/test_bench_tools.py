@@ -318,3 +318,21 @@ def test_the_drafter_bench_times_the_verifiers_steps_in_turn_after_their_opening
     times = time_steps(lambda request: calls.append(request) or request, streams)
     assert calls == ["open-a", "open-b", "a1", "b1", "a2"]
     assert len(times.wall_s) == len(times.cpu_s) == 3 and times.last_response == "a2"
+
+
+def test_every_option_a_benchmark_reads_is_one_it_declares():
+    """A renamed flag whose ``args.name`` was not renamed with it fails only when the
+    benchmark runs, minutes in: read each program's source for both."""
+    import re
+    from pathlib import Path
+
+    for program in sorted((Path(__file__).resolve().parent.parent / "bench").glob("*.py")):
+        source = program.read_text()
+        declared = set()
+        for match in re.finditer(r'add_argument\(\s*"([^"]+)"(?:\s*,\s*"([^"]+)")?([^)]*)', source, re.DOTALL):
+            dest = re.search(r'dest="(\w+)"', match.group(3) or "")
+            names = [name for name in match.group(1, 2) if name]
+            long = [name for name in names if name.startswith("--")]
+            declared.add(dest.group(1) if dest else (long or names)[0].lstrip("-").replace("-", "_"))
+        read = set(re.findall(r"\bargs\.(\w+)", source))
+        assert read <= declared, f"{program.name} reads args.{sorted(read - declared)} but declares no such flag"

@@ -80,6 +80,7 @@ class _BudgetedConfig(Protocol):
     @property
     def calibration_budget_s(self) -> float: ...
 
+
 Clock = Callable[[], float]
 
 # Token counts whose forward-pass cost is measured at start-up: every count

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class DraftRequest:
     predictions: Predictions | None = None
     # The learning scope it drafts from and is learned into (GenerationRequest.scope).
     scope: str = ""
+    # The target's feature (the output layer's input) at the last token, from the step that
+    # produced it, for a proposer that drafts from the target's own state (the draft head).
+    feature: torch.Tensor | None = None
 
 
 class FinishedSequence(NamedTuple):

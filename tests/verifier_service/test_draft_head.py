@@ -31,7 +31,8 @@ from verifier_service.draft_head import (
     target_fingerprint,
 )
 from verifier_service.drafting import DraftEvidence, DraftRequest
-from verifier_service.engine import EngineConfig, GenerationRequest, HeadRecord, SpeculativeEngine, _Row, _Sequence, reference_greedy
+from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine, _cache_reads, _Row, _Sequence, reference_greedy
+from verifier_service.head_proposer import HeadRecord, add_head_draft
 from verifier_service.rejection import SamplingParams
 
 
@@ -400,24 +401,24 @@ def test_the_heads_chain_joins_the_drafters_tree_where_they_agree(trained, tiny_
     engine = head_engine(trained, tiny_model, tiny_tokenizer)
     context = DraftEvidence("context", 3, 2, 2)
     row = _Row(None, [10, 11, 20], [], True, [context] * 3, [-1, 0, -1])
-    engine._add_head_draft(row, ([10, 12, 13], [0.9, 0.5, 0.4], 30, 0.05), depth=3, tree=True)
+    add_head_draft(row, ([10, 12, 13], [0.9, 0.5, 0.4], 30, 0.05), depth=3, tree=True, vocab_size=engine.vocab_size)
     # 10 is the drafter's first node: the head follows it, adds 12 under it, 13 under 12, and 30 at the root.
     assert row.draft == [10, 11, 20, 12, 13, 30]
     assert row.parents == [-1, 0, -1, 0, 3, -1]
     assert row.evidence[3:] == [evidence(0.5), evidence(0.4), evidence(0.05)]
     # A second guess the tree already holds at the root is not repeated; depth cuts the chain.
     row = _Row(None, [20], [], True, [context], [-1])
-    engine._add_head_draft(row, ([10, 12, 13], [0.9, 0.5, 0.4], 20, 0.05), depth=2, tree=True)
+    add_head_draft(row, ([10, 12, 13], [0.9, 0.5, 0.4], 20, 0.05), depth=2, tree=True, vocab_size=engine.vocab_size)
     assert (row.draft, row.parents) == ([20, 10, 12], [-1, -1, 1])
 
 
 def test_a_chain_request_takes_the_heads_chain_only_where_the_drafter_had_none(trained, tiny_model, tiny_tokenizer):
     engine = head_engine(trained, tiny_model, tiny_tokenizer)
     row = _Row(None, [7, 8], [], True, [None, None], [-1, 0])
-    engine._add_head_draft(row, ([10, 12], [0.9, 0.5], 30, 0.05), depth=2, tree=False)
+    add_head_draft(row, ([10, 12], [0.9, 0.5], 30, 0.05), depth=2, tree=False, vocab_size=engine.vocab_size)
     assert (row.draft, row.parents) == ([7, 8], [-1, 0])
     row = _Row(None, [], [], True, [], [])
-    engine._add_head_draft(row, ([10, 12, 13], [0.9, 0.5, 0.4], 30, 0.05), depth=2, tree=False)
+    add_head_draft(row, ([10, 12, 13], [0.9, 0.5, 0.4], 30, 0.05), depth=2, tree=False, vocab_size=engine.vocab_size)
     assert (row.draft, row.parents) == ([10, 12], [-1, 0])  # no branch on a chain
 
 
@@ -472,12 +473,13 @@ def test_the_head_drafts_only_for_rows_whose_drafter_draft_is_weak(trained, tiny
     weak = decoding_row(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[1], [11, 12], DraftEvidence("global", 1, 1, 3))
     empty = decoding_row(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[2])
     rows = [strong, weak, empty]
-    requests = [DraftRequest(row.sequence.session_id, row.sequence.tokens, 4, max_nodes=12) for row in rows]
-    engine._head_drafts(rows, rows, requests)
+    requests = [
+        DraftRequest(row.sequence.session_id, row.sequence.tokens, 4, max_nodes=12, feature=row.sequence.head_feature) for row in rows
+    ]
+    engine.head_proposer.draft(rows, rows, requests, _cache_reads(rows, []))
     assert (strong.draft, head_tokens(strong)) == ([11, 12], 0)
     assert head_tokens(weak) >= 4 and weak.draft[:2] == [11, 12]  # its chain, 4 deep, beside the drafter's (and a second guess)
     assert head_tokens(empty) >= 4
-    assert all(row.sequence.head_feature is None for row in rows)  # each feature drafts once
 
 
 @pytest.mark.parametrize(("cost", "rows", "expected"), [(FLAT, 16, 4), (CPU_COST, 1, 2), (CPU_COST, 16, 0)])
@@ -489,8 +491,10 @@ def test_the_heads_chain_stops_where_verifying_it_would_not_pay(trained, tiny_mo
     engine = head_engine(trained, tiny_model, tiny_tokenizer, cost=cost, max_adaptive_k=4, max_adaptive_nodes=12)
     teach(engine, SOURCE_HEAD, 0.5)
     step = [decoding_row(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[index % 8]) for index in range(rows)]
-    requests = [DraftRequest(row.sequence.session_id, row.sequence.tokens, 4, max_nodes=12) for row in step]
-    engine._head_drafts(step, step, requests)
+    requests = [
+        DraftRequest(row.sequence.session_id, row.sequence.tokens, 4, max_nodes=12, feature=row.sequence.head_feature) for row in step
+    ]
+    engine.head_proposer.draft(step, step, requests, _cache_reads(step, []))
     chains = [sum(1 for parent in row.parents if parent >= 0) + (1 if row.draft else 0) for row in step]
     assert chains == [expected] * rows, (engine.planner.floor(rows, 0), chains)
 
@@ -520,8 +524,10 @@ def test_the_heads_first_level_runs_only_where_its_guesses_have_paid(trained, ti
     levels = CountedLevels(engine)
     for attempt in range(3):
         step = [decoding_row(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[index % 8]) for index in range(rows)]
-        requests = [DraftRequest(row.sequence.session_id, row.sequence.tokens, 4, max_nodes=12) for row in step]
-        engine._head_drafts(step, step, requests)
+        requests = [
+            DraftRequest(row.sequence.session_id, row.sequence.tokens, 4, max_nodes=12, feature=row.sequence.head_feature) for row in step
+        ]
+        engine.head_proposer.draft(step, step, requests, _cache_reads(step, []))
         if attempt == 0:
             assert levels.calls[0] == rows  # tried once, whatever the cost
             first = len(levels.calls)
@@ -574,5 +580,21 @@ def test_a_step_settles_what_the_heads_tokens_brought(trained, tiny_model, tiny_
     while engine.busy:
         emitted += sum(len(outcome.tokens) for outcome in engine.step())
     assert emitted == 3 * 12
-    _, _, steps = engine._head_record._net[(3).bit_length()]
-    assert steps > 0 and engine._head_record.pending is None
+    _, _, steps = engine.head_proposer.record._net[(3).bit_length()]
+    assert steps > 0 and engine.head_proposer.record.pending is None
+
+
+def test_each_feature_goes_to_the_head_once_through_the_draft_request(trained, tiny_model, tiny_tokenizer):
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, max_adaptive_k=4, max_adaptive_nodes=12)
+    engine.add(GenerationRequest(tiny_tokenizer(HELD_OUT_TEXTS[0]).input_ids, 12))
+    while not any(sequence.head_feature is not None for sequence in engine._active):
+        engine.step()  # the prefill, then a step whose features the head keeps
+    given = []
+    draft = engine.head_proposer.draft
+    engine.head_proposer.draft = lambda rows, asking, requests, context: (
+        given.extend(r.feature for r in requests),
+        draft(rows, asking, requests, context),
+    )
+    engine.propose()
+    assert len(given) == 1 and given[0] is not None
+    assert all(sequence.head_feature is None for sequence in engine._active)  # taken by the request, not drafted from twice

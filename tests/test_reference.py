@@ -85,7 +85,10 @@ def _known_flags() -> set[str]:
         known.update(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
     sources = [*(ROOT / "bench").glob("*.py"), *(ROOT / "deploy").glob("*.py"), ROOT / "verifier_service" / "local_run.py"]
     for source in [*sources, ROOT / "tests" / "conftest.py"]:
-        known.update(re.findall(r"""(?:add_argument|addoption)\(\s*["'](--[\w-]+)["']""", source.read_text()))
+        text = source.read_text()
+        known.update(re.findall(r"""(?:add_argument|addoption)\(\s*["'](--[\w-]+)["']""", text))
+        negated = re.findall(r"""add_argument\(\s*["']--([\w-]+)["'][^)]*BooleanOptionalAction""", text)
+        known.update(f"--no-{name}" for name in negated)  # argparse adds --no-NAME for these
     return known
 
 

@@ -269,6 +269,40 @@ class _Row:
         self.verify = len(chosen)
 
 
+@dataclass(frozen=True)
+class KeptRows:
+    """Which of a step's kept logits (and features) belong to which decode row and draft node.
+
+    Each decode row owns ``verify + 1`` of them, in row order: its last token's, then each
+    verified node's (node i's gave the token after node i). The prefill chunks' kept
+    positions follow, from ``decoded`` on. Built once a step is scored; acceptance,
+    log-probabilities, predictions and features ask it instead of walking the rows.
+    """
+
+    bounds: tuple[int, ...]  # row i owns [bounds[i], bounds[i + 1])
+
+    @classmethod
+    def of(cls, rows: Sequence[_Row]) -> KeptRows:
+        return cls(tuple(itertools.accumulate((row.verify + 1 for row in rows), initial=0)))
+
+    @property
+    def decoded(self) -> int:
+        """The decode rows' positions together: the prefill chunks' start here."""
+        return self.bounds[-1]
+
+    def span(self, row: int) -> slice:
+        return slice(self.bounds[row], self.bounds[row + 1])
+
+    def root(self, row: int) -> int:
+        """The position of row ``row``'s last token (the first token it emits came from it)."""
+        return self.bounds[row]
+
+    def path(self, row: int, nodes: Sequence[int]) -> list[int]:
+        """The positions that produced the tokens of an accepted path: the root's, then each node's."""
+        start = self.bounds[row]
+        return [start, *(start + 1 + node for node in nodes)]
+
+
 def rejected_line(parents: list[int], verified: int, path: list[int]) -> list[int]:
     """The verified draft nodes the target turned down where the accepted ``path`` ends: the
     first child of its last node (of the root when nothing was accepted), that node's first
@@ -658,21 +692,18 @@ class SpeculativeEngine:
         logits = torch.cat(parts) if parts else torch.empty((0, self.vocab_size), device=self.device)
         return scored_rows, scored_chunks, logits, False
 
-    def accept(self, rows: list[_Row], logits: torch.Tensor) -> list[tuple[list[int], int] | None]:
+    def accept(self, rows: list[_Row], logits: torch.Tensor, kept: KeptRows) -> list[tuple[list[int], int] | None]:
         """(accepted draft nodes, next_token) per row, or None for a row whose shaping or
         sampling failed (that sequence alone fails); greedy rows whose logits need no
         shaping (``processing``) from one argmax over the whole pass."""
         plain_greedy = any(row.sequence.request.sampling.greedy and not row.sequence.request.sampling.shapes_logits for row in rows)
         choices: list[int] = logits.argmax(dim=-1).tolist() if plain_greedy else []
         decisions: list[tuple[list[int], int] | None] = []
-        start = 0
-        for row in rows:
-            width = row.verify + 1
+        for index, row in enumerate(rows):
             draft = row.draft[: row.verify]
             sampling = row.sequence.request.sampling
-            row_logits: torch.Tensor | None = logits[start : start + width]
-            row_choices = choices[start : start + width]
-            start += width
+            row_logits: torch.Tensor | None = logits[kept.span(index)]
+            row_choices = choices[kept.span(index)]
             if sampling.shapes_logits:
                 row_logits = self._alone(row.sequence, self._shape, row, row_logits)
                 if row_logits is None:
@@ -713,17 +744,18 @@ class SpeculativeEngine:
         if not packed:  # scored piecemeal: the last pass's features alone, not the step's
             features = None
         accepting = time.time_ns()
-        decoded = sum(row.verify + 1 for row in rows)
-        decisions = self.accept(rows, logits[:decoded])
+        kept = KeptRows.of(rows)
+        decoded = kept.decoded
+        decisions = self.accept(rows, logits[:decoded], kept)
         if self.head_proposer is not None:
             self.head_proposer.settle(rows, decisions)
-        self._keep_predictions(rows, logits[:decoded])
+        self._keep_predictions(rows, logits[:decoded], kept)
         done = time.time_ns()
         verified = sum(row.verify for row in rows)
         tokens = len(rows) + verified + sum(length for _, _, length in chunks)
         if packed:  # a step scored piecemeal says nothing about a packed step's cost
             self.step_cost.observe(tokens + self.step_cost.padding(tokens), _cache_reads(rows, chunks), time.perf_counter() - started)
-        self._keep_logprobs(rows, logits[:decoded], decisions)
+        self._keep_logprobs(rows, logits[:decoded], decisions, kept)
         accepted = sum(len(decision[0]) for decision in decisions if decision is not None)
         width = 1 + max((row.verify for row in rows), default=0)
         self.last_step = StepReport(decoding, verified, accepted, width, tokens, scoring, accepting, done)
@@ -735,7 +767,7 @@ class SpeculativeEngine:
                 outcomes.append(outcome)
         outcomes += self._finish_prefills(chunks, logits[decoded:])
         if features is not None:
-            self._use_features(features, _feature_rows(rows, decisions, chunks, decoded), outcomes)
+            self._use_features(features, _feature_rows(rows, decisions, chunks, kept), outcomes)
         self.planner.age()
         return outcomes + self._retire()
 
@@ -756,22 +788,17 @@ class SpeculativeEngine:
             if sequence in produced and sequence.finish_reason is None and self._speculates(sequence):
                 sequence.head_feature = features[produced[sequence][-1]]
 
-    def _keep_logprobs(self, rows: list[_Row], logits: torch.Tensor, decisions: list[tuple[list[int], int] | None]) -> None:
+    def _keep_logprobs(self, rows: list[_Row], logits: torch.Tensor, decisions: list[tuple[list[int], int] | None], kept: KeptRows) -> None:
         """For the rows whose requests ask, the target's log-probabilities of the tokens each
-        decision emits (node i's row of ``logits`` gave the token after it), kept until
-        ``_commit`` cuts them to what it emits."""
-        start = 0
-        for row, decision in zip(rows, decisions):
-            width = row.verify + 1
+        decision emits, kept until ``_commit`` cuts them to what it emits."""
+        for index, (row, decision) in enumerate(zip(rows, decisions)):
             top = row.sequence.request.logprobs
             if decision is not None and top is not None:
                 path, token = decision
-                positions = [start, *(start + 1 + node for node in path)]
                 tokens = [row.draft[node] for node in path] + [token]
-                row.logprobs = self._alone(row.sequence, token_logprobs, logits[positions], tokens, top)
-            start += width
+                row.logprobs = self._alone(row.sequence, token_logprobs, logits[kept.path(index, path)], tokens, top)
 
-    def _keep_predictions(self, rows: list[_Row], logits: torch.Tensor) -> None:
+    def _keep_predictions(self, rows: list[_Row], logits: torch.Tensor, kept: KeptRows) -> None:
         """The target's top ``successor_top_k`` at each position the pass scored, for the
         drafter's successor table: one ``topk`` over the whole pass, kept per speculating
         row until its next propose (rejected nodes included: the target scored them too)."""
@@ -779,20 +806,18 @@ class SpeculativeEngine:
         if not k or not any(row.asked for row in rows):
             return
         top = logits.topk(k, dim=-1).indices.tolist()
-        start = 0
-        for row in rows:
+        for index, row in enumerate(rows):
             if row.asked:
                 tokens = row.sequence.tokens
                 current = [tokens[-1], *row.draft[: row.verify]]
                 previous = [tokens[-2] if len(tokens) > 1 else -1, *(current[parent + 1] for parent in row.parents[: row.verify])]
-                kept = [index for index, token in enumerate(previous) if token >= 0]  # a one-token prompt's first has none
+                scored = [node for node, token in enumerate(previous) if token >= 0]  # a one-token prompt's first has none
                 row.sequence.predictions = Predictions(
                     k,
-                    [previous[index] for index in kept],
-                    [current[index] for index in kept],
-                    [token for index in kept for token in top[start + index]],
+                    [previous[node] for node in scored],
+                    [current[node] for node in scored],
+                    [token for node in scored for token in top[kept.root(index) + node]],
                 )
-            start += row.verify + 1
 
     # -- helpers -------------------------------------------------------------
 
@@ -1073,17 +1098,16 @@ def _kept_chunk_positions(sequence: _Sequence, first: int, length: int) -> list[
 
 
 def _feature_rows(
-    rows: list[_Row], decisions: list[tuple[list[int], int] | None], chunks: list[tuple[_Sequence, int, int]], decoded: int
+    rows: list[_Row], decisions: list[tuple[list[int], int] | None], chunks: list[tuple[_Sequence, int, int]], kept: KeptRows
 ) -> dict[_Sequence, list[int]]:
     """Per sequence that got tokens from a step, the rows of the step's kept positions (its
     logits, its features) that produced them: a decode row's root and accepted nodes, a
-    completed prompt's last position (after the ``decoded`` decode positions)."""
+    completed prompt's last position (after the decode rows')."""
     produced: dict[_Sequence, list[int]] = {}
-    start = 0
-    for row, decision in zip(rows, decisions):
+    for index, (row, decision) in enumerate(zip(rows, decisions)):
         if decision is not None:
-            produced[row.sequence] = [start, *(start + 1 + node for node in decision[0])]
-        start += row.verify + 1
+            produced[row.sequence] = kept.path(index, decision[0])
+    decoded = kept.decoded
     for sequence, first, length in chunks:
         decoded += len(_kept_chunk_positions(sequence, first, length))
         if first + length == len(sequence.request.prompt_ids):

@@ -302,3 +302,13 @@ def test_no_predictions_are_kept_when_switched_off(tiny_model, tiny_tokenizer):
 def test_more_predictions_than_the_drafter_keeps_is_refused_at_configuration():
     with pytest.raises(ValueError, match=r"successor_top_k must be at most 16 \(what the drafter keeps\), got 17"):
         EngineConfig(successor_top_k=17)
+
+
+def test_kept_rows_give_each_decode_row_its_root_and_nodes_then_the_prefill_positions():
+    from verifier_service.engine import KeptRows, _Row
+
+    rows = [_Row(None, [1, 2, 3], [], True, verify=3), _Row(None, [], [], False), _Row(None, [4, 5], [], True, verify=1)]
+    kept = KeptRows.of(rows)
+    assert kept.bounds == (0, 4, 5, 7) and kept.decoded == 7
+    assert [kept.span(index) for index in range(3)] == [slice(0, 4), slice(4, 5), slice(5, 7)]
+    assert kept.path(0, [0, 2]) == [0, 1, 3] and kept.path(2, []) == [5] and kept.root(1) == 4

@@ -78,7 +78,7 @@ import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import anyio
 import h11
@@ -101,7 +101,17 @@ from verifier_service.config import host_name
 from verifier_service.errors import InvalidRequest
 from verifier_service.generation import FINISH_LENGTH, GenerationRequest
 from verifier_service.model_loading import chat_ids
-from verifier_service.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from verifier_service.openai_protocol import (
+    CHECK_LOGIT_BIAS_COUNT,
+    ApiError,
+    Body,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse,
+)
 from verifier_service.openai_protocol import shown as _shown
 from verifier_service.processing import TokenLogprob
 from verifier_service.rejection import SamplingParams
@@ -113,27 +123,14 @@ log = logging.getLogger(__name__)
 
 VIEW = Path(__file__).parent / "static" / "index.html"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # The engine's field names (``InvalidRequest.field``) that OpenAI spells otherwise; the rest are the same.
 OPENAI_FIELDS = {"max_new_tokens": "max_tokens", "prompt_ids": "prompt"}
 OPENAI_CHAT_FIELDS = OPENAI_FIELDS | {"prompt_ids": "messages", "logprobs": "top_logprobs"}
-# stream_options' keys: include_usage is honoured; the rest must be absent or false.
-STREAM_OPTIONS = {"include_usage", "include_obfuscation", "continuous_usage_stats"}
 
 
 def _or(value: Any, default: Any) -> Any:
     """A declared field's value, or ``default`` when the body left it out or sent null."""
     return default if value is None else value
-
-
-def _take(body: dict, name: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
-    """``body[name]`` when it has one of ``kinds`` (a bool is not a number), ``default`` when absent or null."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise ApiError(400, f"{name} must be {what}, got {_shown(value)}", param=name)
-    return value
 
 
 def _text(value: str, where: str, param: str) -> str:
@@ -145,19 +142,6 @@ def _text(value: str, where: str, param: str) -> str:
         surrogate = ascii(value[error.start])
         raise ApiError(400, f"{where} holds a lone surrogate ({surrogate}) at character {error.start}: not text", param) from None
     return value
-
-
-def _json_object(received: bytes | bytearray) -> dict:
-    """A body as the JSON object it must be (a 400 in OpenAI's shape otherwise)."""
-    try:
-        body = json.loads(received)
-    except RecursionError:  # the parser's own depth limit (about 1,000 levels): no body of ours nests past 4
-        raise ApiError(400, "the body nests too deeply to be a request") from None
-    except ValueError as error:  # UnicodeDecodeError (not UTF-8) is one too
-        raise ApiError(400, f"the body must be a JSON object in UTF-8: {error}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    return body
 
 
 class OpenAIApi:
@@ -319,19 +303,17 @@ class OpenAIApi:
         return release
 
     async def _tokenize(self, request: Request) -> Response:
-        body = await self._small_body(request, {"model", "prompt", "add_special_tokens", "messages", "add_generation_prompt"})
-        if ("prompt" in body) == ("messages" in body):
-            raise ApiError(400, "give exactly one of prompt (text) and messages (a chat)", param="prompt")
-        if "messages" in body:
-            if not _take(body, "add_generation_prompt", (bool,), "true or false", True):
+        body = await self._small_body(request, TokenizeRequest)
+        if body.messages is not None:
+            if body.add_generation_prompt is False:
                 raise ApiError(
                     400, "add_generation_prompt must be true: chats are tokenized as chat completions see them", "add_generation_prompt"
                 )
-            tokens = await anyio.to_thread.run_sync(self._chat_prompt, body["messages"], limiter=self.limiter)
+            tokens = await anyio.to_thread.run_sync(self._chat_prompt, body.messages, limiter=self.limiter)
         else:
-            prompt = _take(body, "prompt", (str,), "a string")
+            assert body.prompt is not None  # the model takes exactly one of the two
+            prompt, special = body.prompt, _or(body.add_special_tokens, True)
             self._check_prompt_chars(len(_text(prompt, "prompt", "prompt")), "prompt")
-            special = _take(body, "add_special_tokens", (bool,), "true or false", True)
             tokenizer = self.service.tokenizer
             tokens = await anyio.to_thread.run_sync(
                 lambda: list(tokenizer(prompt, add_special_tokens=special).input_ids), limiter=self.limiter
@@ -339,11 +321,8 @@ class OpenAIApi:
         return JSONResponse({"count": len(tokens), "max_model_len": self.service.capacity, "tokens": tokens})
 
     async def _detokenize(self, request: Request) -> Response:
-        body = await self._small_body(request, {"model", "tokens"})
-        tokens = body.get("tokens")
+        tokens = (await self._small_body(request, DetokenizeRequest)).tokens
         vocabulary = self.service.vocab_size
-        if not isinstance(tokens, list) or not all(isinstance(token, int) and not isinstance(token, bool) for token in tokens):
-            raise ApiError(400, "tokens must be a list of token ids", param="tokens")
         if len(tokens) > self.service.capacity:
             raise ApiError(400, f"tokens holds {len(tokens)} ids, more than a sequence's {self.service.capacity}", "tokens")
         if (bad := next((token for token in tokens if not 0 <= token < vocabulary), None)) is not None:
@@ -351,17 +330,11 @@ class OpenAIApi:
         tokenizer = self.service.tokenizer
         return JSONResponse({"prompt": await anyio.to_thread.run_sync(tokenizer.decode, tokens, limiter=self.limiter)})
 
-    async def _small_body(self, request: Request, fields: set[str]) -> dict:
-        """A tokenize/detokenize body: a JSON object of ``fields`` only, for the served model."""
+    async def _small_body(self, request: Request, model: type[Body]) -> Body:
+        """A tokenize/detokenize body, for the served model."""
         self._ready()
-        body = _json_object(await self._body(request, f"http-{secrets.token_hex(6)}"))
-        for name in body:
-            if name not in fields:
-                raise ApiError(
-                    400, f"unknown field {_shown(name)} for {request.url.path}; it takes {sorted(fields)}", param=name, code="unknown_field"
-                )
-        model = _take(body, "model", (str,), "a string")
-        self._refuse_other_model(model, repr(model))
+        body = parse(await self._body(request, f"http-{secrets.token_hex(6)}"), model)
+        self._refuse_other_model(body.model, repr(body.model))
         return body
 
     async def completions(self, request: Request) -> Response:
@@ -466,15 +439,11 @@ class OpenAIApi:
         """(a request per choice, stream, stream_options.include_usage, echo: the prompt goes
         before the completion, vLLM's prompt_logprobs: alternatives shown per prompt token)
         from a JSON body."""
-        body = parse(_json_object(received), ChatCompletionRequest if chat else CompletionRequest)
+        checks = {CHECK_LOGIT_BIAS_COUNT: self.service.config.engine.check_logit_bias_count}
+        body: Any = parse(received, ChatCompletionRequest if chat else CompletionRequest, checks)
         generations = self._generation_requests(body, chat, request_id)
         stream = _or(body.stream, False)
-        options = _or(body.stream_options, {})
-        for name in options:
-            if name not in STREAM_OPTIONS:
-                raise ApiError(400, f"unknown field {_shown(name)} in stream_options: only include_usage is taken", param="stream_options")
-        if options.get("include_obfuscation") or options.get("continuous_usage_stats"):
-            raise ApiError(400, "stream_options: only include_usage is supported; leave the others out or false", param="stream_options")
+        include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
         echo = not chat and bool(body.echo)
         prompt_logprobs = None if chat else body.prompt_logprobs
         if stream and (echo and body.logprobs is not None or prompt_logprobs is not None):
@@ -483,7 +452,7 @@ class OpenAIApi:
                 "the prompt's log-probabilities (echo with logprobs, prompt_logprobs) are answered whole; set stream to false",
                 param="stream",
             )
-        return generations, stream, _take(options, "include_usage", (bool,), "true or false", False), echo, prompt_logprobs
+        return generations, stream, include_usage, echo, prompt_logprobs
 
     def _submit(self, generations: list[GenerationRequest], span, chat: bool, caller: str) -> list[RequestHandle]:
         try:
@@ -603,41 +572,24 @@ class OpenAIApi:
 
     def _generation_request(self, body: Any, chat: bool, prompt_ids: list[int], request_id: str) -> GenerationRequest:
         # Stop strings are checked first: cheap, and the prompt's tokenizing is not.
-        stop = body.stop
-        if isinstance(stop, str):
-            stop = [stop]
-        elif stop is None:
-            stop = []
-        elif not isinstance(stop, list) or not all(isinstance(item, str) for item in stop):
-            raise ApiError(400, "stop must be a string or a list of strings", param="stop")
+        stop = [body.stop] if isinstance(body.stop, str) else _or(body.stop, [])
         for index, item in enumerate(stop):
             _text(item, f"stop[{index}]", "stop")
-        logit_bias = _or(body.logit_bias, {})
-        try:  # by its count, before any entry is read
-            self.service.config.engine.check_logit_bias_count(len(logit_bias))
-        except InvalidRequest as error:
-            raise ApiError(400, str(error), param="logit_bias") from None
         if chat:
             room = self.service.capacity - len(prompt_ids)
             default_max = max(1, min(self.service.max_new_tokens_limit, room))
             max_tokens = _or(body.max_completion_tokens, _or(body.max_tokens, default_max))
         else:
             max_tokens = _or(body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
-        seed = body.seed
-        if seed is not None and not 0 <= seed < 1 << 64:
-            raise ApiError(400, f"seed must be in [0, 2**64), got {seed}", param="seed")
-        top_p = _or(body.top_p, 1.0)
-        if not 0.0 < top_p <= 1.0:  # OpenAI's range; 0 is "off" only on gRPC, where it means unset
-            raise ApiError(400, f"top_p must be in (0, 1] (1: no nucleus filter), got {top_p}", param="top_p")
         sampling = SamplingParams(
             temperature=_or(body.temperature, 1.0),
             top_k=_or(body.top_k, 0),
-            top_p=top_p,
-            seed=seed,
+            top_p=_or(body.top_p, 1.0),
+            seed=body.seed,
             presence_penalty=_or(body.presence_penalty, 0.0),
             frequency_penalty=_or(body.frequency_penalty, 0.0),
             repetition_penalty=_or(body.repetition_penalty, 1.0),
-            logit_bias=_logit_bias(logit_bias),
+            logit_bias=tuple(sorted(_or(body.logit_bias, {}).items())),
             min_tokens=_or(body.min_tokens, 0),
         )
         logprobs = _chat_logprobs(body) if chat else body.logprobs
@@ -664,21 +616,11 @@ class OpenAIApi:
         except InvalidRequest as error:
             raise ApiError(400, str(error), param=param) from None
 
-    def _chat_prompt(self, messages: Any) -> list[int]:
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
         plain = []
         for index, message in enumerate(messages):
-            if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-                raise ApiError(400, f"messages[{index}] needs a role, one of {list(CHAT_ROLES)}", param="messages")
-            content = message.get("content")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
-                    raise ApiError(400, f"messages[{index}].content: only text parts are supported", param="messages")
-                content = "".join(part["text"] for part in content)
-            if not isinstance(content, str):
-                raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts", param="messages")
-            plain.append({"role": message["role"], "content": _text(content, f"messages[{index}].content", "messages")})
+            content = message.content if isinstance(message.content, str) else "".join(part.text for part in message.content)
+            plain.append({"role": message.role, "content": _text(content, f"messages[{index}].content", "messages")})
         self._check_prompt_chars(sum(len(message["content"]) for message in plain), "messages")
         tokenizer = self.service.tokenizer
         if not tokenizer.chat_template:
@@ -688,20 +630,20 @@ class OpenAIApi:
         except Exception as error:  # the template's own rules (role order, ...)
             raise ApiError(400, f"the chat template refused these messages: {error}", param="messages") from None
 
-    def _completion_prompts(self, prompt: Any, limit: int) -> list[list[int]]:
-        """The prompts of a completions request: one (a string, or token ids), or a list of
-        them, at most ``limit`` (each is a sequence, counted as ``n`` choices are)."""
-        if isinstance(prompt, str) or _token_ids(prompt):
-            return [self._completion_prompt(prompt, "prompt")]
-        if not isinstance(prompt, list) or not all(isinstance(item, str) or _token_ids(item) for item in prompt):
-            raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either (a prompt each)", param="prompt")
-        if len(prompt) > limit:
+    def _completion_prompts(self, prompt: str | list[int] | list[str | list[int]], limit: int) -> list[list[int]]:
+        """The prompts of a completions request: one (a string, or token ids, an empty list
+        included: the engine says the prompt is empty), or a list of them, at most ``limit``
+        (each is a sequence, counted as ``n`` choices are)."""
+        if isinstance(prompt, str) or all(isinstance(token, int) for token in prompt):
+            return [self._completion_prompt(cast(str | list[int], prompt), "prompt")]
+        prompts = cast(list[str | list[int]], prompt)
+        if len(prompts) > limit:
             raise ApiError(
                 400,
-                f"prompt lists {len(prompt)} prompts; with n choices each at most {limit} (--max-choices, --max-queued)",
+                f"prompt lists {len(prompts)} prompts; with n choices each at most {limit} (--max-choices, --max-queued)",
                 param="prompt",
             )
-        return [self._completion_prompt(item, f"prompt[{index}]") for index, item in enumerate(prompt)]
+        return [self._completion_prompt(item, f"prompt[{index}]") for index, item in enumerate(prompts)]
 
     def _completion_prompt(self, prompt: str | list[int], where: str) -> list[int]:
         if isinstance(prompt, list):
@@ -711,26 +653,6 @@ class OpenAIApi:
         except InvalidRequest as error:
             raise ApiError(400, f"{where}: {error}" if where != "prompt" else str(error), param="prompt") from None
         return list(self.service.tokenizer(prompt).input_ids)
-
-
-def _token_ids(value: Any) -> bool:
-    """A list of token ids (an empty one included: the engine says the prompt is empty)."""
-    return isinstance(value, list) and all(isinstance(token, int) and not isinstance(token, bool) for token in value)
-
-
-def _logit_bias(value: dict) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``logit_bias``: an object from token ids (as JSON keys, strings) to biases."""
-    bias = []
-    for key, item in value.items():
-        if not key.isascii() or not key.isdigit():
-            raise ApiError(400, f"logit_bias keys are token ids (digits), got {_shown(key)}", param="logit_bias")
-        if isinstance(item, bool) or not isinstance(item, int | float):
-            raise ApiError(400, f"logit_bias[{key}] must be a number, got {_shown(item)}", param="logit_bias")
-        try:
-            bias.append((int(key), float(item)))
-        except OverflowError:
-            raise ApiError(400, f"logit_bias[{key}] must be a finite number", param="logit_bias") from None
-    return tuple(sorted(bias))
 
 
 def _chat_logprobs(body: ChatCompletionRequest) -> int | None:

@@ -3,7 +3,9 @@
 ``IncrementalDecoder`` turns tokens into text as they arrive (as vLLM's
 detokenizer does): each push decodes a short window of tokens ending at the
 new ones and keeps the difference to the window without them. Decoding the
-whole output after every token would cost quadratic time.
+whole output after every token would cost quadratic time. For a Hugging Face
+fast tokenizer that decodes in Rust alone, ``tokenizers``' own
+``DecodeStream`` (the same algorithm, one call a push) does it.
 
 ``IncrementalText`` turns a stream's tokens into text deltas that are safe
 to send: never a half character, a stop string or what may become one.
@@ -15,19 +17,31 @@ ends in the new text starts at most n - 1 characters before it.
 
 from __future__ import annotations
 
+import copy
 import logging
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+from transformers import PreTrainedTokenizerFast
 
 log = logging.getLogger(__name__)
 
 
 class IncrementalDecoder:
+    """Text as tokens arrive, special tokens skipped: what each push adds to the decoded whole."""
+
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._backend = _decoding_backend(tokenizer)  # None: ours decodes
+        self._stream = DecodeStream(skip_special_tokens=True)
+        # Without DecodeStream, ours: tokens[prefix:read] is the decoded context window.
         self.tokens: list[int] = []
-        self._prefix_offset = self._read_offset = 0  # tokens[prefix:read] is the decoded context window
+        self._prefix_offset = self._read_offset = 0
 
     def push(self, tokens: list[int]) -> str:
         """The text the new tokens add ("" while they end on half a character)."""
+        if self._backend is not None:
+            return _step(self._stream, self._backend, tokens)
         self.tokens.extend(tokens)
         decode = self.tokenizer.decode
         before = decode(self.tokens[self._prefix_offset : self._read_offset], skip_special_tokens=True)
@@ -40,12 +54,39 @@ class IncrementalDecoder:
     def peek(self, tokens: list[int]) -> list[str]:
         """What pushing ``tokens`` one at a time would add, each, leaving the decoder as it was
         (the text of a draft the target turned down, where it was proposed)."""
+        if self._backend is not None:
+            stream = copy.copy(self._stream)
+            return [_step(stream, self._backend, [token]) for token in tokens]
         kept, prefix, read = len(self.tokens), self._prefix_offset, self._read_offset
         try:
             return [self.push([token]) for token in tokens]
         finally:
             del self.tokens[kept:]
             self._prefix_offset, self._read_offset = prefix, read
+
+
+def _decoding_backend(tokenizer) -> Tokenizer | None:
+    """The Rust tokenizer whose decode is all of ``tokenizer.decode``, so that DecodeStream's text
+    is ``tokenizer.decode``'s: a transformers fast tokenizer that neither decodes its own way (a
+    model's subclass may) nor cleans up spaces after decoding. None for any other (the tests'
+    stand-ins, a slow tokenizer): ours decodes with ``tokenizer.decode`` itself."""
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or tokenizer.clean_up_tokenization_spaces:
+        return None
+    kind = type(tokenizer)
+    if kind.decode is not PreTrainedTokenizerFast.decode or kind._decode is not PreTrainedTokenizerFast._decode:
+        return None
+    return tokenizer.backend_tokenizer
+
+
+def _step(stream: DecodeStream, backend: Tokenizer, tokens: list[int]) -> str:
+    """DecodeStream's push: as ours, "" while the tokens end on half a character or rewrite the
+    text before them (DecodeStream raises then, with its state as it was, so it waits as ours does)."""
+    try:
+        return stream.step(backend, tokens) or ""
+    except Exception as error:  # tokenizers raises a plain Exception
+        if not str(error).startswith("Invalid prefix"):
+            raise
+        return ""
 
 
 class StopStringMatcher:

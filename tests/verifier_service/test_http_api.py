@@ -395,6 +395,9 @@ MALFORMED = {
     "token-id-huge": b'{"prompt": [1' + b"0" * 400 + b"]}",
     "seed-negative": b'{"prompt": [5], "seed": -1}',
     "model-list": b'{"prompt": [5], "model": ["tiny"]}',
+    "lone-surrogate-key": b'{"prompt": [5], "nope\\ud800": 1}',
+    "logit-bias-key-too-long-for-python": b'{"prompt": [5], "logit_bias": {"' + b"1" * 5000 + b'": 1}}',
+    "logit-bias-int-too-large-for-a-float": b'{"prompt": [5], "logit_bias": {"5": 1' + b"0" * 400 + b"}}",
 }
 CHAT_BODIES = {"lone-surrogate-message", "lone-surrogate-text-part", "messages-string", "message-not-object"}
 
@@ -409,6 +412,82 @@ def test_every_malformed_body_is_a_400_in_openais_shape(client, name):
 def test_a_lone_surrogate_is_named_with_its_field(client):
     error = assert_openai_error(client.post("/v1/chat/completions", content=MALFORMED["lone-surrogate-message"], headers=JSON), 400)
     assert error["param"] == "messages" and "messages[0].content holds a lone surrogate ('\\udc00')" in error["message"]
+    # Spelt in bytes (ed a0 80, which UTF-8 forbids) rather than escaped: named the same.
+    error = assert_openai_error(client.post("/v1/completions", content=MALFORMED["surrogate-as-raw-bytes"], headers=JSON), 400)
+    assert error["param"] == "prompt" and "prompt holds a lone surrogate ('\\ud800') at character 3" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("name", "param", "says"),
+    [
+        ("nested-100000-deep", None, "the body nests too deeply to be a request"),
+        ("array", None, "the body must be a JSON object"),
+        ("invalid-utf8", None, "the body must be a JSON object in UTF-8: 'utf-8' codec can't decode byte 0xff"),
+        ("truncated", None, "the body must be a JSON object in UTF-8: EOF while parsing a list"),
+        ("max-tokens-string", "max_tokens", 'max_tokens must be an integer, got "4"'),
+        ("stream-number", "stream", "stream must be true or false, got 1"),
+        ("seed-negative", "seed", "seed must be in [0, 2**64), got -1"),
+        ("stream-options-list", "stream_options", "stream_options must be an object, got a list"),
+        ("lone-surrogate-key", None, "the body's keys must be text: one holds a lone surrogate"),
+        ("logit-bias-key-too-long-for-python", "logit_bias", "logit_bias keys are token ids (digits)"),
+        ("logit-bias-int-too-large-for-a-float", "logit_bias", "logit_bias[5] must be a finite number"),
+    ],
+)
+def test_what_a_malformed_body_is_told(client, name, param, says):
+    error = assert_openai_error(client.post("/v1/completions", content=MALFORMED[name], headers=JSON), 400)
+    assert error["param"] == param and error["message"].startswith(says), error
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "says"),
+    [
+        ("/v1/chat/completions", {"messages": []}, "messages", "messages must be a non-empty list of {role, content} objects"),
+        ("/v1/chat/completions", {}, "messages", "messages must be a non-empty list of {role, content} objects"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t5"}, 7]}, "messages", "messages[1] needs a role, one of"),
+        ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "t5"}]}, "messages", "messages[0] needs a role, one of"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages", "messages[0].content must be a string or a list of text"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages",
+            "messages[0].content: only text parts are supported",
+        ),
+        ("/v1/completions", {"prompt": [5], "stop": ["t5", 7]}, "stop", "stop must be a string or a list of strings"),
+        ("/v1/completions", {"prompt": [5], "top_p": True}, "top_p", "top_p must be a number, got true"),
+        ("/v1/completions", {"prompt": [5], "num_speculative_tokens": "2"}, "num_speculative_tokens", "num_speculative_tokens must be an"),
+        (
+            "/v1/completions",
+            {"prompt": [5], "stream_options": {"include_usage": 1}},
+            "include_usage",
+            "include_usage must be true or false",
+        ),
+        ("/v1/completions", {"prompt": [5], "stream_options": {"include_obfuscation": True}}, "stream_options", "stream_options: only"),
+        (
+            "/v1/completions",
+            {"prompt": [5], "stream_options": {"usage": True}},
+            "stream_options",
+            'unknown field "usage" in stream_options',
+        ),
+        ("/v1/completions", {}, "prompt", "prompt must be a string, a list of token ids, or a list of either (a prompt each)"),
+        ("/detokenize", {}, "tokens", "tokens must be a list of token ids"),
+        (
+            "/tokenize",
+            {"prompt": "t5", "add_special_tokens": "no"},
+            "add_special_tokens",
+            'add_special_tokens must be true or false, got "no"',
+        ),
+    ],
+)
+def test_each_bad_value_is_told_in_its_fields_words(client, path, body, param, says):
+    error = assert_openai_error(client.post(path, json=body), 400)
+    assert error["param"] == param and error["message"].startswith(says), error
+
+
+def test_an_unknown_key_is_named_before_a_refused_field_and_that_before_a_bad_value(client):
+    body = completion(store=True, top_p=5, Temperature=1)
+    assert assert_openai_error(client.post("/v1/completions", json=body), 400)["param"] == "Temperature"
+    body = completion(store=True, top_p=5)
+    assert assert_openai_error(client.post("/v1/completions", json=body), 400)["param"] == "store"
 
 
 def test_an_unexpected_exception_is_a_500_in_openais_shape_and_one_log_line(open_service, client, monkeypatch, caplog):
@@ -629,6 +708,7 @@ def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(client, chat_tokeniz
     [
         ("/tokenize", {"prompt": "t5", "messages": []}, "prompt"),
         ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": None}, "prompt"),
         ("/tokenize", {"prompt": 5}, "prompt"),
         ("/tokenize", {"prompt": "t5", "truncate": True}, "truncate"),
         ("/tokenize", {"messages": [{"role": "user", "content": "t5"}], "add_generation_prompt": False}, "add_generation_prompt"),

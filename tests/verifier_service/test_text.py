@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
 from verifier_service.engine import FINISH_STOP, GenerationRequest, SpeculativeEngine, reference_greedy
-from verifier_service.text import IncrementalDecoder, StopStringMatcher
+from verifier_service.text import IncrementalDecoder, StopStringMatcher, _decoding_backend
 
 
 class Pieces:
@@ -66,3 +69,86 @@ def test_engine_stops_at_a_stop_string_far_into_a_long_output(tiny_model, tiny_t
     assert result.finish_reason == FINISH_STOP
     assert result.text == text[: text.index(stop)]
     assert stop not in tiny_tokenizer.decode(result.token_ids[:-1])  # it ended at the token completing the stop string
+
+
+# -- tokenizers' DecodeStream, where it decodes as tokenizer.decode does -------------------------
+
+
+class DecodeOnly:
+    """A tokenizer seen through its ``decode`` alone: IncrementalDecoder's own window decoding."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+def pushes_and_peeks(decoder: IncrementalDecoder, tokens: list[int], chunk: int) -> list:
+    """Each push's text for ``tokens`` in chunks of ``chunk``, each push preceded by a peek at the next two tokens."""
+    out = []
+    for start in range(0, len(tokens), chunk):
+        out.append(decoder.peek(tokens[start : start + 2]))
+        out.append(decoder.push(tokens[start : start + chunk]))
+    return out
+
+
+# Multi-byte characters that a byte-level BPE splits across tokens (SmolLM2 spells "語" and
+# "😀" in three tokens each), accents, spaces and newlines.
+TEXTS = ["Hello, world! café naïve — 日本語のテキスト 😀👍🏽", "  spaces   and\nnewlines\t tabs", "don't  . , ! ?  I'm"]
+
+
+def test_the_default_models_tokenizer_decodes_with_decodestream_as_ours_does(real_model):
+    tokenizer = real_model.tokenizer
+    assert _decoding_backend(tokenizer) is tokenizer.backend_tokenizer
+    assert _decoding_backend(DecodeOnly(tokenizer)) is None
+    for text in TEXTS:
+        # The tokenizer's end-of-text token (0) among them: skipped, as special tokens are.
+        tokens = [*tokenizer(text, add_special_tokens=False).input_ids, 0, 28, 6417]
+        for chunk in (1, 2, 3):
+            streamed = pushes_and_peeks(IncrementalDecoder(tokenizer), tokens, chunk)
+            assert streamed == pushes_and_peeks(IncrementalDecoder(DecodeOnly(tokenizer)), tokens, chunk)
+        decoder = IncrementalDecoder(tokenizer)
+        assert "".join(decoder.push([token]) for token in tokens) == tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_a_character_split_across_tokens_comes_whole_from_decodestream(real_model):
+    tokenizer = real_model.tokenizer
+    tokens = tokenizer("語", add_special_tokens=False).input_ids
+    assert len(tokens) == 3  # the character's three bytes, a token each
+    decoder = IncrementalDecoder(tokenizer)
+    assert [decoder.push([token]) for token in tokens] == ["", "", "語"]
+
+
+def test_the_tiny_tokenizer_decodes_with_decodestream_as_ours_does(tiny_tokenizer):
+    assert _decoding_backend(tiny_tokenizer) is tiny_tokenizer.backend_tokenizer
+    tokens = [3, 5, 1, 12, 13, 1, 40]  # 1 is the EOS: skipped
+    for chunk in (1, 2, 3):
+        streamed = pushes_and_peeks(IncrementalDecoder(tiny_tokenizer), tokens, chunk)
+        assert streamed == pushes_and_peeks(IncrementalDecoder(DecodeOnly(tiny_tokenizer)), tokens, chunk)
+    decoder = IncrementalDecoder(tiny_tokenizer)
+    assert [decoder.push([token]) for token in tokens] == ["t3", " t5", "", " t12", " t13", "", " t40"]
+
+
+def rewriting_tokenizer() -> PreTrainedTokenizerFast:
+    """A Rust tokenizer that is not prefix-stable: [a] decodes to "a", [a, b] to "XYZ"."""
+    backend = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2}, unk_token="a"))
+    backend.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "XYZ")])
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def test_decodestream_waits_on_a_decode_that_rewrites_its_past_as_ours_does():
+    """DecodeStream raises on such a decode; the decoder waits instead (nothing sent can be taken back)."""
+    tokenizer = rewriting_tokenizer()
+    assert _decoding_backend(tokenizer) is not None
+    for chosen in (tokenizer, DecodeOnly(tokenizer)):
+        decoder = IncrementalDecoder(chosen)
+        assert [decoder.push([token]) for token in (0, 1, 2)] == ["a", "", ""]
+
+
+def test_a_tokenizer_that_cleans_up_spaces_after_decoding_decodes_with_ours():
+    """transformers' clean-up ("a ." -> "a.") runs in Python after the Rust decode, where DecodeStream cannot see it."""
+    backend = Tokenizer(models.WordLevel({"a": 0, ".": 1}, unk_token="a"))
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=True)
+    assert tokenizer.decode([0, 1]) == "a."  # the Rust decode's "a ."
+    assert _decoding_backend(tokenizer) is None
+    decoder = IncrementalDecoder(tokenizer)
+    assert [decoder.push([token]) for token in (0, 1)] == ["a", "."]

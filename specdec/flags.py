@@ -113,6 +113,19 @@ class _Flag:
     def variable(self, prefix: str) -> str:
         return prefix + self.option[2:].replace("-", "_").upper()
 
+    def former_variables(self, prefix: str) -> list[str]:
+        """The variables of its former names (an on/off flag has none: ``_walk`` refuses them)."""
+        return [prefix + old.replace("-", "_").upper() for old in self.formerly]
+
+    @property
+    def metavar(self) -> str:
+        """What stands for its value in ``--help`` and the reference: SECONDS, BYTES, N, NUMBER or its name's last word."""
+        if self.is_seconds:
+            return "SECONDS"
+        if self.is_bytes:
+            return "BYTES"
+        return {int: "N", float: "NUMBER"}.get(self.kind) or self.name.split("-")[-1].upper()
+
     def shown_default(self) -> str:
         """The default as ``--help`` and the reference write it: 8MiB, 10s, none."""
         if self.default is None:
@@ -148,6 +161,8 @@ def _walk(cls: type, path: tuple[str, ...], skip: set[str], prefix: str, group: 
             continue
         kind, optional = _kind(hints[field.name], f"{cls.__name__}.{field.name}")
         formerly = tuple(meta.get("formerly") or ())
+        if kind is bool and formerly:
+            raise TypeError(f"{cls.__name__}.{field.name}: a renamed on/off flag keeps no alias (its aliases store values only)")
         if meta.get("flag"):
             name = meta["flag"]
         elif field.name.endswith("_s"):
@@ -238,13 +253,7 @@ def _parser(flag: _Flag):
 
 
 def _metavar(flag: _Flag) -> str | None:
-    if flag.choices:
-        return None  # argparse shows them
-    if flag.is_seconds:
-        return "SECONDS"
-    if flag.is_bytes:
-        return "BYTES"
-    return {int: "N", float: "NUMBER"}.get(flag.kind) or flag.name.split("-")[-1].upper()
+    return None if flag.choices else flag.metavar  # argparse shows choices itself
 
 
 def _warn_renamed(parser: argparse.ArgumentParser, old: str, new: str) -> None:
@@ -268,8 +277,7 @@ def _environment(parser: argparse.ArgumentParser, flag: _Flag, prefix: str) -> t
     variable = flag.variable(prefix)
     if variable in os.environ:
         return variable, os.environ[variable]
-    for old in flag.formerly:
-        former = prefix + ("NO_" if flag.kind is bool and flag.default else "") + old.replace("-", "_").upper()
+    for former in flag.former_variables(prefix):
         if former in os.environ:
             _warn_renamed(parser, former, variable)
             return former, os.environ[former]
@@ -295,8 +303,6 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, env_prefix: str, skip:
             if flag.kind is bool and flag.default:  # NO_NAME=1: the field is off
                 default = not default
         if flag.kind is bool:
-            if flag.formerly:
-                raise TypeError(f"--{flag.name}: a renamed on/off flag keeps no alias (flags.py stores values only)")
             action = "store_false" if flag.default else "store_true"
             group.add_argument(flag.option, dest=flag.dest, action=action, default=default, help=f"{flag.help} ({variable}=1)")
             continue
@@ -312,9 +318,7 @@ def warn_unknown_variables(parser: argparse.ArgumentParser, cls: type, env_prefi
     removed), since they are otherwise ignored without a word."""
     known = set()
     for flag in flags(cls):
-        known.add(flag.variable(env_prefix))
-        no = "NO_" if flag.kind is bool and flag.default else ""
-        known.update(env_prefix + no + old.replace("-", "_").upper() for old in flag.formerly)
+        known.update([flag.variable(env_prefix), *flag.former_variables(env_prefix)])
     for variable in sorted(name for name in os.environ if name.startswith(env_prefix) and name not in known):
         print(f"{parser.prog}: {variable} names no flag and is ignored (--help lists each flag's variable)", file=sys.stderr)
 

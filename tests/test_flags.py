@@ -140,3 +140,12 @@ def test_variables_that_name_no_flag_are_reported(monkeypatch, capsys):
     parser = argparse.ArgumentParser(prog="prog")
     warn_unknown_variables(parser, Renamed, "TEST_")
     assert capsys.readouterr().err == "prog: TEST_MAX_DEPHT names no flag and is ignored (--help lists each flag's variable)\n"
+
+
+def test_an_on_off_flag_cannot_keep_a_former_name():
+    @dataclass(frozen=True)
+    class Toggled:
+        quiet: bool = setting(False, formerly=["silent"], help="say less")
+
+    with pytest.raises(TypeError, match="Toggled.quiet: a renamed on/off flag keeps no alias"):
+        parse([], cls=Toggled)

@@ -60,7 +60,8 @@ def _service_page(title: str, command: str, cls: type, prefix: str, intro: str) 
         lines.append(f"\n## {name}\n\n| flag | variable | default | meaning |\n|---|---|---|---|\n")
         for flag in members:
             default = "off" if flag.kind is bool else flag.shown_default()
-            option = flag.option + ("" if flag.kind is bool else " " + _placeholder(flag))
+            value = "{" + ",".join(flag.choices) + "}" if flag.choices else flag.metavar
+            option = flag.option + ("" if flag.kind is bool else " " + value)
             lines.append(f"| `{option}` | `{flag.variable(prefix)}` | `{default}` | {_cell(flag.help)} |\n")
     renamed = [(old, flag) for flag in found for old in flag.formerly]
     if renamed:
@@ -68,16 +69,6 @@ def _service_page(title: str, command: str, cls: type, prefix: str, intro: str) 
         for old, flag in sorted(renamed, key=lambda pair: pair[0]):
             lines.append(f"| `--{old}` | `{flag.option}` |\n")
     return "".join(lines)
-
-
-def _placeholder(flag) -> str:
-    if flag.choices:
-        return "{" + ",".join(flag.choices) + "}"
-    if flag.is_seconds:
-        return "SECONDS"
-    if flag.is_bytes:
-        return "BYTES"
-    return {int: "N", float: "NUMBER"}.get(flag.kind) or flag.name.split("-")[-1].upper()
 
 
 def _anchor(title: str) -> str:

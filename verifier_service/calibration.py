@@ -10,10 +10,11 @@ engine a model of their own instead.
 Load only ever adds time to a pass, so what is kept is what load cannot
 inflate from below: the minimum of repeated timings, or a low quantile of
 many real steps, and a stored cost is only ever lowered by such evidence.
-Readiness never waits on a busy machine: a start with a stored calibration
-serves from it at once (a slower probe only says the machine is busy), and
-a start without one measures for at most the budget, coarse token counts
-first, so a calibration cut short still spans every step size.
+Readiness never waits on a busy machine: a start with a complete stored
+calibration serves from it at once, without a forward pass; one cut short is
+probed and completed only when the probe finds the machine no busier; a start
+without one measures for at most the budget, coarse token counts first, so a
+calibration cut short still spans every step size.
 
 The service keeps the calibration in a folder (``load_or_calibrate``),
 keyed by what decides the costs: the model's shape and dtype, the device,

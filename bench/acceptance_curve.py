@@ -22,9 +22,9 @@ from pathlib import Path
 
 from bench.spec_bench import load_groups
 from drafter_service.sessions import NGramDrafter
-from verifier_service.drafting import SessionProposer
-from verifier_service.engine import GenerationRequest, SpeculativeEngine
-from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
+from verifier_service.core.drafting import SessionProposer
+from verifier_service.core.engine import GenerationRequest, SpeculativeEngine
+from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
 
 BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0001)
 

@@ -47,9 +47,9 @@ import torch
 
 from bench.workloads import Workload, service_prompts, workloads
 from drafter_service.sessions import NGramDrafter
-from verifier_service.drafting import DraftProposer, DraftRequest, ProposedDraft, SessionProposer
-from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
+from verifier_service.core.drafting import DraftProposer, DraftRequest, ProposedDraft, SessionProposer
+from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
+from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
 
 SPEC_KS = (1, 2, 3, 5, 8)
 ADAPTIVE = None  # num_speculative_tokens unset: the engine chooses per step

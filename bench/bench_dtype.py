@@ -26,9 +26,9 @@ import torch
 
 from bench.workloads import workloads
 from drafter_service.sessions import NGramDrafter
-from verifier_service.drafting import SessionProposer
-from verifier_service.engine import GenerationRequest, SpeculativeEngine
-from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, has_fast_bfloat16, load_model, resolve_dtype
+from verifier_service.core.drafting import SessionProposer
+from verifier_service.core.engine import GenerationRequest, SpeculativeEngine
+from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, has_fast_bfloat16, load_model, resolve_dtype
 
 
 def decode(engine: SpeculativeEngine, prompts: list[list[int]], max_new_tokens: int, k, batched: bool):

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from bench.bench_core import ADAPTIVE, run_fresh
 from bench.workloads import workloads
-from verifier_service.engine import SpeculativeEngine
-from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, find_default_gguf, load_model
+from verifier_service.core.engine import SpeculativeEngine
+from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, find_default_gguf, load_model
 
 PLD_TOKENS = 10  # llama-cpp-python's default for prompt lookup
 

@@ -104,7 +104,7 @@ from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 from specdec.vocabulary import tokenizer_fingerprint
-from verifier_service.model_loading import DEFAULT_MODEL, resolve_model_path
+from verifier_service.core.model_loading import DEFAULT_MODEL, resolve_model_path
 
 REQUEST_TIMEOUT_S = 600
 REFUSED = grpc.StatusCode.RESOURCE_EXHAUSTED  # the queue is full: allowed, and counted apart

@@ -17,7 +17,7 @@ prompt (so the machine's drift hits them alike), whole requests timed
   default before draft trees;
 * ``default``: the engine's defaults, what users get;
 * ``head``: the defaults plus the trained draft head (``--draft-head``; auto:
-  the one ``python -m verifier_service.train_head`` stored for this model),
+  the one ``python -m verifier_service.head.train`` stored for this model),
   when there is one;
 * ``hf-pld-3``, ``hf-pld-10``: transformers' prompt lookup; the faster of the
   two per group is the baseline ``×PLD`` compares against.
@@ -50,10 +50,10 @@ import torch
 from bench.bench_core import decode_batch, run_hf
 from bench.spec_bench import geometric_mean, load_groups
 from drafter_service.sessions import NGramDrafter
-from verifier_service.draft_head import DEFAULT_HEAD_VOCABULARY, HeadDrafter, find_head
-from verifier_service.drafting import SessionProposer
-from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
+from verifier_service.core.drafting import SessionProposer
+from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
+from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
+from verifier_service.head.model import DEFAULT_HEAD_VOCABULARY, HeadDrafter, find_head
 
 OURS = {
     "plain": (EngineConfig(), 0),

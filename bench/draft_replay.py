@@ -44,8 +44,8 @@ from drafter_service.ngram import (
     propose_chain_or_successors,
     propose_tree,
 )
-from verifier_service.engine import SpeculativeEngine
-from verifier_service.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
+from verifier_service.core.engine import SpeculativeEngine
+from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
 
 # A chain's tokens, or a tree's (tokens, parents): parents -1 for the root's children.
 Drafter = Callable[[list[int], int], "list[int] | tuple[list[int], list[int]]"]

@@ -80,6 +80,6 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 @pytest.fixture(scope="session")
 def real_model():
     """The default target (SmolLM2-135M-Instruct from its GGUF), converted once per cache folder."""
-    from verifier_service.model_loading import load_model
+    from verifier_service.core.model_loading import load_model
 
     return load_model(device="cpu")

@@ -34,8 +34,8 @@ from drafter_service.ngram import NGramConfig
 from drafter_service.server import create_server
 from drafter_service.sessions import NGramDrafter
 from specdec.v1 import drafter_pb2_grpc
-from verifier_service.drafting import DraftRequest, SessionProposer
-from verifier_service.engine import SpeculativeEngine
+from verifier_service.core.drafting import DraftRequest, SessionProposer
+from verifier_service.core.engine import SpeculativeEngine
 
 
 def test_oracle_drafts_the_rest_of_each_reference():

@@ -23,9 +23,10 @@ from drafter_service.config import DrafterConfig
 from specdec import __main__ as serve
 from specdec import healthcheck
 from specdec.flags import flags
-from verifier_service import client, train_head
+from verifier_service import client
 from verifier_service.__main__ import ENV_PREFIX as VERIFIER_PREFIX
-from verifier_service.config import VerifierConfig
+from verifier_service.head import train as train_head
+from verifier_service.serving.config import VerifierConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDER = ROOT / "docs" / "reference"

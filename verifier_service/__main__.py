@@ -12,8 +12,8 @@ import sys
 import threading
 
 from specdec.serving import announce, parse_service_config, stop_on_signals
-from verifier_service.config import VerifierConfig
-from verifier_service.server import create_server
+from verifier_service.serving.config import VerifierConfig
+from verifier_service.serving.server import create_server
 
 ENV_PREFIX = "SPECDEC_VERIFIER_"
 

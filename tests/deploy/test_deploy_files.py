@@ -30,7 +30,7 @@ DEPLOY = REPO / "deploy"
 VALIDATE = DEPLOY / "validate.sh"
 INSTALL_HINT = "install the validators with: deploy/install-validators.sh (as root)"
 
-# The metric names the services export (verifier_service/metrics.py,
+# The metric names the services export (verifier_service/serving/metrics.py,
 # drafter_service/metrics.py); the dashboard may use these and no others.
 VERIFIER_METRICS = {
     "specdec_verifier_requests_total": "counter",
@@ -854,7 +854,7 @@ def exported_families(registry) -> dict[str, str]:
 
 def test_the_known_metrics_are_what_the_services_export(tmp_path):
     from drafter_service.server import DrafterConfig, create_server
-    from verifier_service.metrics import VerifierMetrics
+    from verifier_service.serving.metrics import VerifierMetrics
 
     verifier = VerifierMetrics("a-model")
     # Counters kept elsewhere are added by the server through watch(); the names it watches:

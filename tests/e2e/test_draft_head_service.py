@@ -16,8 +16,9 @@ from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 from tests.conftest import build_tiny_model
 from tests.verifier_service.test_draft_head import TRAIN_TEXTS, collected
-from verifier_service import train_head
-from verifier_service.draft_head import (
+from verifier_service.core.engine import reference_greedy
+from verifier_service.head import train as train_head
+from verifier_service.head.model import (
     HEAD_FORMAT,
     MANIFEST,
     DraftHead,
@@ -27,7 +28,6 @@ from verifier_service.draft_head import (
     save_head,
     target_fingerprint,
 )
-from verifier_service.engine import reference_greedy
 
 from processes import running_tiny_verifier
 

@@ -7,8 +7,8 @@ import random
 import time
 
 from drafter_service.store import LMDBNGramStore, StoreConfig
-from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
-from verifier_service.drafting import DraftRequest
+from verifier_service.core.drafting import DraftRequest
+from verifier_service.serving.drafter_client import DrafterClientConfig, RemoteDrafter
 
 from processes import ServiceProcess, free_port
 

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
-from verifier_service.engine import reference_greedy
+from verifier_service.core.engine import reference_greedy
 
 from processes import ServiceProcess
 

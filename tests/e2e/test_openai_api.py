@@ -17,7 +17,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from verifier_service.model_loading import DEFAULT_MODEL
+from verifier_service.core.model_loading import DEFAULT_MODEL
 
 from processes import HttpVerifier
 

@@ -33,8 +33,8 @@ from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
 from specdec.vocabulary import tokenizer_fingerprint
-from verifier_service.engine import reference_greedy
-from verifier_service.model_loading import chat_prompt_ids
+from verifier_service.core.engine import reference_greedy
+from verifier_service.core.model_loading import chat_prompt_ids
 
 from processes import ServiceProcess, free_port, running
 
@@ -753,7 +753,7 @@ import os
 
 _gate = os.environ.get("SPECDEC_TEST_LOAD_GATE")
 if _gate:
-    import verifier_service.model_loading as _loading
+    import verifier_service.core.model_loading as _loading
 
     _load_model = _loading.load_model
 

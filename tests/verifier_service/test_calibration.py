@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from verifier_service import calibration
-from verifier_service.calibration import StepCostModel
-from verifier_service.engine import EngineConfig, SpeculativeEngine
+from verifier_service.core import calibration
+from verifier_service.core.calibration import StepCostModel
+from verifier_service.core.engine import EngineConfig, SpeculativeEngine
 
 # -- StepCostModel --------------------------------------------------------------------
 

@@ -21,14 +21,14 @@ from specdec import telemetry
 from specdec.v1 import verifier_pb2 as pb
 from specdec.vocabulary import tokenizer_fingerprint
 from tests.verifier_service.test_rejected_drafts import grpc_door
-from verifier_service.config import VerifierConfig
-from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
-from verifier_service.engine import EngineConfig, SpeculativeEngine
-from verifier_service.metrics import VerifierMetrics
-from verifier_service.openai_api import CERTIFICATE_STATE, OpenAIApi, _Callers, _common_name
-from verifier_service.scheduler import Scheduler, SchedulerConfig
-from verifier_service.scopes import DEFAULT_SCOPE, SECRET_FILE_NAME, KeyEntry, ScopeIds, load_secret, parse_key_line
-from verifier_service.service import ApiKeys, VerifierService
+from verifier_service.core.engine import EngineConfig, SpeculativeEngine
+from verifier_service.serving.config import VerifierConfig
+from verifier_service.serving.drafter_client import DrafterClientConfig, RemoteDrafter
+from verifier_service.serving.metrics import VerifierMetrics
+from verifier_service.serving.openai_api import CERTIFICATE_STATE, OpenAIApi, _Callers, _common_name
+from verifier_service.serving.scheduler import Scheduler, SchedulerConfig
+from verifier_service.serving.scopes import DEFAULT_SCOPE, SECRET_FILE_NAME, KeyEntry, ScopeIds, load_secret, parse_key_line
+from verifier_service.serving.service import ApiKeys, VerifierService
 
 SECRET = "a-server-secret-of-32-characters"
 # Upper bound on waiting for background work (the drafter storing an observation); never a pass/fail threshold.

@@ -13,10 +13,13 @@ import torch
 from tests.conftest import build_tiny_model
 from tests.verifier_service.test_engine_adaptive import CPU_COST, FrozenStepCost
 from tests.verifier_service.test_trees import FLAT, NO_EOS, PROMPTS, TreeProposer, branch_tree, engine_for
-from verifier_service import train_head
-from verifier_service.adaptive import SOURCE_HEAD
-from verifier_service.calibration import StepCostModel
-from verifier_service.draft_head import (
+from verifier_service.core.calibration import StepCostModel
+from verifier_service.core.drafting import DraftEvidence, DraftRequest
+from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine, _cache_reads, _Row, _Sequence, reference_greedy
+from verifier_service.core.planner import SOURCE_HEAD
+from verifier_service.core.rejection import SamplingParams
+from verifier_service.head import train as train_head
+from verifier_service.head.model import (
     HEAD_FORMAT,
     MANIFEST,
     WEIGHTS,
@@ -30,10 +33,7 @@ from verifier_service.draft_head import (
     save_head,
     target_fingerprint,
 )
-from verifier_service.drafting import DraftEvidence, DraftRequest
-from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine, _cache_reads, _Row, _Sequence, reference_greedy
-from verifier_service.head_proposer import HeadRecord, add_head_draft
-from verifier_service.rejection import SamplingParams
+from verifier_service.head.proposer import HeadRecord, add_head_draft
 
 
 def texts(seed: int, count: int) -> list[str]:

@@ -13,9 +13,9 @@ import pytest
 from drafter_service.server import DrafterConfig, create_server
 from specdec.v1 import drafter_pb2 as pb
 from specdec.v1 import drafter_pb2_grpc as rpc
-from verifier_service import drafter_client
-from verifier_service.drafter_client import DrafterClientConfig, RemoteDrafter
-from verifier_service.drafting import DraftEvidence, DraftRequest, FinishedSequence, Predictions
+from verifier_service.core.drafting import DraftEvidence, DraftRequest, FinishedSequence, Predictions
+from verifier_service.serving import drafter_client
+from verifier_service.serving.drafter_client import DrafterClientConfig, RemoteDrafter
 
 VOCABULARY = "00112233445566aa"
 # Upper bound on waiting for background work (observations, reconnects); never a pass/fail threshold.
@@ -192,7 +192,7 @@ def test_drafter_down_gives_empty_drafts_and_no_calls_during_the_back_off(drafte
     client = clients(server.port, backoff_s=60.0)  # long enough that the second call surely falls inside it
     client.propose([DraftRequest("seq-0", CONTEXT, 3)])
     server.stop(0)
-    with caplog.at_level(logging.WARNING, logger="verifier_service.drafter_client"):
+    with caplog.at_level(logging.WARNING, logger="verifier_service.serving.drafter_client"):
         assert tokens(client.propose([DraftRequest("seq-0", LONGER, 3), DraftRequest("seq-1", [5, 6], 2)])) == [[], []]
     assert client.fallbacks == 1
     assert len(client.stub.proposes) == 2  # the failed call was attempted
@@ -229,7 +229,7 @@ def test_a_session_the_drafter_forgot_is_reopened_on_the_next_step_without_back_
     # As if the drafter had expired the idle session.
     closed = drafters.stub(server).CloseSessions(pb.CloseSessionsRequest(vocabulary=VOCABULARY, session_ids=[session_id]), timeout=5)
     assert closed.closed == 1
-    with caplog.at_level(logging.WARNING, logger="verifier_service.drafter_client"):
+    with caplog.at_level(logging.WARNING, logger="verifier_service.serving.drafter_client"):
         assert tokens(client.propose([DraftRequest("seq-0", LONGER, 3)])) == [[]]  # NOT_FOUND: this step runs plain
     assert client.fallbacks == 1
     assert "drafter unavailable" not in caplog.text  # the drafter is up: no back-off
@@ -295,7 +295,7 @@ def test_an_observation_made_while_the_drafter_is_down_arrives_after_it_returns(
 def test_an_observation_the_drafter_refuses_is_dropped_not_retried(drafters, clients, caplog):
     server = drafters.start()
     client = clients(server.port)
-    with caplog.at_level(logging.ERROR, logger="verifier_service.drafter_client"):
+    with caplog.at_level(logging.ERROR, logger="verifier_service.serving.drafter_client"):
         client.close([("seq-0", [5, 1 << 24])])  # above the drafter's max_token_id
         wait_until(lambda: client.pending_observations == 0, "the refused observation leaves the queue")
     assert client.stub.observe_outcomes == ["INVALID_ARGUMENT"]
@@ -464,7 +464,7 @@ def test_a_drafter_with_a_client_token_takes_scopes_only_from_verifiers_that_sen
     assert tokens(trusted.propose([DraftRequest("s", CONTEXT, 3, scope=ALICE)])) == [[4, 2, 3]]
     assert trusted.fallbacks == 0
     stranger = clients(server.port)
-    with caplog.at_level(logging.WARNING, logger="verifier_service.drafter_client"):
+    with caplog.at_level(logging.WARNING, logger="verifier_service.serving.drafter_client"):
         assert tokens(stranger.propose([DraftRequest("s", CONTEXT, 3, scope=ALICE)])) == [[]]  # plain decoding, never an error
     assert stranger.fallbacks == 1
     assert "PERMISSION_DENIED" in caplog.text and "--client-token" in caplog.text

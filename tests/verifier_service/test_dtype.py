@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from drafter_service.sessions import NGramDrafter
-from verifier_service import model_loading
-from verifier_service.drafting import SessionProposer
-from verifier_service.engine import GenerationRequest, SpeculativeEngine
-from verifier_service.model_loading import resolve_dtype
+from verifier_service.core import model_loading
+from verifier_service.core.drafting import SessionProposer
+from verifier_service.core.engine import GenerationRequest, SpeculativeEngine
+from verifier_service.core.model_loading import resolve_dtype
 
 CPU = torch.device("cpu")
 

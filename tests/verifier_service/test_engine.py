@@ -11,9 +11,9 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 
 from drafter_service.sessions import NGramDrafter
-from verifier_service.calibration import StepCostModel
-from verifier_service.drafting import SessionProposer
-from verifier_service.engine import (
+from verifier_service.core.calibration import StepCostModel
+from verifier_service.core.drafting import SessionProposer
+from verifier_service.core.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
     EngineConfig,
@@ -22,7 +22,7 @@ from verifier_service.engine import (
     SpeculativeEngine,
     reference_greedy,
 )
-from verifier_service.rejection import SamplingParams, warp_probs
+from verifier_service.core.rejection import SamplingParams, warp_probs
 
 TINY_VOCAB = 64
 PROMPTS = [[5, 6, 7], [9, 3, 3, 9, 3, 3, 9, 3], [12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]]

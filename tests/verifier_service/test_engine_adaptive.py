@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from verifier_service.calibration import StepCostModel
-from verifier_service.drafting import DraftRequest, FinishedSequence, ProposedDraft
-from verifier_service.engine import (
+from verifier_service.core.calibration import StepCostModel
+from verifier_service.core.drafting import DraftRequest, FinishedSequence, ProposedDraft
+from verifier_service.core.engine import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
     GenerationRequest,

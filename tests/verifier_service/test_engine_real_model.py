@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from drafter_service.sessions import NGramDrafter
-from verifier_service.drafting import SessionProposer
-from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.model_loading import chat_prompt_ids
+from verifier_service.core.drafting import SessionProposer
+from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
+from verifier_service.core.model_loading import chat_prompt_ids
 
 MAX_NEW_TOKENS = 40
 PROMPTS = [
@@ -77,7 +77,7 @@ def test_converted_cache_matches_loading_the_gguf_directly(real_model):
     """The cached safetensors conversion gives the same logits as transformers' own GGUF load."""
     from transformers import AutoModelForCausalLM
 
-    from verifier_service.model_loading import find_default_gguf
+    from verifier_service.core.model_loading import find_default_gguf
 
     gguf = find_default_gguf()
     direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()

@@ -32,18 +32,18 @@ from specdec.serving import peer_host
 from specdec.v1 import verifier_pb2 as pb
 from tests.conftest import TINY_EOS
 from tests.verifier_service.test_processing import reference_decode
-from verifier_service import openai_api
-from verifier_service.config import VerifierConfig
-from verifier_service.engine import EngineConfig, SpeculativeEngine
-from verifier_service.errors import InvalidRequest
-from verifier_service.metrics import VerifierMetrics
-from verifier_service.model_loading import DEFAULT_MODEL, DEFAULT_MODEL_HUB_NAME, chat_ids
-from verifier_service.openai_api import NO_DRAFTER_WARNING, OpenAIApi
-from verifier_service.openai_protocol import ChatCompletionRequest, CompletionRequest
-from verifier_service.rejection import SamplingParams
-from verifier_service.scheduler import Scheduler, SchedulerConfig
-from verifier_service.server import VerifierServicer
-from verifier_service.service import ApiKeys, CallerLimit, VerifierService
+from verifier_service.core.engine import EngineConfig, SpeculativeEngine
+from verifier_service.core.errors import InvalidRequest
+from verifier_service.core.model_loading import DEFAULT_MODEL, DEFAULT_MODEL_HUB_NAME, chat_ids
+from verifier_service.core.rejection import SamplingParams
+from verifier_service.serving import openai_api
+from verifier_service.serving.config import VerifierConfig
+from verifier_service.serving.metrics import VerifierMetrics
+from verifier_service.serving.openai_api import NO_DRAFTER_WARNING, OpenAIApi
+from verifier_service.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from verifier_service.serving.scheduler import Scheduler, SchedulerConfig
+from verifier_service.serving.server import VerifierServicer
+from verifier_service.serving.service import ApiKeys, CallerLimit, VerifierService
 
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
 KEYS = ("key-one", "key-two")
@@ -501,7 +501,7 @@ def test_an_unexpected_exception_is_a_500_in_openais_shape_and_one_log_line(open
     assert (error["type"], error["code"]) == ("server_error", "internal_error")
     assert "fell over" not in error["message"]  # the client is told it failed, not our internals
     [record] = [record for record in caplog.records if record.levelno >= logging.WARNING]
-    assert record.name == "verifier_service.openai_api"
+    assert record.name == "verifier_service.serving.openai_api"
     assert "POST /v1/completions failed: RuntimeError: the engine fell over at " in record.getMessage()
     assert "\n" not in record.getMessage() and record.exc_info is None
     assert client.post("/v1/completions", json=completion()).status_code == 500  # its caller's place came back
@@ -548,7 +548,7 @@ def test_each_limit_has_a_flag_and_a_variable(flag, monkeypatch):
 
 
 def test_the_http_limits_reach_the_server(tiny_model, chat_tokenizer):
-    from verifier_service.server import create_server
+    from verifier_service.serving.server import create_server
 
     config = VerifierConfig(
         port=0, http_port=0, metrics_port=None, max_http_connections=9, http_header_timeout_s=2.5, http_body_timeout_s=3.5

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.verifier_service.test_http_api import api, assert_openai_error, chat_tokenizer, completion, started
-from verifier_service.engine import EngineConfig
+from verifier_service.core.engine import EngineConfig
 
 __all__ = ["chat_tokenizer"]  # the fixture, shared
 

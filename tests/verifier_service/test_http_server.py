@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from verifier_service.openai_api import HttpLimits, HttpServer
+from verifier_service.serving.openai_api import HttpLimits, HttpServer
 
 CLOSE_WITHIN_S = 30  # a 1 s deadline, with room for a busy machine
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 
 from drafter_service.sessions import NGramDrafter
-from verifier_service import engine as engine_module
-from verifier_service.calibration import StepCostModel
-from verifier_service.drafting import SessionProposer
-from verifier_service.engine import FINISH_LENGTH, GenerationRequest, SpeculativeEngine, reference_greedy
-from verifier_service.rejection import SamplingParams
-from verifier_service.scheduler import Scheduler, SchedulerConfig
+from verifier_service.core import engine as engine_module
+from verifier_service.core.calibration import StepCostModel
+from verifier_service.core.drafting import SessionProposer
+from verifier_service.core.engine import FINISH_LENGTH, GenerationRequest, SpeculativeEngine, reference_greedy
+from verifier_service.core.rejection import SamplingParams
+from verifier_service.serving.scheduler import Scheduler, SchedulerConfig
 
 NO_EOS = frozenset()
 # The victim's prompt is longer than any other sequence ever gets, so a fault

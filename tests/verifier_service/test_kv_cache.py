@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from verifier_service.kv_cache import STEP_KWARG, SlotKVCache, _visible, partition_rows, plan_step, slot_attention
+from verifier_service.core.kv_cache import STEP_KWARG, SlotKVCache, _visible, partition_rows, plan_step, slot_attention
 
 CPU = torch.device("cpu")
 

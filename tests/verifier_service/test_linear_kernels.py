@@ -1,11 +1,11 @@
-"""Linear layers in two equal forms, chosen per token count (verifier_service.linear_kernels)."""
+"""Linear layers in two equal forms, chosen per token count (verifier_service.core.linear_kernels)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from verifier_service.linear_kernels import MEASURED_UP_TO, TransposableLinear, engaged, use_linear_kernels
+from verifier_service.core.linear_kernels import MEASURED_UP_TO, TransposableLinear, engaged, use_linear_kernels
 
 
 def model() -> nn.Module:
@@ -32,7 +32,7 @@ def test_the_measured_form_is_used_only_where_it_won_and_only_when_engaged(monke
     swapped = model()
     kernels = use_linear_kernels(swapped)
     calls = []
-    import verifier_service.linear_kernels as module
+    import verifier_service.core.linear_kernels as module
 
     real = module.linear_transposed
     monkeypatch.setattr(module, "linear_transposed", lambda *args: calls.append(args[0].shape) or real(*args))

@@ -12,14 +12,14 @@ from starlette.testclient import TestClient
 
 from specdec import telemetry
 from tests.verifier_service.test_http_api import CAPACITY, CHAT_TEMPLATE, chat_body, completion
-from verifier_service.config import VerifierConfig
-from verifier_service.engine import EngineConfig, SpeculativeEngine
-from verifier_service.generation import GenerationRequest
-from verifier_service.metrics import VerifierMetrics
-from verifier_service.observability import ServiceObserver
-from verifier_service.openai_api import OpenAIApi
-from verifier_service.scheduler import Scheduler, SchedulerConfig
-from verifier_service.service import VerifierService
+from verifier_service.core.engine import EngineConfig, SpeculativeEngine
+from verifier_service.core.generation import GenerationRequest
+from verifier_service.serving.config import VerifierConfig
+from verifier_service.serving.metrics import VerifierMetrics
+from verifier_service.serving.observability import ServiceObserver
+from verifier_service.serving.openai_api import OpenAIApi
+from verifier_service.serving.scheduler import Scheduler, SchedulerConfig
+from verifier_service.serving.service import VerifierService
 
 MODEL = "tiny-model"
 GEN_AI = {"gen_ai_provider_name": "specdec", "gen_ai_request_model": MODEL, "gen_ai_response_model": MODEL}

@@ -22,8 +22,8 @@ from transformers import (
 )
 
 from drafter_service.sessions import NGramDrafter
-from verifier_service.drafting import SessionProposer
-from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine, reference_greedy
+from verifier_service.core.drafting import SessionProposer
+from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine, reference_greedy
 
 VOCAB = 64
 NO_EOS = frozenset()

@@ -19,10 +19,10 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from drafter_service.sessions import NGramDrafter
 from tests.verifier_service.test_engine_adaptive import FrozenStepCost
 from tests.verifier_service.test_trees import FLAT, PROMPTS, TreeProposer, branch_tree, engine_for, wrong
-from verifier_service.drafting import SessionProposer
-from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.processing import Prefixes, TokenHistory, chain_paths, shape_logits, token_logprobs, tree_paths
-from verifier_service.rejection import MIN_SAMPLING_TEMPERATURE, REPETITION_PENALTY_RANGE, SamplingParams, warp_probs
+from verifier_service.core.drafting import SessionProposer
+from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
+from verifier_service.core.processing import Prefixes, TokenHistory, chain_paths, shape_logits, token_logprobs, tree_paths
+from verifier_service.core.rejection import MIN_SAMPLING_TEMPERATURE, REPETITION_PENALTY_RANGE, SamplingParams, warp_probs
 
 EOS = 1
 LENGTH = 24

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from drafter_service.sessions import NGramDrafter
-from verifier_service.drafting import SessionProposer
-from verifier_service.engine import FINISH_LENGTH, EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.errors import InvalidRequest
+from verifier_service.core.drafting import SessionProposer
+from verifier_service.core.engine import FINISH_LENGTH, EngineConfig, GenerationRequest, SpeculativeEngine
+from verifier_service.core.errors import InvalidRequest
 
 PROMPT = [40, 41, 7, 43, 9, 45, 46, 12, 48, 3, 50, 51, 5]  # 13 tokens: several chunks of 5
 NO_EOS: frozenset[int] = frozenset()

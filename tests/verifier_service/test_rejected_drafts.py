@@ -19,15 +19,15 @@ from specdec.v1 import verifier_pb2_grpc as rpc
 from tests.verifier_service.test_engine_adaptive import FrozenStepCost, truth
 from tests.verifier_service.test_http_api import CAPACITY, completion
 from tests.verifier_service.test_trees import FLAT, PROMPTS, engine_for, wrong
-from verifier_service.config import VerifierConfig
-from verifier_service.drafting import DraftEvidence, ProposedDraft
-from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine, rejected_line
-from verifier_service.generation import SOURCE_DRAFT, SOURCE_TARGET, RejectedDraft
-from verifier_service.metrics import VerifierMetrics
-from verifier_service.openai_api import OpenAIApi
-from verifier_service.scheduler import Scheduler, SchedulerConfig
-from verifier_service.server import VerifierServicer
-from verifier_service.service import VerifierService
+from verifier_service.core.drafting import DraftEvidence, ProposedDraft
+from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine, rejected_line
+from verifier_service.core.generation import SOURCE_DRAFT, SOURCE_TARGET, RejectedDraft
+from verifier_service.serving.config import VerifierConfig
+from verifier_service.serving.metrics import VerifierMetrics
+from verifier_service.serving.openai_api import OpenAIApi
+from verifier_service.serving.scheduler import Scheduler, SchedulerConfig
+from verifier_service.serving.server import VerifierServicer
+from verifier_service.serving.service import VerifierService
 
 
 @pytest.mark.parametrize(

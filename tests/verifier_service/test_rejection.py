@@ -1,4 +1,4 @@
-"""Unit tests for verifier_service.rejection: greedy and sampled acceptance rules.
+"""Unit tests for verifier_service.core.rejection: greedy and sampled acceptance rules.
 
 The statistical tests draw from fixed-seed generators, so they are
 deterministic: they pass or fail the same way on every run. Each checks, with
@@ -16,7 +16,7 @@ import pytest
 import scipy.stats
 import torch
 
-from verifier_service.rejection import (
+from verifier_service.core.rejection import (
     SamplingParams,
     accept_greedy,
     accept_sampled,

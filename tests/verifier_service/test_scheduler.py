@@ -8,9 +8,9 @@ import time
 import pytest
 
 from drafter_service.sessions import NGramDrafter
-from verifier_service.drafting import SessionProposer
-from verifier_service.engine import FINISH_CANCELLED, FINISH_LENGTH, EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.scheduler import Cancelled, QueueFull, Scheduler, SchedulerConfig, ShuttingDown, interleave
+from verifier_service.core.drafting import SessionProposer
+from verifier_service.core.engine import FINISH_CANCELLED, FINISH_LENGTH, EngineConfig, GenerationRequest, SpeculativeEngine
+from verifier_service.serving.scheduler import Cancelled, QueueFull, Scheduler, SchedulerConfig, ShuttingDown, interleave
 
 PROMPTS = [[5, 6, 7], [9, 3, 3, 9, 3, 3, 9, 3], [12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [20, 21, 20, 21], [33]]
 NO_EOS = frozenset()

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from verifier_service.engine import GenerationRequest, SpeculativeEngine, reference_greedy
-from verifier_service.text import IncrementalText, _stop_prefix_at_end
+from verifier_service.core.engine import GenerationRequest, SpeculativeEngine, reference_greedy
+from verifier_service.core.text import IncrementalText, _stop_prefix_at_end
 
 
 class ByteTokenizer:
@@ -158,7 +158,7 @@ def test_text_that_rewrites_what_was_streamed_sends_nothing(caplog):
     text = IncrementalText(RewritingTokenizer(), ())
     assert text.push([0]) == "x"
     assert text.push([1]) == ""  # "yz" does not extend "x": never send a delta that contradicts the past
-    with caplog.at_level(logging.WARNING, logger="verifier_service.server"):
+    with caplog.at_level(logging.WARNING, logger="verifier_service.serving.server"):
         assert text.finish("yz") == ""
     assert "streamed text is not a prefix of the final text" in caplog.text
 
@@ -183,7 +183,7 @@ def test_each_push_searches_only_the_text_not_yet_sent(tiny_tokenizer, monkeypat
     """Stop strings are sought in the held tail plus the new piece, never in what was
     streamed before: a 2,000-token stream with a 200-character stop string that never
     appears hands the prefix check at most 199 + one piece's characters per push."""
-    from verifier_service import text as module
+    from verifier_service.core import text as module
 
     seen = []
     real = module._stop_prefix_at_end

@@ -1,12 +1,12 @@
-"""Incremental decoding and stop strings (verifier_service.text): right answers, in linear time."""
+"""Incremental decoding and stop strings (verifier_service.core.text): right answers, in linear time."""
 
 from __future__ import annotations
 
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from verifier_service.engine import FINISH_STOP, GenerationRequest, SpeculativeEngine, reference_greedy
-from verifier_service.text import IncrementalDecoder, StopStringMatcher, _decoding_backend
+from verifier_service.core.engine import FINISH_STOP, GenerationRequest, SpeculativeEngine, reference_greedy
+from verifier_service.core.text import IncrementalDecoder, StopStringMatcher, _decoding_backend
 
 
 class Pieces:

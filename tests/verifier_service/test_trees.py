@@ -16,11 +16,11 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from tests.verifier_service.test_engine_adaptive import FrozenStepCost, truth
 from tests.verifier_service.test_model_support import SMALL, seeded
-from verifier_service import kv_cache
-from verifier_service.drafting import DraftRequest, ProposedDraft
-from verifier_service.engine import EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.kv_cache import partition_rows, tree_depths
-from verifier_service.rejection import SamplingParams
+from verifier_service.core import kv_cache
+from verifier_service.core.drafting import DraftRequest, ProposedDraft
+from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
+from verifier_service.core.kv_cache import partition_rows, tree_depths
+from verifier_service.core.rejection import SamplingParams
 
 VOCAB = 64
 NO_EOS = frozenset()
@@ -305,7 +305,7 @@ def test_more_predictions_than_the_drafter_keeps_is_refused_at_configuration():
 
 
 def test_kept_rows_give_each_decode_row_its_root_and_nodes_then_the_prefill_positions():
-    from verifier_service.engine import KeptRows, _Row
+    from verifier_service.core.engine import KeptRows, _Row
 
     rows = [_Row(None, [1, 2, 3], [], True, verify=3), _Row(None, [], [], False), _Row(None, [4, 5], [], True, verify=1)]
     kept = KeptRows.of(rows)

@@ -8,7 +8,7 @@ import pytest
 
 from specdec.flags import flags
 from verifier_service.__main__ import parse_config
-from verifier_service.config import VerifierConfig
+from verifier_service.serving.config import VerifierConfig
 
 SETTINGS = {  # flag -> (config field path, a value other than its default)
     "--max-batch-size": ("engine.max_batch_size", 3),

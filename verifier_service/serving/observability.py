@@ -35,10 +35,10 @@ from opentelemetry import trace
 from opentelemetry.trace import Link
 
 from specdec.telemetry import Tracing
-from verifier_service.drafting import DraftProposer, DraftRequest, FinishedSequence, ProposedDraft
-from verifier_service.generation import StepOutcome, StepReport
-from verifier_service.metrics import VerifierMetrics
-from verifier_service.scheduler import RequestHandle
+from verifier_service.core.drafting import DraftProposer, DraftRequest, FinishedSequence, ProposedDraft
+from verifier_service.core.generation import StepOutcome, StepReport
+from verifier_service.serving.metrics import VerifierMetrics
+from verifier_service.serving.scheduler import RequestHandle
 
 
 class ServiceObserver:

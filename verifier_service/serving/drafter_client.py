@@ -8,7 +8,7 @@ sessions: every session is then re-opened, under a fresh id, with its whole
 context, so the new drafter answers from the first step after it is back.
 
 Each sequence drafts from, and is learned into, its request's learning scope
-(``DraftRequest.scope``: an opaque id, ``verifier_service.scopes``), and every
+(``DraftRequest.scope``: an opaque id, ``verifier_service.serving.scopes``), and every
 sequence also reads the verifier's shared scope, if it has one. With
 ``--drafter-token`` every call carries it (``authorization: Bearer``), which a
 drafter with ``--client-token`` requires before it takes declared scopes.
@@ -34,8 +34,8 @@ import grpc
 from specdec import serving, settings, telemetry
 from specdec.flags import check_minimums, derived, setting
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
-from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR
-from verifier_service.drafting import DraftEvidence, DraftRequest, FinishedSequence, Predictions, ProposedDraft
+from verifier_service.core.drafting import DraftEvidence, DraftRequest, FinishedSequence, Predictions, ProposedDraft
+from verifier_service.core.planner import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ the target's, not stored with the head; the head's weights are a few MB.
 
 Weights live in a folder with a manifest (``HeadManifest``) that names the
 target they were trained on (``target_fingerprint``): a head is never loaded
-onto another model. ``verifier_service.train_head`` trains one. A head folder
+onto another model. ``verifier_service.head.train`` trains one. A head folder
 is a file on disk, untrusted: every manifest field is checked (its type, its
 range, the sizes against the target's) and so is the weights file (its size
 before it is read, then each tensor's name, shape, dtype and values) before
@@ -48,7 +48,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.vocabulary import tokenizer_fingerprint
-from verifier_service.model_loading import cache_root, staged_folder
+from verifier_service.core.model_loading import cache_root, staged_folder
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def check_format(value: object) -> None:
     check_type("format", value, "int")
     if value != HEAD_FORMAT:
         raise HeadMismatch(
-            f"head format {value}, this verifier reads format {HEAD_FORMAT}: train a new head with python -m verifier_service.train_head"
+            f"head format {value}, this verifier reads format {HEAD_FORMAT}: train a new head with python -m verifier_service.head.train"
         )
 
 
@@ -387,7 +387,7 @@ def load_head(
     if manifest.target != fingerprint:
         raise HeadMismatch(
             f"{folder} was trained on another target (fingerprint {manifest.target}; this model's is {fingerprint}): "
-            "train a head for this model with python -m verifier_service.train_head, or start without --draft-head"
+            "train a head for this model with python -m verifier_service.head.train, or start without --draft-head"
         )
     hidden, embedding = head_sizes(model)
     tokens = model.get_output_embeddings().weight.shape[0]
@@ -422,7 +422,7 @@ def find_head(setting: str, model: PreTrainedModel, tokenizer: PreTrainedTokeniz
     fingerprint = target_fingerprint(model, tokenizer)
     folder = cached_head_folder(cache_root(), fingerprint)
     if not (folder / MANIFEST).exists():
-        log.info("no draft head for this model in %s (train one: python -m verifier_service.train_head)", folder.parent)
+        log.info("no draft head for this model in %s (train one: python -m verifier_service.head.train)", folder.parent)
         return None
     try:
         drafter = load_head(folder, model, tokenizer, fingerprint, vocabulary)

@@ -14,12 +14,12 @@ from pathlib import Path
 from specdec import serving, settings
 from specdec.flags import nested, setting
 from specdec.limits import ConnectionLimits
-from verifier_service.draft_head import DEFAULT_HEAD_VOCABULARY
-from verifier_service.drafter_client import DrafterClientConfig
-from verifier_service.engine import EngineConfig
-from verifier_service.model_loading import DEFAULT_MODEL, DEFAULT_MODEL_HUB_NAME
-from verifier_service.scheduler import SchedulerConfig
-from verifier_service.scopes import KeyEntry, given_secret, parse_key_line
+from verifier_service.core.engine import EngineConfig
+from verifier_service.core.model_loading import DEFAULT_MODEL, DEFAULT_MODEL_HUB_NAME
+from verifier_service.head.model import DEFAULT_HEAD_VOCABULARY
+from verifier_service.serving.drafter_client import DrafterClientConfig
+from verifier_service.serving.scheduler import SchedulerConfig
+from verifier_service.serving.scopes import KeyEntry, given_secret, parse_key_line
 
 DEFAULT_METRICS_PORT = 9102  # the drafter's is 9101
 
@@ -51,7 +51,7 @@ class VerifierConfig:
         choices=["float32", "bfloat16", "auto"],
         help="weights and activations (auto: bfloat16 where the hardware has native bf16: GPUs, AMX or AVX512-BF16 CPUs)",
     )
-    # Trained by python -m verifier_service.train_head; refused when trained on another model.
+    # Trained by python -m verifier_service.head.train; refused when trained on another model.
     # Off by default: on a 2-core CPU it pays for one sequence but not yet for 16
     # (docs/benchmarks.md: the draft head), and a default must not slow any batch down.
     draft_head: str = setting(

@@ -7,7 +7,7 @@ front door names its own way), cancels them, traces them (``request_span``)
 and records how each ended (``recorded``: ``RequestStats``, engine-side
 numbers that gRPC turns into its proto and HTTP into JSON). Callers are
 identified and limited here too (``ApiKeys``, ``CallerLimit``), and each request
-is given its caller's learning scope (``scope_of``: ``verifier_service.scopes``).
+is given its caller's learning scope (``scope_of``: ``verifier_service.serving.scopes``).
 ``server.py`` (gRPC) and ``openai_api.py`` (HTTP) are thin layers over it.
 """
 
@@ -30,16 +30,16 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdec import telemetry
 from specdec.serving import CERTIFICATE_CALLER
-from verifier_service.engine import SpeculativeEngine
-from verifier_service.errors import InvalidRequest
-from verifier_service.generation import FINISH_CANCELLED, GenerationRequest, GenerationResult
-from verifier_service.metrics import PROVIDER, VerifierMetrics
-from verifier_service.model_loading import cache_root
-from verifier_service.scheduler import RequestHandle, Scheduler
-from verifier_service.scopes import DEFAULT_SCOPE, ScopeIds, load_secret
+from verifier_service.core.engine import SpeculativeEngine
+from verifier_service.core.errors import InvalidRequest
+from verifier_service.core.generation import FINISH_CANCELLED, GenerationRequest, GenerationResult
+from verifier_service.core.model_loading import cache_root
+from verifier_service.serving.metrics import PROVIDER, VerifierMetrics
+from verifier_service.serving.scheduler import RequestHandle, Scheduler
+from verifier_service.serving.scopes import DEFAULT_SCOPE, ScopeIds, load_secret
 
 if TYPE_CHECKING:
-    from verifier_service.config import VerifierConfig
+    from verifier_service.serving.config import VerifierConfig
 
 # OpenTelemetry's GenAI operation names: a chat (a chat template applied) or a plain completion.
 CHAT = gen_ai.GenAiOperationNameValues.CHAT.value
@@ -94,7 +94,7 @@ class ApiKeys:
         # Compared as digests, so neither a key's length nor where a guess first
         # differs from it shows in the time a check takes.
         self._digests = [hashlib.sha256(key.encode()).digest() for key in keys]
-        # The Nth key's learning scope id (verifier_service.scopes), by its caller name.
+        # The Nth key's learning scope id (verifier_service.serving.scopes), by its caller name.
         self._scopes = {f"api key #{index}": scope for index, scope in enumerate(scopes, 1)}
 
     def scope(self, caller: str) -> str:

@@ -6,7 +6,9 @@ import math
 
 import pytest
 
-from verifier_service.adaptive import (
+from verifier_service.core.calibration import StepCostModel
+from verifier_service.core.drafting import DraftEvidence
+from verifier_service.core.planner import (
     AcceptanceModel,
     Planner,
     SequenceCalibration,
@@ -14,8 +16,6 @@ from verifier_service.adaptive import (
     plan_verification,
     survival,
 )
-from verifier_service.calibration import StepCostModel
-from verifier_service.drafting import DraftEvidence
 
 # -- evidence buckets -----------------------------------------------------------------
 

@@ -52,8 +52,8 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from verifier_service.kv_cache import SlotKVCache
-from verifier_service.linear_kernels import MEASURED_UP_TO, LinearKernels
+from verifier_service.core.kv_cache import SlotKVCache
+from verifier_service.core.linear_kernels import MEASURED_UP_TO, LinearKernels
 
 log = logging.getLogger(__name__)
 

@@ -41,14 +41,10 @@ from grpc_health.v1 import health
 from specdec import serving, telemetry
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from specdec.vocabulary import tokenizer_fingerprint
-from verifier_service.adaptive import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_HEAD, SOURCE_SUCCESSOR
-from verifier_service.calibration import StepCostModel
-from verifier_service.config import VerifierConfig
-from verifier_service.draft_head import find_head
-from verifier_service.drafter_client import RemoteDrafter
-from verifier_service.engine import SpeculativeEngine
-from verifier_service.errors import InvalidRequest
-from verifier_service.generation import (
+from verifier_service.core.calibration import StepCostModel
+from verifier_service.core.engine import SpeculativeEngine
+from verifier_service.core.errors import InvalidRequest
+from verifier_service.core.generation import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -58,15 +54,19 @@ from verifier_service.generation import (
     GenerationResult,
     GenerationStats,
 )
-from verifier_service.metrics import VerifierMetrics
-from verifier_service.model_loading import cache_root, chat_prompt_ids, load_model
-from verifier_service.observability import ServiceObserver
-from verifier_service.openai_api import NO_DRAFTER_WARNING, HttpLimits, HttpServer, OpenAIApi
-from verifier_service.processing import TokenLogprob
-from verifier_service.rejection import SamplingParams
-from verifier_service.scheduler import Cancelled, QueueFull, RequestHandle, Scheduler, ShuttingDown
-from verifier_service.service import CHAT, TEXT_COMPLETION, RequestStats, VerifierService
-from verifier_service.text import IncrementalText
+from verifier_service.core.model_loading import cache_root, chat_prompt_ids, load_model
+from verifier_service.core.planner import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_HEAD, SOURCE_SUCCESSOR
+from verifier_service.core.processing import TokenLogprob
+from verifier_service.core.rejection import SamplingParams
+from verifier_service.core.text import IncrementalText
+from verifier_service.head.model import find_head
+from verifier_service.serving.config import VerifierConfig
+from verifier_service.serving.drafter_client import RemoteDrafter
+from verifier_service.serving.metrics import VerifierMetrics
+from verifier_service.serving.observability import ServiceObserver
+from verifier_service.serving.openai_api import NO_DRAFTER_WARNING, HttpLimits, HttpServer, OpenAIApi
+from verifier_service.serving.scheduler import Cancelled, QueueFull, RequestHandle, Scheduler, ShuttingDown
+from verifier_service.serving.service import CHAT, TEXT_COMPLETION, RequestStats, VerifierService
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
-"""Train a draft head (``draft_head``) for a target by self-distillation, within a time budget.
+"""Train a draft head (``head.model``) for a target by self-distillation, within a time budget.
 
-    python -m verifier_service.train_head                 # the default model, 60 minutes
-    python -m verifier_service.train_head --minutes 10 --model PATH --out FOLDER
+    python -m verifier_service.head.train                 # the default model, 60 minutes
+    python -m verifier_service.head.train --minutes 10 --model PATH --out FOLDER
 
-1. Data: the target answers prompts written for this (``head_prompts``),
+1. Data: the target answers prompts written for this (``head.prompts``),
    greedily, batched, in our own engine. Every pass hands over the hidden
    states it computed (``SpeculativeEngine.feature_listener``), so nothing
    is computed twice: each answer token comes with the target's feature at
@@ -16,7 +16,7 @@
    is unrolled on its own guesses for a few levels (EAGLE-3's training-time
    test), since that is how it drafts a chain.
 4. Held out: answers about subjects it never trained on
-   (``head_prompts.HELD_OUT``). Their first-token accuracy (the head's best
+   (``head.prompts.HELD_OUT``). Their first-token accuracy (the head's best
    guess is the target's greedy token) and mean accepted chain length are
    logged and kept in the manifest.
 
@@ -38,7 +38,10 @@ import torch
 from torch import nn
 
 from specdec.vocabulary import tokenizer_fingerprint
-from verifier_service.draft_head import (
+from verifier_service.core.engine import EngineConfig, SpeculativeEngine
+from verifier_service.core.generation import GenerationRequest, SequenceHandle
+from verifier_service.core.model_loading import DEFAULT_MODEL, cache_root, chat_prompt_ids, load_model
+from verifier_service.head.model import (
     HEAD_FORMAT,
     DraftHead,
     HeadDrafter,
@@ -48,10 +51,7 @@ from verifier_service.draft_head import (
     save_head,
     target_fingerprint,
 )
-from verifier_service.engine import EngineConfig, SpeculativeEngine
-from verifier_service.generation import GenerationRequest, SequenceHandle
-from verifier_service.head_prompts import HELD_OUT, SUBJECTS, prompts
-from verifier_service.model_loading import DEFAULT_MODEL, cache_root, chat_prompt_ids, load_model
+from verifier_service.head.prompts import HELD_OUT, SUBJECTS, prompts
 
 log = logging.getLogger("train_head")
 
@@ -236,7 +236,7 @@ def train(
 
 def parser() -> argparse.ArgumentParser:
     """The trainer's command line (``docs/reference/tools.md`` is made from it)."""
-    parser = argparse.ArgumentParser(prog="python -m verifier_service.train_head", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m verifier_service.head.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the target (default %(default)s)")
     parser.add_argument("--out", type=Path, default=None, help="folder for the head (default: the cache folder the verifier reads)")
     parser.add_argument("--minutes", type=float, default=60.0, help="the whole budget, end to end (default %(default)s)")

@@ -1,4 +1,4 @@
-"""The trained draft head as a proposer beside the drafter (``draft_head`` is its model).
+"""The trained draft head as a proposer beside the drafter (``head.model`` is its model).
 
 The engine asks the drafter first; ``HeadProposer.draft`` then drafts, batched, for the
 rows whose drafter draft is weak, from the target's feature each ``DraftRequest``
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from verifier_service.adaptive import HEAD_PROBABILITY_BUCKETS, SOURCE_HEAD, Planner, evidence_bucket
-from verifier_service.draft_head import HeadDrafter
-from verifier_service.drafting import DraftEvidence, DraftRequest
+from verifier_service.core.drafting import DraftEvidence, DraftRequest
+from verifier_service.core.planner import HEAD_PROBABILITY_BUCKETS, SOURCE_HEAD, Planner, evidence_bucket
+from verifier_service.head.model import HeadDrafter
 
 log = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from specdec.flags import setting
-from verifier_service.drafting import DraftEvidence
-from verifier_service.engine import SpeculativeEngine
-from verifier_service.generation import GenerationRequest, GenerationResult, RejectedDraft, SequenceHandle, StepOutcome, StepReport
-from verifier_service.processing import TokenLogprob
+from verifier_service.core.drafting import DraftEvidence
+from verifier_service.core.engine import SpeculativeEngine
+from verifier_service.core.generation import GenerationRequest, GenerationResult, RejectedDraft, SequenceHandle, StepOutcome, StepReport
+from verifier_service.core.processing import TokenLogprob
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verifier_service.drafting import DraftEvidence
-from verifier_service.processing import TokenLogprob
-from verifier_service.rejection import SamplingParams
+from verifier_service.core.drafting import DraftEvidence
+from verifier_service.core.processing import TokenLogprob
+from verifier_service.core.rejection import SamplingParams
 
 FINISH_STOP = "stop"  # EOS token or a stop string
 FINISH_LENGTH = "length"  # max_new_tokens reached
@@ -44,7 +44,7 @@ class GenerationRequest:
     # Then max_new_tokens may be 0: the prompt is scored and nothing generated.
     prompt_logprobs: int | None = None
     # The learning scope its drafts come from and its text is learned into: its caller's,
-    # as the front door found it (verifier_service.scopes); "" is the default scope.
+    # as the front door found it (verifier_service.serving.scopes); "" is the default scope.
     scope: str = ""
 
 

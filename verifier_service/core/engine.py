@@ -30,7 +30,7 @@ Each step asks the proposer for every decoding sequence's draft in one
 call. A request with a fixed K verifies its whole draft, a chain; one that
 leaves K to the engine (``num_speculative_tokens=None``) asks for a tree of
 guesses (several continuations at the places the drafter is unsure) and
-verifies the nodes ``adaptive.plan_verification`` finds worth their cost,
+verifies the nodes ``planner.plan_verification`` finds worth their cost,
 from their evidence and the measured cost of the step's tokens. A tree's
 nodes are verified in one pass under an ancestor mask (``kv_cache``) and
 accepted along the target's own path (``rejection.accept_tree_*``).
@@ -55,12 +55,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.flags import setting
-from verifier_service.adaptive import Planner, SequenceCalibration, evidence_bucket
-from verifier_service.calibration import StepCostModel, calibrated_step_cost
-from verifier_service.draft_head import FeatureCapture, HeadDrafter
-from verifier_service.drafting import DraftEvidence, DraftProposer, DraftRequest, FinishedSequence, Predictions, ProposedDraft
-from verifier_service.errors import InvalidRequest
-from verifier_service.generation import (
+from verifier_service.core.calibration import StepCostModel, calibrated_step_cost
+from verifier_service.core.drafting import DraftEvidence, DraftProposer, DraftRequest, FinishedSequence, Predictions, ProposedDraft
+from verifier_service.core.errors import InvalidRequest
+from verifier_service.core.generation import (
     FINISH_CANCELLED,
     FINISH_ERROR,
     FINISH_LENGTH,
@@ -75,18 +73,20 @@ from verifier_service.generation import (
     StepOutcome,
     StepReport,
 )
-from verifier_service.head_proposer import HeadProposer
-from verifier_service.kv_cache import STEP_KWARG, SlotKVCache, is_chain, plan_step, tree_depths, use_slot_attention
-from verifier_service.linear_kernels import engaged, use_linear_kernels
-from verifier_service.processing import Prefixes, TokenHistory, TokenLogprob, chain_paths, shape_logits, token_logprobs, tree_paths
-from verifier_service.rejection import (
+from verifier_service.core.kv_cache import STEP_KWARG, SlotKVCache, is_chain, plan_step, tree_depths, use_slot_attention
+from verifier_service.core.linear_kernels import engaged, use_linear_kernels
+from verifier_service.core.planner import Planner, SequenceCalibration, evidence_bucket
+from verifier_service.core.processing import Prefixes, TokenHistory, TokenLogprob, chain_paths, shape_logits, token_logprobs, tree_paths
+from verifier_service.core.rejection import (
     accept_greedy,
     accept_sampled,
     accept_tree_greedy,
     accept_tree_sampled,
     warp_probs,
 )
-from verifier_service.text import StopStringMatcher
+from verifier_service.core.text import StopStringMatcher
+from verifier_service.head.model import FeatureCapture, HeadDrafter
+from verifier_service.head.proposer import HeadProposer
 
 log = logging.getLogger(__name__)
 

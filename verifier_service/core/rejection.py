@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier_service.errors import InvalidRequest
+from verifier_service.core.errors import InvalidRequest
 
 _MASK64 = (1 << 64) - 1
 

@@ -97,11 +97,14 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specdec.serving import CERTIFICATE_CALLER, bearer
-from verifier_service.config import host_name
-from verifier_service.errors import InvalidRequest
-from verifier_service.generation import FINISH_LENGTH, GenerationRequest
-from verifier_service.model_loading import chat_ids
-from verifier_service.openai_protocol import (
+from verifier_service.core.errors import InvalidRequest
+from verifier_service.core.generation import FINISH_LENGTH, GenerationRequest
+from verifier_service.core.model_loading import chat_ids
+from verifier_service.core.processing import TokenLogprob
+from verifier_service.core.rejection import SamplingParams
+from verifier_service.core.text import IncrementalDecoder, IncrementalText
+from verifier_service.serving.config import host_name
+from verifier_service.serving.openai_protocol import (
     CHECK_LOGIT_BIAS_COUNT,
     ApiError,
     Body,
@@ -112,16 +115,13 @@ from verifier_service.openai_protocol import (
     TokenizeRequest,
     parse,
 )
-from verifier_service.openai_protocol import shown as _shown
-from verifier_service.processing import TokenLogprob
-from verifier_service.rejection import SamplingParams
-from verifier_service.scheduler import QueueFull, RequestHandle, ShuttingDown, TokenChunk, interleave
-from verifier_service.service import CHAT, TEXT_COMPLETION, RequestStats, TracedRequest, VerifierService
-from verifier_service.text import IncrementalDecoder, IncrementalText
+from verifier_service.serving.openai_protocol import shown as _shown
+from verifier_service.serving.scheduler import QueueFull, RequestHandle, ShuttingDown, TokenChunk, interleave
+from verifier_service.serving.service import CHAT, TEXT_COMPLETION, RequestStats, TracedRequest, VerifierService
 
 log = logging.getLogger(__name__)
 
-VIEW = Path(__file__).parent / "static" / "index.html"
+VIEW = Path(__file__).parent.parent / "static" / "index.html"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 # The engine's field names (``InvalidRequest.field``) that OpenAI spells otherwise; the rest are the same.
 OPENAI_FIELDS = {"max_new_tokens": "max_tokens", "prompt_ids": "prompt"}

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier_service.rejection import SamplingParams
+from verifier_service.core.rejection import SamplingParams
 
 
 class TokenHistory:

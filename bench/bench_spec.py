@@ -54,6 +54,7 @@ from verifier_service.core.drafting import SessionProposer
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
 from verifier_service.head.model import DEFAULT_HEAD_VOCABULARY, HeadDrafter, find_head
+from verifier_service.head.proposer import DEFAULT_HEAD_DEPTH, HeadProposer
 
 OURS = {
     "plain": (EngineConfig(), 0),
@@ -73,7 +74,8 @@ def run_ours(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int, k: 
 
 
 def engine_for(model, tokenizer, name: str, head: HeadDrafter | None, proposer=None) -> SpeculativeEngine:
-    return SpeculativeEngine(model, tokenizer, proposer, OURS[name][0], head=head if name == "head" else None)
+    beside = [HeadProposer(head, DEFAULT_HEAD_DEPTH)] if name == "head" and head is not None else []
+    return SpeculativeEngine(model, tokenizer, proposer, OURS[name][0], beside=beside)
 
 
 def measure_single(

@@ -83,3 +83,44 @@ def test_the_services_import_neither_each_other_nor_upwards_into_the_shared_pack
             assert "verifier_service" not in tops, module
         if top == "verifier_service":
             assert "drafter_service" not in tops or module.endswith("local_run"), module
+
+
+# The verifier's layers, lowest first: a module imports its own layer's and lower ones only.
+# The modules at verifier_service's top (its entry point, the CLI client, the local run) stand above them all.
+VERIFIER_LAYERS = ("verifier_service.core", "verifier_service.head", "verifier_service.serving")
+
+
+def layer_of(module: str) -> int | None:
+    return next((rank for rank, layer in enumerate(VERIFIER_LAYERS) if module == layer or module.startswith(layer + ".")), None)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, target) for every import of a verifier layer above the importing module's."""
+    found = []
+    for module, targets in graph.items():
+        rank = layer_of(module)
+        if rank is None:
+            continue
+        for target in targets:
+            above = layer_of(target)
+            if above is not None and above > rank or (target.startswith("verifier_service.") and above is None):
+                found.append((module, target))
+    return sorted(found)
+
+
+def test_the_verifier_layers_import_nothing_above_them():
+    """core (the engine and what it runs) knows neither the draft head nor serving; the head
+    knows no serving; none of them the modules at the package's top."""
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_layer_checker_finds_an_upward_import():
+    graph = {
+        "verifier_service.core.engine": {"verifier_service.head.proposer", "verifier_service.core.step"},
+        "verifier_service.head.proposer": {"verifier_service.core.planner"},
+        "verifier_service.serving.server": {"verifier_service.head.proposer", "verifier_service.client"},
+    }
+    assert upward_imports(graph) == [
+        ("verifier_service.core.engine", "verifier_service.head.proposer"),
+        ("verifier_service.serving.server", "verifier_service.client"),
+    ]

@@ -14,9 +14,10 @@ from tests.conftest import build_tiny_model
 from tests.verifier_service.test_engine_adaptive import CPU_COST, FrozenStepCost
 from tests.verifier_service.test_trees import FLAT, NO_EOS, PROMPTS, TreeProposer, branch_tree, engine_for
 from verifier_service.core.calibration import StepCostModel
-from verifier_service.core.drafting import DraftEvidence, DraftRequest
-from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine, _cache_reads, _Row, _Sequence, reference_greedy
-from verifier_service.core.planner import SOURCE_HEAD
+from verifier_service.core.drafting import DraftEvidence, DraftRequest, DraftStep, MergedDraft
+from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine, reference_greedy
+from verifier_service.core.planner import SOURCE_HEAD, HeadRecord, SequenceCalibration
+from verifier_service.core.proposing import merge
 from verifier_service.core.rejection import SamplingParams
 from verifier_service.head import train as train_head
 from verifier_service.head.model import (
@@ -33,7 +34,7 @@ from verifier_service.head.model import (
     save_head,
     target_fingerprint,
 )
-from verifier_service.head.proposer import HeadRecord, add_head_draft
+from verifier_service.head.proposer import DEFAULT_HEAD_DEPTH, HeadProposer, head_draft
 
 
 def texts(seed: int, count: int) -> list[str]:
@@ -323,13 +324,18 @@ def test_the_fingerprint_tells_a_fine_tune_from_its_base(tiny_model, tiny_tokeni
     assert target_fingerprint(tuned, tiny_tokenizer) != target_fingerprint(tiny_model, tiny_tokenizer)
 
 
-def head_engine(trained, model, tokenizer, proposer=None, cost=FLAT, **config) -> SpeculativeEngine:
+def head_engine(trained, model, tokenizer, proposer=None, cost=FLAT, depth=DEFAULT_HEAD_DEPTH, **config) -> SpeculativeEngine:
+    """An engine whose proposers are ``proposer`` (when given) and the trained head after it."""
     folder, *_ = trained
-    engine = SpeculativeEngine(
-        model, tokenizer, proposer, EngineConfig(**config), step_cost=FrozenStepCost(cost), head=load_head(folder, model, tokenizer)
-    )
+    head = HeadProposer(load_head(folder, model, tokenizer), depth)
+    engine = SpeculativeEngine(model, tokenizer, proposer, EngineConfig(**config), step_cost=FrozenStepCost(cost), beside=[head])
     engine.eos_token_ids = NO_EOS
     return engine
+
+
+def head_of(engine: SpeculativeEngine) -> HeadProposer:
+    [head] = engine.proposers.beside
+    return head
 
 
 @pytest.mark.parametrize("k", [3, None])
@@ -337,7 +343,7 @@ def test_greedy_output_with_the_head_drafting_equals_plain_decoding(trained, tin
     """The head alone (no drafter service): chains for a fixed K, its chain and second guess
     for adaptive K; what it gets right is accepted, and the output is plain greedy's."""
     prompts = [tiny_tokenizer(text).input_ids for text in HELD_OUT_TEXTS[:4]]
-    engine = head_engine(trained, tiny_model, tiny_tokenizer, max_adaptive_k=4, draft_head_depth=3)
+    engine = head_engine(trained, tiny_model, tiny_tokenizer, max_adaptive_k=4, depth=3)
     outcomes_sources = []
     handles = [engine.add(GenerationRequest(p, 30, num_speculative_tokens=k)) for p in prompts]
     results = {}
@@ -386,7 +392,7 @@ def test_no_head_drafts_for_requests_without_speculation_or_with_depth_0(trained
     prompt = tiny_tokenizer(HELD_OUT_TEXTS[0]).input_ids
     for engine, k in (
         (head_engine(trained, tiny_model, tiny_tokenizer), 0),
-        (head_engine(trained, tiny_model, tiny_tokenizer, draft_head_depth=0), None),
+        (head_engine(trained, tiny_model, tiny_tokenizer, depth=0), None),
     ):
         [result] = engine.generate([GenerationRequest(prompt, 12, num_speculative_tokens=k)])
         assert result.stats.draft_tokens == 0
@@ -400,26 +406,36 @@ def evidence(probability: float) -> DraftEvidence:
 def test_the_heads_chain_joins_the_drafters_tree_where_they_agree(trained, tiny_model, tiny_tokenizer):
     engine = head_engine(trained, tiny_model, tiny_tokenizer)
     context = DraftEvidence("context", 3, 2, 2)
-    row = _Row(None, [10, 11, 20], [], True, [context] * 3, [-1, 0, -1])
-    add_head_draft(row, ([10, 12, 13], [0.9, 0.5, 0.4], 30, 0.05), depth=3, tree=True, vocab_size=engine.vocab_size)
+    drafted = MergedDraft([10, 11, 20], [-1, 0, -1], [context] * 3, 2)
+    head = engine.proposers.usable(head_draft([10, 12, 13], [0.9, 0.5, 0.4], (30, 0.05)), k=3, max_nodes=12)
+    merged = merge(drafted, head, tree=True)
     # 10 is the drafter's first node: the head follows it, adds 12 under it, 13 under 12, and 30 at the root.
-    assert row.draft == [10, 11, 20, 12, 13, 30]
-    assert row.parents == [-1, 0, -1, 0, 3, -1]
-    assert row.evidence[3:] == [evidence(0.5), evidence(0.4), evidence(0.05)]
+    assert merged.tokens == [10, 11, 20, 12, 13, 30]
+    assert merged.parents == [-1, 0, -1, 0, 3, -1]
+    assert merged.evidence[3:] == [evidence(0.5), evidence(0.4), evidence(0.05)]
+    assert merged.chain == 2  # feedback is about the drafter's chain
     # A second guess the tree already holds at the root is not repeated; depth cuts the chain.
-    row = _Row(None, [20], [], True, [context], [-1])
-    add_head_draft(row, ([10, 12, 13], [0.9, 0.5, 0.4], 20, 0.05), depth=2, tree=True, vocab_size=engine.vocab_size)
-    assert (row.draft, row.parents) == ([20, 10, 12], [-1, -1, 1])
+    head = engine.proposers.usable(head_draft([10, 12, 13], [0.9, 0.5, 0.4], (20, 0.05)), k=2, max_nodes=12)
+    merged = merge(MergedDraft([20], [-1], [context], 1), head, tree=True)
+    assert (merged.tokens, merged.parents) == ([20, 10, 12], [-1, -1, 1])
 
 
 def test_a_chain_request_takes_the_heads_chain_only_where_the_drafter_had_none(trained, tiny_model, tiny_tokenizer):
     engine = head_engine(trained, tiny_model, tiny_tokenizer)
-    row = _Row(None, [7, 8], [], True, [None, None], [-1, 0])
-    add_head_draft(row, ([10, 12], [0.9, 0.5], 30, 0.05), depth=2, tree=False, vocab_size=engine.vocab_size)
-    assert (row.draft, row.parents) == ([7, 8], [-1, 0])
-    row = _Row(None, [], [], True, [], [])
-    add_head_draft(row, ([10, 12, 13], [0.9, 0.5, 0.4], 30, 0.05), depth=2, tree=False, vocab_size=engine.vocab_size)
-    assert (row.draft, row.parents) == ([10, 12], [-1, 0])  # no branch on a chain
+    head = engine.proposers.usable(head_draft([10, 12], [0.9, 0.5], (-1, 0.0)), k=2, max_nodes=0)
+    merged = merge(MergedDraft([7, 8], [-1, 0], [None, None], 2), head, tree=False)
+    assert (merged.tokens, merged.parents) == ([7, 8], [-1, 0])
+    head = engine.proposers.usable(head_draft([10, 12, 13], [0.9, 0.5, 0.4], (-1, 0.0)), k=2, max_nodes=0)
+    merged = merge(MergedDraft([], [], [], 0), head, tree=False)
+    assert (merged.tokens, merged.parents) == ([10, 12], [-1, 0])  # no deeper than K
+
+
+def test_the_heads_draft_is_its_chain_and_its_second_guess_at_the_root():
+    draft = head_draft([10, 12], [0.9, 0.5], (30, 0.05))
+    assert (draft.tokens, draft.parents) == ([10, 12, 30], [-1, 0, -1])
+    assert draft.evidence == [evidence(0.9), evidence(0.5), evidence(0.05)]
+    assert head_draft([10, 12], [0.9, 0.5], (-1, 0.0)).tokens == [10, 12]
+    assert head_draft([], [], (30, 0.05)).tokens == []  # no chain, no branch
 
 
 def test_a_level_gives_the_heads_two_best_guesses_with_their_probabilities(trained, tiny_model, tiny_tokenizer):
@@ -450,17 +466,21 @@ def teach(engine, source, hazard):
         engine.planner.acceptance.learn_outcomes([(bucket, random.random() < hazard) for bucket in buckets])
 
 
-def decoding_row(model, tokenizer, text, draft=(), evidence=None):
-    """A row of a step for a sequence that has decoded: its feature at the last token kept for the head."""
+def head_request(engine, model, tokenizer, text, rows, draft=(), evidence=None) -> DraftRequest:
+    """What a step of ``rows`` decode rows asks the head for one sequence that has decoded: its
+    feature at the last token, and the drafter's chain ``draft`` (each token with ``evidence``)."""
     prompt = tokenizer(text).input_ids
-    sequence = _Sequence(GenerationRequest(prompt, 8, num_speculative_tokens=None), text, 0, 0, list(prompt))
     with torch.inference_mode():
-        sequence.head_feature = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
-    return _Row(sequence, list(draft), [], True, [evidence] * len(draft), list(range(-1, len(draft) - 1)))
+        feature = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
+    drafted = MergedDraft(list(draft), list(range(-1, len(draft) - 1)), [evidence] * len(draft), len(draft))
+    step = DraftStep(rows, 0, engine.planner)
+    return DraftRequest(
+        text, prompt, 4, max_nodes=12, feature=feature, adaptive=True, calibration=SequenceCalibration(), step=step, drafted=drafted
+    )
 
 
-def head_tokens(row) -> int:
-    return sum(1 for item in row.evidence if item is not None and item.source == SOURCE_HEAD)
+def head_tokens(draft) -> int:
+    return sum(1 for item in draft.evidence if item is not None and item.source == SOURCE_HEAD)
 
 
 def test_the_head_drafts_only_for_rows_whose_drafter_draft_is_weak(trained, tiny_model, tiny_tokenizer):
@@ -469,17 +489,17 @@ def test_the_head_drafts_only_for_rows_whose_drafter_draft_is_weak(trained, tiny
     teach(engine, "context", 0.95)
     teach(engine, "global", 0.05)
     teach(engine, SOURCE_HEAD, 0.6)
-    strong = decoding_row(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[0], [11, 12], DraftEvidence("context", 3, 2, 2))
-    weak = decoding_row(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[1], [11, 12], DraftEvidence("global", 1, 1, 3))
-    empty = decoding_row(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[2])
-    rows = [strong, weak, empty]
     requests = [
-        DraftRequest(row.sequence.session_id, row.sequence.tokens, 4, max_nodes=12, feature=row.sequence.head_feature) for row in rows
+        head_request(engine, tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[0], 3, [11, 12], DraftEvidence("context", 3, 2, 2)),  # strong
+        head_request(engine, tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[1], 3, [11, 12], DraftEvidence("global", 1, 1, 3)),  # weak
+        head_request(engine, tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[2], 3),  # empty
     ]
-    engine.head_proposer.draft(rows, rows, requests, _cache_reads(rows, []))
-    assert (strong.draft, head_tokens(strong)) == ([11, 12], 0)
-    assert head_tokens(weak) >= 4 and weak.draft[:2] == [11, 12]  # its chain, 4 deep, beside the drafter's (and a second guess)
+    strong, weak, empty = head_of(engine).propose(requests)
+    assert strong.tokens == []
+    assert head_tokens(weak) >= 4  # its chain, 4 deep, beside the drafter's (and a second guess)
     assert head_tokens(empty) >= 4
+    merged = merge(requests[1].drafted, engine.proposers.usable(weak, 4, 12), tree=True)
+    assert merged.tokens[:2] == [11, 12] and head_tokens(merged) >= 4
 
 
 @pytest.mark.parametrize(("cost", "rows", "expected"), [(FLAT, 16, 4), (CPU_COST, 1, 2), (CPU_COST, 16, 0)])
@@ -490,12 +510,9 @@ def test_the_heads_chain_stops_where_verifying_it_would_not_pay(trained, tiny_mo
     random.seed(0)
     engine = head_engine(trained, tiny_model, tiny_tokenizer, cost=cost, max_adaptive_k=4, max_adaptive_nodes=12)
     teach(engine, SOURCE_HEAD, 0.5)
-    step = [decoding_row(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[index % 8]) for index in range(rows)]
-    requests = [
-        DraftRequest(row.sequence.session_id, row.sequence.tokens, 4, max_nodes=12, feature=row.sequence.head_feature) for row in step
-    ]
-    engine.head_proposer.draft(step, step, requests, _cache_reads(step, []))
-    chains = [sum(1 for parent in row.parents if parent >= 0) + (1 if row.draft else 0) for row in step]
+    requests = [head_request(engine, tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[index % 8], rows) for index in range(rows)]
+    drafts = head_of(engine).propose(requests)
+    chains = [sum(1 for parent in draft.parents if parent >= 0) + (1 if draft.tokens else 0) for draft in drafts]
     assert chains == [expected] * rows, (engine.planner.floor(rows, 0), chains)
 
 
@@ -504,13 +521,14 @@ class CountedLevels:
 
     def __init__(self, engine) -> None:
         self.calls: list[int] = []
-        level = engine.head.level
+        head = head_of(engine).head
+        level = head.level
 
         def counted(features, tokens):
             self.calls.append(len(tokens))
             return level(features, tokens)
 
-        engine.head.level = counted
+        head.level = counted
 
 
 @pytest.mark.parametrize(("cost", "rows", "runs"), [(FLAT, 16, True), (CPU_COST, 1, True), (CPU_COST, 16, False)])
@@ -523,11 +541,9 @@ def test_the_heads_first_level_runs_only_where_its_guesses_have_paid(trained, ti
     teach(engine, SOURCE_HEAD, 0.5)
     levels = CountedLevels(engine)
     for attempt in range(3):
-        step = [decoding_row(tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[index % 8]) for index in range(rows)]
-        requests = [
-            DraftRequest(row.sequence.session_id, row.sequence.tokens, 4, max_nodes=12, feature=row.sequence.head_feature) for row in step
-        ]
-        engine.head_proposer.draft(step, step, requests, _cache_reads(step, []))
+        head_of(engine).propose(
+            [head_request(engine, tiny_model, tiny_tokenizer, HELD_OUT_TEXTS[index % 8], rows) for index in range(rows)]
+        )
         if attempt == 0:
             assert levels.calls[0] == rows  # tried once, whatever the cost
             first = len(levels.calls)
@@ -580,21 +596,19 @@ def test_a_step_settles_what_the_heads_tokens_brought(trained, tiny_model, tiny_
     while engine.busy:
         emitted += sum(len(outcome.tokens) for outcome in engine.step())
     assert emitted == 3 * 12
-    _, _, steps = engine.head_proposer.record._net[(3).bit_length()]
-    assert steps > 0 and engine.head_proposer.record.pending is None
+    _, _, steps = engine.planner.head._net[(3).bit_length()]
+    assert steps > 0 and engine.planner.head.pending is None
 
 
 def test_each_feature_goes_to_the_head_once_through_the_draft_request(trained, tiny_model, tiny_tokenizer):
     engine = head_engine(trained, tiny_model, tiny_tokenizer, max_adaptive_k=4, max_adaptive_nodes=12)
     engine.add(GenerationRequest(tiny_tokenizer(HELD_OUT_TEXTS[0]).input_ids, 12))
-    while not any(sequence.head_feature is not None for sequence in engine._active):
+    while not any(sequence.feature is not None for sequence in engine._active):
         engine.step()  # the prefill, then a step whose features the head keeps
     given = []
-    draft = engine.head_proposer.draft
-    engine.head_proposer.draft = lambda rows, asking, requests, context: (
-        given.extend(r.feature for r in requests),
-        draft(rows, asking, requests, context),
-    )
+    head = head_of(engine)
+    propose = head.propose
+    head.propose = lambda requests: (given.extend(r.feature for r in requests), propose(requests))[1]
     engine.propose()
     assert len(given) == 1 and given[0] is not None
-    assert all(sequence.head_feature is None for sequence in engine._active)  # taken by the request, not drafted from twice
+    assert all(sequence.feature is None for sequence in engine._active)  # taken by the request, not drafted from twice

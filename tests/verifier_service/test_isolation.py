@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from drafter_service.sessions import NGramDrafter
-from verifier_service.core import engine as engine_module
+from verifier_service.core import acceptance as acceptance_module
 from verifier_service.core.calibration import StepCostModel
 from verifier_service.core.drafting import SessionProposer
 from verifier_service.core.engine import FINISH_LENGTH, GenerationRequest, SpeculativeEngine, reference_greedy
@@ -104,7 +104,7 @@ def test_a_forward_fault_in_one_sequence_fails_only_that_sequence(tiny_model, ti
 @pytest.mark.parametrize("fail_at_call", [1, 4], ids=["first token", "decode"])
 def test_a_sampling_fault_in_one_row_fails_only_that_row(tiny_model, tiny_tokenizer, monkeypatch, fail_at_call):
     doomed = SamplingParams(temperature=0.77, seed=3)
-    real, calls = engine_module.warp_probs, []
+    real, calls = acceptance_module.warp_probs, []
 
     def warp_probs(logits, params):
         if params == doomed:
@@ -115,7 +115,7 @@ def test_a_sampling_fault_in_one_row_fails_only_that_row(tiny_model, tiny_tokeni
 
     sampled = GenerationRequest([5, 6, 7], 12, SamplingParams(temperature=0.9, seed=11), num_speculative_tokens=3)
     alone = make_engine(tiny_model, tiny_tokenizer).generate([sampled])[0].token_ids
-    monkeypatch.setattr(engine_module, "warp_probs", warp_probs)
+    monkeypatch.setattr(acceptance_module, "warp_probs", warp_probs)
     engine = make_engine(tiny_model, tiny_tokenizer)
     (streamed, error), (_, greedy), (_, other) = run(
         engine,

@@ -20,8 +20,9 @@ from tests.verifier_service.test_engine_adaptive import FrozenStepCost, truth
 from tests.verifier_service.test_http_api import CAPACITY, completion
 from tests.verifier_service.test_trees import FLAT, PROMPTS, engine_for, wrong
 from verifier_service.core.drafting import DraftEvidence, ProposedDraft
-from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine, rejected_line
+from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.core.generation import SOURCE_DRAFT, SOURCE_TARGET, RejectedDraft
+from verifier_service.core.step import rejected_line
 from verifier_service.serving.config import VerifierConfig
 from verifier_service.serving.metrics import VerifierMetrics
 from verifier_service.serving.openai_api import OpenAIApi

@@ -101,7 +101,7 @@ def test_every_tree_node_gets_the_logits_of_its_own_path(tiny_model, tiny_tokeni
     query_parents = [-1, *(p + 1 for p in parents)]
     rows = [(first.cached, [first.tokens[-1], *tokens]), (second.cached, [second.tokens[-1], 20, 21])]
     with torch.inference_mode():
-        logits = engine._forward(rows, [], list(range(len(tokens) + 4)), trees=[query_parents, None])
+        logits = engine.target.forward(rows, [], list(range(len(tokens) + 4)), trees=[query_parents, None])
     for node in range(len(tokens) + 1):
         path, walk = [], node
         while walk > 0:
@@ -259,10 +259,11 @@ def test_the_usable_tree_keeps_valid_nodes_and_their_order(tiny_model, tiny_toke
     engine = engine_for(tiny_model, tiny_tokenizer, None)
     draft = ProposedDraft([1, 2, 3, 2, 70, 5, 6], parents=[-1, -1, 0, -1, 1, 4, 2])
     # node 3 repeats node 1 (a sibling, token 2); node 4 is outside the vocabulary, so its child 5 goes too.
-    nodes, parents = engine._usable(draft, k=8, max_nodes=16)
-    assert nodes == [0, 1, 2, 6] and parents == [-1, -1, 0, 2]
-    assert engine._usable(draft, k=1, max_nodes=16) == ([0, 1], [-1, -1])  # depth 1: the root's children
-    assert engine._usable(draft, k=8, max_nodes=2) == ([0, 1], [-1, -1])
+    usable = engine.proposers.usable(draft, k=8, max_nodes=16)
+    assert usable.tokens == [1, 2, 3, 6] and usable.parents == [-1, -1, 0, 2]
+    assert engine.proposers.usable(draft, k=1, max_nodes=16)[:2] == ([1, 2], [-1, -1])  # depth 1: the root's children
+    assert engine.proposers.usable(draft, k=8, max_nodes=2)[:2] == ([1, 2], [-1, -1])
+    assert engine.proposers.usable(ProposedDraft([1, 2], parents=[-1]), k=8, max_nodes=16).tokens == []  # parents do not match
 
 
 # -- the target's predictions, for the drafter's successor table -----------------------
@@ -305,10 +306,15 @@ def test_more_predictions_than_the_drafter_keeps_is_refused_at_configuration():
 
 
 def test_kept_rows_give_each_decode_row_its_root_and_nodes_then_the_prefill_positions():
-    from verifier_service.core.engine import KeptRows, _Row
+    from verifier_service.core.step import KeptRows, PrefillChunk, Row, SequenceState
 
-    rows = [_Row(None, [1, 2, 3], [], True, verify=3), _Row(None, [], [], False), _Row(None, [4, 5], [], True, verify=1)]
-    kept = KeptRows.of(rows)
+    rows = [Row(None, [1, 2, 3], [], True, verify=3), Row(None, [], [], False), Row(None, [4, 5], [], True, verify=1)]
+    scored = SequenceState(GenerationRequest([5, 6, 7, 8], 4, prompt_logprobs=0), "a", 0, 3, [5, 6, 7, 8])
+    plain = SequenceState(GenerationRequest([5, 6, 7], 4), "b", 0, 4, [5, 6, 7])
+    # A prompt asking for its log-probabilities keeps every position; another its last alone, once complete.
+    chunks = [PrefillChunk(scored, 0, 3), PrefillChunk(plain, 0, 2), PrefillChunk(plain, 2, 1)]
+    kept = KeptRows.of(rows, chunks)
     assert kept.bounds == (0, 4, 5, 7) and kept.decoded == 7
     assert [kept.span(index) for index in range(3)] == [slice(0, 4), slice(4, 5), slice(5, 7)]
     assert kept.path(0, [0, 2]) == [0, 1, 3] and kept.path(2, []) == [5] and kept.root(1) == 4
+    assert [kept.chunk(index) for index in range(3)] == [slice(7, 10), slice(10, 10), slice(10, 11)]

@@ -1,4 +1,4 @@
-"""What the engine asks of a drafter: drafts for the whole batch in one call.
+"""What the engine asks of a proposer: drafts for the whole batch in one call.
 
 The engine hands the proposer each speculating sequence's whole token list
 every step; the proposer keeps track of what its drafter has already seen and
@@ -7,7 +7,11 @@ a drafter that forgot its sessions (a restart) is simply re-opened with the
 full context, and the engine never knows.
 
 ``SessionProposer`` adapts an in-process session drafter (``NGramDrafter``);
-``drafter_client.RemoteDrafter`` is the gRPC one.
+``serving.drafter_client.RemoteDrafter`` is the gRPC one; ``head.proposer.HeadProposer``
+drafts from the target's own features. The engine's proposers are peers
+(``proposing.Proposers`` merges their drafts): each request tells a proposer what
+the ones before it drafted (``DraftRequest.drafted``) and what the step's planner
+prices tokens at (``DraftStep``), for one that drafts only where it pays.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+    from verifier_service.core.planner import Planner, SequenceCalibration
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,16 @@ class Predictions:
     previous: list[int]
     current: list[int]
     tokens: list[int]
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    """The step a propose call drafts for, the same for every request in it: its decoding
+    rows, the cached tokens their attention reads, and the planner that prices its tokens."""
+
+    rows: int
+    context: int
+    planner: Planner
 
 
 @dataclass
@@ -53,6 +69,13 @@ class DraftRequest:
     # The target's feature (the output layer's input) at the last token, from the step that
     # produced it, for a proposer that drafts from the target's own state (the draft head).
     feature: torch.Tensor | None = None
+    # The request left K to the engine: the planner verifies what pays (else every draft token).
+    adaptive: bool = False
+    # The planner's record of this sequence's drafts (its hazards' scale), and the step.
+    calibration: SequenceCalibration | None = None
+    step: DraftStep | None = None
+    # What the proposers before this one drafted for it, merged (None: it is the first).
+    drafted: MergedDraft | None = None
 
 
 class FinishedSequence(NamedTuple):
@@ -87,7 +110,22 @@ class ProposedDraft:
     parents: list[int] = field(default_factory=list)
 
 
+class MergedDraft(NamedTuple):
+    """One sequence's draft from every proposer: node j is ``tokens[j]`` with parent
+    ``parents[j]`` (-1: the last token) and ``evidence[j]`` (None: none given); its first
+    ``chain`` nodes are the first proposer's leading chain (parents -1, 0, 1, ...), what
+    that proposer's feedback (``DraftRequest.verified``/``accepted``) is about."""
+
+    tokens: list[int]
+    parents: list[int]
+    evidence: list[DraftEvidence | None]
+    chain: int
+
+
 class DraftProposer(Protocol):
+    """A source of drafts: the drafter's client, a draft head. A proposer that drafts from
+    the target's features says so with a true ``wants_features`` attribute."""
+
     def propose(self, requests: list[DraftRequest]) -> list[ProposedDraft]:
         """A draft (possibly empty) per request, in order; never raises for drafter trouble."""
 

@@ -116,6 +116,8 @@ SOURCE_SUCCESSOR = "successor"  # the target's own earlier predictions (the draf
 SOURCE_HEAD = "head"  # the verifier's trained draft head (draft_head)
 # A head token's bucket is its probability under the head, in this many equal bands.
 HEAD_PROBABILITY_BUCKETS = 5
+# A head token's evidence: its probability as a count out of this many (the bands read it).
+HEAD_EVIDENCE_TOTAL = 1000
 
 
 def evidence_bucket(evidence, position: int, branch: bool = False) -> tuple:
@@ -148,6 +150,19 @@ def evidence_bucket(evidence, position: int, branch: bool = False) -> tuple:
         confidence,
         min(position, POSITION_BUCKETS - 1),
     )
+
+
+def draft_buckets(evidence: Sequence, parents: Sequence[int]) -> list[tuple]:
+    """Each draft node's ``evidence_bucket``: its depth from its parents, a branch when its
+    parent's first child came before it. Parents [-1, 0, 0]: depths 0, 1, 1; node 2 a branch."""
+    buckets: list[tuple] = []
+    depths: list[int] = []
+    firsts: set[int] = set()  # parents whose first child has been seen
+    for item, parent in zip(evidence, parents):
+        depths.append(depths[parent] + 1 if parent >= 0 else 0)
+        buckets.append(evidence_bucket(item, depths[-1], branch=parent in firsts))
+        firsts.add(parent)
+    return buckets
 
 
 class AcceptanceModel:
@@ -300,7 +315,7 @@ def survival(hazards: Sequence[float], parents: Sequence[int] | None = None) -> 
 
 
 class PlannedRow(Protocol):
-    """What the planner reads and sets on one decoding row of a step (the engine's ``_Row``)."""
+    """What the planner reads and sets on one decoding row of a step (``step.Row``)."""
 
     draft: list[int]  # its draft tokens, parents before children
     buckets: list[tuple]  # evidence_bucket of each
@@ -345,6 +360,8 @@ class Planner:
         self._record: dict[str, list[float]] = {}  # source -> faded [accepted, expected] of the tokens plans chose
         self._step: dict[str, list[float]] = {}  # the same for this step, folded in by ``age``
         self._expected: dict[int, dict[str, float]] = {}  # id of a planned row -> its chosen tokens' expectation, per source
+        self.head = HeadRecord()  # the draft head's levels and what its drafts brought
+        self._head_step = [0, 0]  # this step's head tokens verified and accepted, settled by ``age``
 
     def realism(self, source: str) -> float:
         """What chosen draft tokens from ``source`` yielded per token expected, at most 1:
@@ -440,17 +457,115 @@ class Planner:
             ]
             calibration.learn_reached([(bucket[0], self.acceptance.hazard(bucket), accepted) for bucket, accepted in outcomes], row.probe)
             self.acceptance.learn_outcomes(outcomes)
+            head = [node for node in range(row.verify) if row.buckets[node][0] == SOURCE_HEAD]
+            self._head_step[0] += len(head)
+            self._head_step[1] += len(on_path.intersection(head))
         elif row.draft and row.adaptive:
             calibration.skipped()
 
     def age(self) -> None:
         """A step passed: its rows' outcomes (``learn``) join the planner's record."""
         self.acceptance.age()
+        self.head.settle(*self._head_step)
+        self._head_step = [0, 0]
         for source in self._record.keys() | self._step.keys():
             record, step = self._record.setdefault(source, [0.0, 0.0]), self._step.get(source, [0.0, 0.0])
             record[0] = record[0] * REALISM_RETENTION + step[0]
             record[1] = record[1] * REALISM_RETENTION + step[1]
         self._step = {}
+
+
+class HeadRecord:
+    """The draft head's economics, kept by the planner beside every other source's: what
+    its levels cost and what its first guesses look like, faded; the head's proposer
+    (``head.proposer``) runs a level only where the guesses it can expect would pay for it.
+
+    A level's time depends on how many rows it drafts for (at 16 rows on a CPU about
+    three times one row's), so it is kept per row count; a count never timed costs
+    nothing, so it gets timed. The first guesses' probabilities are kept as shares
+    of the head's probability bands, the planner's buckets for its tokens.
+
+    Those predict; the record of what the head's drafts actually brought checks the
+    prediction (``pays``, ``settle``): per step width, the head's tokens accepted less
+    what verifying them and drafting them cost, in tokens. Where that comes out a loss
+    (16 rows of open text on a CPU, where a guess must be right half the time to pay
+    for its place and few are), the head stops there but for a probe now and then.
+    """
+
+    RETENTION = 0.8  # a level's time: each new one weighs 0.2
+    GUESS_RETENTION = 0.98  # the bands' shares: per level-0 run (~50 runs of memory)
+    NET_RETENTION = 0.95  # what the head's drafts brought, per step they ran (~20 steps of memory)
+    NET_TRUSTED = 4.0  # faded steps before a loss can stop the head
+    PROBE_EVERY = 16  # steps a stopped head skips before it drafts once more, to measure again
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+        self._bands = [0.0] * HEAD_PROBABILITY_BUCKETS
+        # Per step width (rows.bit_length()): faded [net tokens, their squares, steps] of the
+        # steps the head drafted in, and steps skipped since it last drafted there.
+        self._net: dict[int, list[float]] = {}
+        self._skipped: dict[int, int] = {}
+        self.pending: tuple[int, float, float] | None = None  # this step's (rows, cost in tokens, floor)
+
+    def pays(self, rows: int) -> bool:
+        """Whether the head drafts in a step of ``rows`` decoding rows: yes until its steps
+        at about this width have been measured, then unless what they brought is a clear
+        loss (its mean more than a standard error below zero: one step's outcome varies
+        by a token or more, and a few unlucky ones must not stop a head that pays), and
+        once every PROBE_EVERY steps even so, to measure again."""
+        width = rows.bit_length()
+        total, squares, steps = self._net.get(width, (0.0, 0.0, 0.0))
+        mean = total / steps if steps else 0.0
+        error = math.sqrt(max(squares / steps - mean * mean, 0.0) / steps) if steps else 0.0
+        if steps < self.NET_TRUSTED or mean + error >= 0 or self._skipped.get(width, 0) + 1 >= self.PROBE_EVERY:
+            self._skipped[width] = 0
+            return True
+        self._skipped[width] = self._skipped.get(width, 0) + 1
+        return False
+
+    def settle(self, verified: int, accepted: int) -> None:
+        """The outcome of the step the head drafted in (``pending``): its tokens ``verified``
+        and ``accepted`` (``Planner.age`` tells it). What they brought: the tokens accepted, less what verifying each
+        cost (the step's floor, in tokens) and what the levels cost (their time at the
+        step's rate)."""
+        if self.pending is None:
+            return
+        rows, cost, floor = self.pending
+        self.pending = None
+        net = accepted - floor * verified - cost
+        record = self._net.setdefault(rows.bit_length(), [0.0, 0.0, 0.0])
+        record[0] = record[0] * self.NET_RETENTION + net
+        record[1] = record[1] * self.NET_RETENTION + net * net
+        record[2] = record[2] * self.NET_RETENTION + 1.0
+
+    def level_seconds(self, rows: int) -> float:
+        return self._seconds.get(rows, 0.0)
+
+    def timed(self, rows: int, seconds: float) -> None:
+        known = self._seconds.get(rows)
+        self._seconds[rows] = seconds if known is None else self.RETENTION * known + (1 - self.RETENTION) * seconds
+
+    def guessed(self, probabilities: list[float]) -> None:
+        """The head's first guesses (their probabilities) for one level-0 run."""
+        self._bands = [count * self.GUESS_RETENTION for count in self._bands]
+        for probability in probabilities:
+            self._bands[head_band(probability)] += 1
+
+    def first_surplus(self, value: Callable[[int], float]) -> float:
+        """What a row's first guess is expected to add, where ``value(band)`` is what a guess
+        in that band yields beyond its cost (at most 0 counts 0: it would not be verified).
+        Before any guess is seen, 1 (the head is tried)."""
+        total = sum(self._bands)
+        if not total:
+            return 1.0
+        return sum(count * max(0.0, value(band)) for band, count in enumerate(self._bands) if count) / total
+
+
+def head_band(probability: float) -> int:
+    """The probability band of a draft head token (its bucket's second field, as
+    ``evidence_bucket`` reads the head's evidence: a count out of HEAD_EVIDENCE_TOTAL)."""
+    count = round(probability * HEAD_EVIDENCE_TOTAL)
+    return min(HEAD_PROBABILITY_BUCKETS * count // HEAD_EVIDENCE_TOTAL, HEAD_PROBABILITY_BUCKETS - 1)
 
 
 @dataclass

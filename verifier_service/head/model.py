@@ -276,26 +276,6 @@ class HeadDrafter:
         return feature, self.vocab[index], (best - logits.logsumexp(dim=-1, keepdim=True)).exp()
 
 
-class FeatureCapture:
-    """Keeps the input of the target's output layer (its last hidden state, at the positions
-    whose logits are computed) from every forward pass: a hook, no extra computation."""
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        self.features: torch.Tensor | None = None
-        self._handle = model.get_output_embeddings().register_forward_pre_hook(self._keep)
-
-    def _keep(self, module, inputs) -> None:
-        self.features = inputs[0].detach()
-
-    def take(self) -> torch.Tensor | None:
-        """The latest pass's features [positions, hidden], once."""
-        features, self.features = self.features, None
-        return None if features is None else features.reshape(-1, features.shape[-1])
-
-    def remove(self) -> None:
-        self._handle.remove()
-
-
 def head_sizes(model: PreTrainedModel) -> tuple[int, int]:
     """(feature size, embedding size) of a target."""
     output = cast(nn.Linear, model.get_output_embeddings())

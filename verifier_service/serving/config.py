@@ -17,6 +17,7 @@ from specdec.limits import ConnectionLimits
 from verifier_service.core.engine import EngineConfig
 from verifier_service.core.model_loading import DEFAULT_MODEL, DEFAULT_MODEL_HUB_NAME
 from verifier_service.head.model import DEFAULT_HEAD_VOCABULARY
+from verifier_service.head.proposer import DEFAULT_HEAD_DEPTH
 from verifier_service.serving.drafter_client import DrafterClientConfig
 from verifier_service.serving.scheduler import SchedulerConfig
 from verifier_service.serving.scopes import KeyEntry, given_secret, parse_key_line
@@ -66,6 +67,15 @@ class VerifierConfig:
         minimum=0,
         formerly=["head-vocabulary"],
         help="the draft head drafts only its this many most frequent tokens (0: all it was trained on): fewer weights read a level",
+    )
+    # Each level is one small batched matmul chain; the planner verifies only the
+    # head tokens whose measured acceptance pays for their place in the pass.
+    draft_head_depth: int = setting(
+        DEFAULT_HEAD_DEPTH,
+        group=MODEL,
+        minimum=0,
+        formerly=["head-depth"],
+        help="tokens deep the trained draft head (--draft-head) drafts per step (0: none)",
     )
     # How the verifier reaches the drafter: --drafter HOST:PORT and the --drafter-* flags.
     drafter: DrafterClientConfig = nested(DrafterClientConfig, prefix="drafter-", group=DRAFTER)

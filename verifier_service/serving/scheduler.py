@@ -13,7 +13,7 @@ Bounds: at most the engine's ``max_batch_size`` sequences run at once and at mos
 (the service answers RESOURCE_EXHAUSTED), so overload never piles up latency.
 
 A failure that belongs to one request (its sampling, its stop strings, its
-part of the forward pass: see ``SpeculativeEngine._score``) fails that
+part of the forward pass: see ``target.PackedModel.score``) fails that
 request only, with the error. A failure of the step as a whole (a bug in the
 batch bookkeeping) fails the requests of that batch and resets it; the loop,
 and the process, go on.

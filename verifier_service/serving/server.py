@@ -60,6 +60,7 @@ from verifier_service.core.processing import TokenLogprob
 from verifier_service.core.rejection import SamplingParams
 from verifier_service.core.text import IncrementalText
 from verifier_service.head.model import find_head
+from verifier_service.head.proposer import HeadProposer
 from verifier_service.serving.config import VerifierConfig
 from verifier_service.serving.drafter_client import RemoteDrafter
 from verifier_service.serving.metrics import VerifierMetrics
@@ -277,7 +278,8 @@ class VerifierServer:
         proposer = observer.traced(self.drafter) if self.drafter is not None else None
         folder = cache_root() / "calibration" if config.calibration_cache else None
         head = find_head(config.draft_head, loaded.model, loaded.tokenizer, config.draft_head_vocabulary)
-        engine = SpeculativeEngine(loaded.model, loaded.tokenizer, proposer, config.engine, step_cost, folder, head)
+        beside = [HeadProposer(head, config.draft_head_depth)] if head is not None else []
+        engine = SpeculativeEngine(loaded.model, loaded.tokenizer, proposer, config.engine, step_cost, folder, beside)
         # Warm-up: a prefill and a one-token pass, the two shapes every request starts with.
         engine.generate([GenerationRequest([0, 1, 2, 3], 2, num_speculative_tokens=0)])
         scheduler = Scheduler(engine, config.scheduler, observer)

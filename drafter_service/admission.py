@@ -11,7 +11,8 @@ writes' share, so Propose always finds a thread. No gRPC here.
 from __future__ import annotations
 
 import threading
-from collections import Counter
+
+from specdec.limits import PerCaller
 
 
 class Refused(Exception):
@@ -21,37 +22,37 @@ class Refused(Exception):
 class Admission:
     def __init__(self, max_calls_per_caller: int, max_write_calls: int) -> None:
         self.max_calls_per_caller, self.max_write_calls = max_calls_per_caller, max_write_calls
-        self._running: Counter[str] = Counter()
+        self._calls = PerCaller(max_calls_per_caller)
         self.writes = 0  # write calls running now
         self.refused = 0  # calls refused so far
+        # A call takes its caller's place and a write place together or neither.
         self._lock = threading.Lock()
 
     def running(self, caller: str) -> int:
-        return self._running[caller]
+        return self._calls.in_flight(caller)
 
     def acquire(self, caller: str, write: bool = False) -> None:
         """Take one of ``caller``'s slots (and a write slot), or raise ``Refused``; ``release`` it after.
 
         max_calls_per_caller=2: a caller's third concurrent call is refused, another caller's is not."""
         with self._lock:
-            if self._running[caller] >= self.max_calls_per_caller:
+            if not self._calls.take(caller):
                 self.refused += 1
                 raise Refused(
-                    f"this caller ({caller}) has {self._running[caller]} calls running, the limit (--max-calls-per-caller "
+                    f"this caller ({caller}) has {self._calls.in_flight(caller)} calls running, the limit (--max-calls-per-caller "
                     f"{self.max_calls_per_caller}); retry with back-off"
                 )
             if write and self.writes >= self.max_write_calls:
+                # Under self._lock: no other acquire or release sees the place taken for this instant.
+                self._calls.give_back(caller)
                 self.refused += 1
                 raise Refused(
                     f"{self.writes} writes are waiting for the writer already, the limit (--max-write-calls "
                     f"{self.max_write_calls}); retry with back-off"
                 )
-            self._running[caller] += 1
             self.writes += write
 
     def release(self, caller: str, write: bool = False) -> None:
         with self._lock:
-            self._running[caller] -= 1
-            if not self._running[caller]:
-                del self._running[caller]
+            self._calls.give_back(caller)
             self.writes -= write

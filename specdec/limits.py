@@ -1,9 +1,13 @@
-"""Limits on what one gRPC connection or idle stream may hold, shared by both services'
-configs. No gRPC import: a config (and the offline tools that read one) loads without it;
-``specdec.serving`` applies them."""
+"""Limits both services share: what one gRPC connection or idle stream may hold
+(``ConnectionLimits``, nested in both configs; ``specdec.serving`` applies them), and the
+places each caller holds at once (``PerCaller``: the drafter's calls, the verifier's
+requests). No gRPC import: a config (and the offline tools that read one) loads without it."""
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specdec.flags import check_minimums, setting
@@ -75,3 +79,52 @@ class ConnectionLimits:
             ("grpc.http2.max_ping_strikes", 2),
             ("grpc.keepalive_permit_without_calls", 1),
         ]
+
+
+class PerCaller:
+    """Places each caller holds at once, at most ``limit`` each; safe from any thread.
+    It counts and refuses; each service words its own refusal, naming its own flag.
+
+    limit=2: take("a"), take("a") -> True, True; take("a") -> False (a's third at once);
+    take("b") -> True (another caller's first); give_back("a"); take("a") -> True.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._in_flight: Counter[str] = Counter()  # callers holding none are absent, so 10,000 past callers cost nothing
+        self._lock = threading.Lock()
+
+    def in_flight(self, caller: str) -> int:
+        return self._in_flight[caller]
+
+    def take(self, caller: str) -> bool:
+        """One of ``caller``'s places (``give_back`` it after), or False when it holds ``limit``."""
+        with self._lock:
+            if self._in_flight[caller] >= self.limit:
+                return False
+            self._in_flight[caller] += 1
+            return True
+
+    def give_back(self, caller: str) -> None:
+        """Return a place ``take`` gave; a ValueError when ``caller`` holds none, since a count
+        gone below zero would let the caller exceed its limit from then on."""
+        with self._lock:
+            if not self._in_flight[caller]:
+                raise ValueError(f"{caller} gives back a place it does not hold")
+            self._in_flight[caller] -= 1
+            if not self._in_flight[caller]:
+                del self._in_flight[caller]
+
+    def hold(self, caller: str) -> Callable[[], None] | None:
+        """``take``, as a function that gives the place back once however often it is called
+        (a request that ends in several ways may call it from each), or None at the limit."""
+        if not self.take(caller):
+            return None
+        # A latch: the first call acquires it and nobody releases it, so later calls do nothing.
+        unreturned = threading.Lock()
+
+        def give_back_once() -> None:
+            if unreturned.acquire(blocking=False):
+                self.give_back(caller)
+
+        return give_back_once

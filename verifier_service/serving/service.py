@@ -18,7 +18,6 @@ import hashlib
 import hmac
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ from opentelemetry.semconv.attributes import error_attributes
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from specdec import telemetry
+from specdec.limits import PerCaller
 from specdec.serving import CERTIFICATE_CALLER
 from verifier_service.core.engine import SpeculativeEngine
 from verifier_service.core.errors import InvalidRequest
@@ -136,35 +136,19 @@ class CallerLimit:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._in_flight: Counter[str] = Counter()
-        self._lock = threading.Lock()
+        self._places = PerCaller(limit)
 
     def in_flight(self, caller: str) -> int:
-        return self._in_flight[caller]
+        return self._places.in_flight(caller)
 
     def admit(self, caller: str) -> Callable[[], None] | None:
         """A function that gives the place back (once, however often it is called), or None
         when ``caller`` already has ``limit`` requests in flight."""
-        with self._lock:
-            if self._in_flight[caller] >= self.limit:
-                return None
-            self._in_flight[caller] += 1
-        released = threading.Event()
-
-        def release() -> None:
-            with self._lock:
-                if released.is_set():
-                    return
-                released.set()
-                self._in_flight[caller] -= 1
-                if not self._in_flight[caller]:
-                    del self._in_flight[caller]
-
-        return release
+        return self._places.hold(caller)
 
     def refusal(self, caller: str) -> str:
         return (
-            f"{caller} has {self._in_flight[caller]} requests in flight, the most one caller may "
+            f"{caller} has {self._places.in_flight(caller)} requests in flight, the most one caller may "
             f"(--max-requests-per-caller {self.limit}); retry when one ends"
         )
 

@@ -72,14 +72,40 @@ def test_every_family_carries_the_model_name():
     metrics.record_prefill(7, 1, 0.01, 0.02)
     metrics.record_sequence("length")
     metrics.record_request("text_completion", 1.0, first_token_s=0.1, output_tokens=3)
-    for gauge in (metrics.queue_depth, metrics.active_sequences, metrics.kv_cache_usage, metrics.kv_cache_slot_usage):
+    for gauge in (metrics.queue_depth, metrics.active_sequences):
         gauge.set_function(lambda: 0.5)
+    metrics.watch_cache_usage(lambda: (0.5, 0.5))
     families = list(text_string_to_metric_families(generate_latest(metrics.registry).decode()))
     assert len(families) >= 20
     for family in families:
         assert family.samples, family.name
         for sample in family.samples:
             assert sample.labels.get("model_name") == MODEL, (family.name, sample)
+
+
+def test_a_scrape_reads_the_cache_usage_once_for_both_gauges():
+    metrics = VerifierMetrics(MODEL)
+    assert value(metrics, "specdec_verifier_kv_cache_usage_perc") == 0.0  # no engine yet: 0, as an unset gauge
+    readings: list[tuple[float, float]] = []
+
+    def cache_usage() -> tuple[float, float]:
+        # Each reading differs from the last, as the engine's do while it steps: a gauge
+        # that read again would show the next reading's share, not this one's.
+        readings.append((0.125 * (len(readings) + 1), 0.25 * (len(readings) + 1)))
+        return readings[-1]
+
+    metrics.watch_cache_usage(cache_usage)
+    families = {family.name: family for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    assert len(readings) == 1
+    tokens, slots = families["specdec_verifier_kv_cache_usage_perc"], families["specdec_verifier_kv_cache_slot_usage_perc"]
+    assert [(sample.value, sample.labels) for sample in tokens.samples + slots.samples] == [
+        (0.125, {"model_name": MODEL}),  # both of the one reading
+        (0.25, {"model_name": MODEL}),
+    ]
+    assert (tokens.type, tokens.documentation) == ("gauge", "Fraction of the KV cache's token positions held, 0 to 1")
+    assert (slots.type, slots.documentation) == ("gauge", "Fraction of the KV cache's sequence slots in use, 0 to 1")
+    generate_latest(metrics.registry)
+    assert len(readings) == 2  # one more scrape, one more reading
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as ge
 from opentelemetry.semconv._incubating.metrics import gen_ai_metrics
 from opentelemetry.semconv.attributes import error_attributes
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "specdec_verifier_"
 PROVIDER = "specdec"  # gen_ai.provider.name: this server, not a vendor's API
@@ -57,6 +57,30 @@ def prometheus_name(instrument: str, unit: str) -> str:
     """OpenTelemetry's instrument name as its Prometheus exporter writes it:
     "gen_ai.server.request.duration", "s" -> "gen_ai_server_request_duration_seconds"."""
     return instrument.replace(".", "_") + {"s": "_seconds"}[unit]
+
+
+class CacheUsage:
+    """The two KV-cache gauges from one reading per scrape. ``read`` (the engine's
+    ``cache_usage``) walks the slots; a reading per gauge would cost two walks, and a
+    step between them would pair the token share of one moment with the slot share of another.
+    Both are 0 until an engine is attached, as unset gauges are."""
+
+    TOKENS = (PREFIX + "kv_cache_usage_perc", "Fraction of the KV cache's token positions held, 0 to 1")
+    SLOTS = (PREFIX + "kv_cache_slot_usage_perc", "Fraction of the KV cache's sequence slots in use, 0 to 1")
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.read: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0)  # (tokens, slots)
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        families = self.describe()
+        for family, share in zip(families, self.read(), strict=True):
+            family.add_metric([self.model_name], share)
+        return families
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        """The families without samples: the registry checks their names are not taken."""
+        return [GaugeMetricFamily(name, help_text, labels=["model_name"]) for name, help_text in (self.TOKENS, self.SLOTS)]
 
 
 class VerifierMetrics:
@@ -109,8 +133,8 @@ class VerifierMetrics:
         )
         self.queue_depth = gauge("queue_depth", "Requests waiting for a batch slot (vLLM's num_requests_waiting)")
         self.active_sequences = gauge("active_sequences", "Sequences holding a cache slot (vLLM's num_requests_running)")
-        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of the KV cache's token positions held, 0 to 1")
-        self.kv_cache_slot_usage = gauge("kv_cache_slot_usage_perc", "Fraction of the KV cache's sequence slots in use, 0 to 1")
+        self._cache_usage = CacheUsage(model_name)
+        self.registry.register(self._cache_usage)
         self.time_to_first_token = self._gen_ai_histogram(
             gen_ai_metrics.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN, "Time to the first token of successful requests", TIME_TO_FIRST_TOKEN_BUCKETS
         )
@@ -135,6 +159,10 @@ class VerifierMetrics:
     def watch(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         """A counter kept by another object (e.g. the drafter client's fallbacks), read at scrape time."""
         self._external[name] = (help_text, read)
+
+    def watch_cache_usage(self, read: Callable[[], tuple[float, float]]) -> None:
+        """The engine's ``cache_usage``, read once per scrape for both KV-cache gauges."""
+        self._cache_usage.read = read
 
     def collect(self):
         for name, (help_text, read) in self._external.items():

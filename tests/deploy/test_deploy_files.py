@@ -858,7 +858,7 @@ def test_the_known_metrics_are_what_the_services_export(tmp_path):
 
     verifier = VerifierMetrics("a-model")
     # Counters kept elsewhere are added by the server through watch(); the names it watches:
-    source = "\n".join(path.read_text() for path in (REPO / "verifier_service").glob("*.py"))
+    source = "\n".join(path.read_text() for path in (REPO / "verifier_service").rglob("*.py"))
     for name in re.findall(r"\.watch\(\s*\"(\w+)\"", source):
         verifier.watch(name, name, lambda: 0.0)
     exported = exported_families(verifier.registry)

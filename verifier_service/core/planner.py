@@ -120,6 +120,11 @@ HEAD_PROBABILITY_BUCKETS = 5
 HEAD_EVIDENCE_TOTAL = 1000
 
 
+def head_bucket(band: int, position: int) -> tuple:
+    """The bucket of a draft head token in probability band ``band`` at ``position``."""
+    return (SOURCE_HEAD, band, 0, min(position, POSITION_BUCKETS - 1))
+
+
 def evidence_bucket(evidence, position: int, branch: bool = False) -> tuple:
     """The bucket of one draft token: (source, match length, confidence, position),
     and a trailing 1 for a tree node that is not its parent's first child (a
@@ -139,7 +144,7 @@ def evidence_bucket(evidence, position: int, branch: bool = False) -> tuple:
         return ("", 0, 0, min(position, POSITION_BUCKETS - 1))
     if evidence.source == SOURCE_HEAD:  # count / total is the head's probability of the token
         band = min(HEAD_PROBABILITY_BUCKETS * evidence.count // max(evidence.total, 1), HEAD_PROBABILITY_BUCKETS - 1)
-        return (SOURCE_HEAD, band, 0, min(position, POSITION_BUCKETS - 1))
+        return head_bucket(band, position)
     if evidence.count < evidence.total:
         confidence = 0
     else:

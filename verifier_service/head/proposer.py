@@ -18,7 +18,7 @@ from typing import cast
 import torch
 
 from verifier_service.core.drafting import DraftEvidence, DraftRequest, FinishedSequence, MergedDraft, ProposedDraft
-from verifier_service.core.planner import HEAD_EVIDENCE_TOTAL, SOURCE_HEAD, Planner, SequenceCalibration, evidence_bucket
+from verifier_service.core.planner import HEAD_EVIDENCE_TOTAL, SOURCE_HEAD, Planner, SequenceCalibration, evidence_bucket, head_bucket
 from verifier_service.head.model import HeadDrafter
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class HeadProposer:
         floor, realism = planner.floor(step.rows, step.context), planner.realism(SOURCE_HEAD)
         rate = step.rows / planner.cost.cheapest(step.rows, step.context)  # tokens a second without drafts
         surplus = sum(
-            record.first_surplus(lambda band: planner.hazard((SOURCE_HEAD, band, 0, 0), calibration) * realism - floor)
+            record.first_surplus(lambda band: planner.hazard(head_bucket(band, 0), calibration) * realism - floor)
             if request.adaptive
             else 1.0
             for _, request, _, _, calibration in chosen

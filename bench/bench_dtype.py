@@ -10,6 +10,8 @@ when its tokens are identical to the plain ones. In float32 they must all
 be (the tests hold it to that); in bfloat16 a row's rounding can depend on
 how many tokens share its forward pass, which is what this measures. Also
 reports tokens/s per dtype and what ``--dtype auto`` picks on this machine.
+``--batch-invariant off on`` measures each dtype both ways: with fixed-shape passes
+(``--batch-invariant``), a token's logits do not depend on its batch-mates.
 
 Writes ``dtype.json`` under ``--out`` and prints a Markdown table.
 """
@@ -27,7 +29,7 @@ import torch
 from bench.workloads import workloads
 from drafter_service.sessions import NGramDrafter
 from verifier_service.core.drafting import SessionProposer
-from verifier_service.core.engine import GenerationRequest, SpeculativeEngine
+from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, has_fast_bfloat16, load_model, resolve_dtype
 
 
@@ -45,10 +47,10 @@ def decode(engine: SpeculativeEngine, prompts: list[list[int]], max_new_tokens: 
     return [r.token_ids for r in results], time.perf_counter() - started
 
 
-def measure(dtype: str, model_name: str, max_new_tokens: int) -> dict:
+def measure(dtype: str, model_name: str, max_new_tokens: int, invariant: bool = False) -> dict:
     loaded = load_model(model_name, device="cpu", dtype=dtype)
     prompts = [chat_prompt_ids(loaded.tokenizer, p) for w in workloads() for p in w.prompts]
-    engine = SpeculativeEngine(loaded.model, loaded.tokenizer)
+    engine = SpeculativeEngine(loaded.model, loaded.tokenizer, config=EngineConfig(batch_invariant=invariant))
     plain, plain_s = decode(engine, prompts, max_new_tokens, 0, batched=False)
     single, single_s = decode(engine, prompts, max_new_tokens, None, batched=False)
     batch, batch_s = decode(engine, prompts, max_new_tokens, None, batched=True)
@@ -82,12 +84,20 @@ def main(argv=None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument(
+        "--batch-invariant", nargs="+", choices=["off", "on"], default=["off"], help="measure without and/or with fixed-shape passes"
+    )
     args = parser.parse_args(argv)
-    report = {dtype: measure(dtype, args.model, args.max_new_tokens) for dtype in args.dtypes}
+    report = {
+        dtype + (", batch-invariant" if mode == "on" else ""): measure(dtype, args.model, args.max_new_tokens, mode == "on")
+        for dtype in args.dtypes
+        for mode in args.batch_invariant
+    }
     cpu = torch.device("cpu")
     meta = {
         "model": args.model,
         "max_new_tokens": args.max_new_tokens,
+        "threads": torch.get_num_threads(),
         "machine": platform.platform(),
         "native_bfloat16": has_fast_bfloat16(cpu),
         "auto_picks": str(resolve_dtype("auto", cpu)),

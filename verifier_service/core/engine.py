@@ -74,6 +74,7 @@ from verifier_service.core.generation import (
     StepOutcome,
     StepReport,
 )
+from verifier_service.core.invariance import choose_invariance
 from verifier_service.core.kv_cache import SlotKVCache, is_chain
 from verifier_service.core.linear_kernels import use_linear_kernels
 from verifier_service.core.observer import StepClock
@@ -130,6 +131,8 @@ class SpeculativeEngine:
             raise ValueError(f"max_sequence_tokens {capacity} exceeds the model's context of {self.context_length}")
         self.cache = SlotKVCache(self.config.max_batch_size, capacity)
         self.target = PackedModel(model, self.cache, self.vocab_size)
+        if self.config.batch_invariant:
+            self.target.invariance = choose_invariance(model)
         # The drafter, then the proposers beside it (a draft head), asked in this order.
         self.proposers = Proposers(proposer, beside, self.vocab_size)
         if self.proposers.wants_features:

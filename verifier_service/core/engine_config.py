@@ -70,6 +70,13 @@ class EngineConfig:
         8, minimum=0, help="the target's top predictions per scored position sent to the drafter (0: none; at most 16)"
     )
 
+    # Fixed shapes for every pass (core/invariance.py): a token's logits are then bitwise
+    # the same whatever shares its pass, which exactness needs in bfloat16; what it costs
+    # is measured by bench.bench_dtype --batch-invariant off on.
+    batch_invariant: bool = setting(
+        False, help="compute every pass with fixed shapes, so a token's logits do not depend on what else is in its pass"
+    )
+
     # Each entry costs a column write at every verified position of the request.
     max_logit_bias: int = setting(300, minimum=0, formerly=["logit-bias-limit"], help="logit_bias entries one request may give")
     # Each asked-for alternative costs a top-k per emitted token; OpenAI allows 20.

@@ -249,6 +249,10 @@ class StepLayout:
     decode_tokens: int
     groups: list[DecodeGroup]
     segments: list[Segment]
+    # Batch-invariant attention (``invariance``): each decode row's queries padded to a
+    # multiple of this many, each prefill chunk attended in tiles of this many (0: off).
+    query_tile: int = 0
+    column_tile: int = 1  # and the columns each call reads, to a multiple of this many (hidden past the row's own)
     _masks: dict = field(default_factory=dict)
 
     def segment_mask(self, segment: Segment, window: int | None) -> torch.Tensor | None:
@@ -332,6 +336,8 @@ def plan_step(
     device: torch.device,
     trees: list[list[int] | None] | None = None,
     split: bool | None = None,
+    query_tile: int = 0,
+    column_tile: int = 1,
 ) -> StepLayout:
     """Lay out one packed forward pass.
 
@@ -385,6 +391,8 @@ def plan_step(
         decode_tokens=decode_tokens,
         groups=groups,
         segments=packed,
+        query_tile=query_tile,
+        column_tile=column_tile,
     )
 
 
@@ -462,16 +470,23 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
         queries = query[0][:, group.gather]  # [heads, rows, width, dim]
         queries = queries.permute(1, 0, 2, 3).reshape(rows, kv_heads, groups * width, dim)
         stop = group.first + rows
+        mask, columns = group.mask(groups, window), group.columns
+        if step.query_tile:  # fixed query and column multiples: the kernel's blocks do not depend on the pass
+            queries, mask = _pad_queries(queries, mask, step.query_tile)
+            mask, columns = _pad_columns(mask, step.column_tile, cache.capacity)
         attended = F.scaled_dot_product_attention(
             queries,
-            keys[group.first : stop, :, : group.columns],
-            values[group.first : stop, :, : group.columns],
-            attn_mask=group.mask(groups, window),
+            keys[group.first : stop, :, :columns],
+            values[group.first : stop, :, :columns],
+            attn_mask=mask,
             scale=scale,
-        )  # [rows, kv_heads, groups * width, dim]
-        attended = attended.view(rows, heads, width, dim)
+        )[:, :, : groups * width]  # [rows, kv_heads, groups * width, dim]
+        attended = attended.reshape(rows, heads, width, dim)
         output[group.start : group.start + group.tokens] = attended[group.scatter_rows, :, group.scatter_queries]
     for segment in step.segments:
+        if step.query_tile:
+            _tiled_segment(query, keys, values, output, segment, step.query_tile, step.column_tile, window, scale, groups)
+            continue
         end = segment.first_position + segment.length
         mask = step.segment_mask(segment, window)
         attended = F.scaled_dot_product_attention(
@@ -485,6 +500,58 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
         )  # [1, heads, length, dim]
         output[segment.start : segment.start + segment.length] = attended[0].transpose(0, 1)
     return output[None], None
+
+
+def _pad_queries(queries: torch.Tensor, mask: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries [rows, kv_heads, count, dim] and their mask [rows, 1, count, columns], padded
+    to a multiple of ``tile`` queries; a padding query sees column 0 (a row of nothing but
+    masked columns would be NaN), and its output is dropped."""
+    count = queries.shape[2]
+    padding = (-count) % tile
+    if not padding:
+        return queries, mask
+    queries = F.pad(queries, (0, 0, 0, padding))
+    extra = torch.zeros(mask.shape[0], 1, padding, mask.shape[3], dtype=torch.bool, device=mask.device)
+    extra[..., 0] = True
+    return queries, torch.cat([mask, extra], dim=2)
+
+
+def _pad_columns(mask: torch.Tensor, tile: int, capacity: int) -> tuple[torch.Tensor, int]:
+    """A mask [..., columns] widened with hidden columns to a multiple of ``tile`` (at most
+    ``capacity``), and its new width."""
+    columns = mask.shape[-1]
+    wanted = min(capacity, columns + (-columns) % tile)
+    if wanted == columns:
+        return mask, columns
+    return F.pad(mask, (0, wanted - columns), value=False), wanted
+
+
+def _tiled_segment(
+    query, keys, values, output, segment: Segment, tile: int, column_tile: int, window: int | None, scale, groups: int
+) -> None:
+    """A prefill chunk's attention in tiles of ``tile`` queries, each a call of exactly that
+    many (the last padded), reading its slot's columns up to the tile's last position under
+    an explicit causal mask: a prompt token's output does not depend on how the prompt was
+    cut into chunks."""
+    device = query.device
+    for start in range(0, segment.length, tile):
+        count = min(tile, segment.length - start)
+        first = segment.first_position + start
+        positions = first + torch.arange(tile, device=device).clamp(max=count - 1)
+        end = first + count
+        mask, end = _pad_columns(_visible(positions[:, None], torch.arange(end, device=device), window), column_tile, keys.shape[2])
+        tokens = query[:, :, segment.start + start : segment.start + start + count]
+        if count < tile:
+            tokens = F.pad(tokens, (0, 0, 0, tile - count))
+        attended = F.scaled_dot_product_attention(
+            tokens,
+            keys[segment.slot : segment.slot + 1, :, :end],
+            values[segment.slot : segment.slot + 1, :, :end],
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=groups > 1,
+        )  # [1, heads, tile, dim]
+        output[segment.start + start : segment.start + start + count] = attended[0, :, :count].transpose(0, 1)
 
 
 def use_slot_attention(model: PreTrainedModel) -> None:

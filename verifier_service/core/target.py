@@ -10,6 +10,7 @@ target's own state and for training them.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from typing import NamedTuple
 import torch
 from transformers import PreTrainedModel
 
+from verifier_service.core.invariance import Invariance, invariant_pass
 from verifier_service.core.kv_cache import STEP_KWARG, SlotKVCache, plan_step, use_slot_attention
 from verifier_service.core.linear_kernels import engaged
 from verifier_service.core.step import PrefillChunk, Row, kept_chunk_positions
@@ -74,6 +76,9 @@ class PackedModel:
         # Tokens to pad a step of this many tokens with (the step cost's, once measured).
         self.padding: Callable[[int], int] = lambda tokens: 0
         self.capture: FeatureCapture | None = None
+        # Fixed shapes for every pass, so that a token's logits do not depend on its
+        # batch-mates (``invariance``); None: each pass as its kernels find fastest.
+        self.invariance: Invariance | None = None
 
     def capture_features(self) -> None:
         """Keep every pass's features from now on (``Scored.features``)."""
@@ -173,11 +178,18 @@ class PackedModel:
             input_ids += [0] * padding
         counts = [(cached, len(query)) for cached, query in decode_rows]
         columns = max((cached + count for cached, count in counts), default=0)
+        invariance = self.invariance
+        if invariance:  # attention reads whole column tiles, prefill chunks' too
+            columns += (-columns) % invariance.column_tile
+            for slot, first, length in placed:
+                self.cache.ensure_finite(slot, first + length + (-(first + length)) % invariance.column_tile)
         for slot in range(len(counts)):
             self.cache.ensure_finite(slot, columns)
-        layout = plan_step(self.cache, counts, placed, self.device, trees)
+        query_tile, column_tile = (invariance.query_tile, invariance.column_tile) if invariance else (0, 1)
+        layout = plan_step(self.cache, counts, placed, self.device, trees, query_tile=query_tile, column_tile=column_tile)
         extra = {"logits_to_keep": torch.tensor(keep, dtype=torch.long, device=self.device)} if self.keeps_logits else {}
-        with engaged():
+        decode_tokens = sum(count for _, count in counts)
+        with engaged(), invariant_pass(invariance, decode_tokens) if invariance else contextlib.nullcontext():
             output = self.model(
                 input_ids=torch.tensor([input_ids], device=self.device),
                 position_ids=layout.position_ids,

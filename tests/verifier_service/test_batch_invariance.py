@@ -1,0 +1,162 @@
+"""Batch-invariant passes (``--batch-invariant``): a token's logits are bitwise the same
+whatever else shares its pass (alone, in a chain or a tree, beside 15 other sequences,
+beside a prefill chunk) and a prompt's however it is cut into chunks, in float32 and
+bfloat16; and so speculative output is plain output, token for token, in both."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.verifier_service.test_engine_adaptive import FrozenStepCost
+from tests.verifier_service.test_trees import FLAT, NO_EOS, TreeProposer, branch_tree
+from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
+from verifier_service.core.invariance import Invariance, invariant_linear, library_rows_invariant
+from verifier_service.core.kv_cache import _pad_columns, _pad_queries
+
+VOCAB = 64
+ROWS = 17
+
+
+def build(dtype: torch.dtype) -> LlamaForCausalLM:
+    """A seeded Llama wide enough for the kernels' vector and block paths (64-wide heads)."""
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # peaked distributions, as a trained model's
+    return model.to(dtype)
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def model(request):
+    return build(getattr(torch, request.param))
+
+
+def engine_for(model, tokenizer, invariant: bool = True, proposer=None, **config) -> SpeculativeEngine:
+    engine = SpeculativeEngine(
+        copy.deepcopy(model),
+        tokenizer,
+        proposer,
+        EngineConfig(max_batch_size=ROWS, batch_invariant=invariant, **config),
+        step_cost=FrozenStepCost(FLAT),
+    )
+    engine.eos_token_ids = NO_EOS
+    return engine
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (9 + 13 * index,), generator=generator).tolist() for index in range(count)]
+
+
+def filled(engine: SpeculativeEngine, texts: list[list[int]]) -> None:
+    """Each prompt into the slot of its index, prefilled in a pass of its own."""
+    with torch.inference_mode():
+        for slot, prompt in enumerate(texts):
+            engine.target.forward([], [(slot, 0, prompt)], keep=[])
+
+
+def test_a_tokens_logits_are_the_same_whatever_shares_its_pass(model, tiny_tokenizer):
+    engine = engine_for(model, tiny_tokenizer)
+    texts = prompts(ROWS)
+    filled(engine, texts)
+    cached, token = len(texts[0]), 5
+    forward = engine.target.forward
+
+    def first(rows, segments=(), trees=None):
+        keep = list(range(sum(len(query) for _, query in rows)))
+        with torch.inference_mode():
+            return forward(rows, list(segments), keep, trees=trees)[0].clone()
+
+    alone = first([(cached, [token])])
+    others = [(len(text), [10 + index]) for index, text in enumerate(texts[1:])]
+    wide = [(len(text), [10 + index, 3, 4, 5, 6, 7, 8]) for index, text in enumerate(texts[1:])]
+    compositions = {
+        "a chain of 4": first([(cached, [token, 7, 8, 9])]),
+        "a chain of 17": first([(cached, [token, *range(20, 36)])]),
+        "a tree": first([(cached, [token, 7, 8, 9, 10])], trees=[[-1, 0, 0, 1, 2]]),
+        "beside 16 sequences": first([(cached, [token]), *others]),
+        "beside 16 wide sequences": first([(cached, [token, 2, 3]), *wide]),
+        "beside a prefill chunk": first([(cached, [token])], [(ROWS, 0, [2 + index % 60 for index in range(58)])]),
+        "beside both": first([(cached, [token, 4]), *others], [(ROWS, 0, [2 + index % 60 for index in range(198)])]),
+    }
+    assert {name: torch.equal(logits, alone) for name, logits in compositions.items()} == dict.fromkeys(compositions, True)
+
+
+def test_a_prompts_logits_are_the_same_however_it_is_cut_into_chunks(model, tiny_tokenizer):
+    prompt = prompts(1, seed=3)[0] * 5  # 45 tokens
+    last = []
+    for cuts in ([45], [1, 44], [16, 29], [32, 13], [7, 7, 7, 24]):
+        engine = engine_for(model, tiny_tokenizer)
+        start = 0
+        with torch.inference_mode():
+            for length in cuts:
+                beside = [(1, 0, [2 + index % 60 for index in range(3 * length)])]  # another prompt's chunk in the same pass
+                logits = engine.target.forward([], [(0, start, prompt[start : start + length]), *beside], keep=[length - 1])
+                start += length
+        last.append(logits[0])
+    assert all(torch.equal(logits, last[0]) for logits in last[1:])
+
+
+def test_greedy_speculative_output_is_plain_output_in_every_dtype(model, tiny_tokenizer):
+    """Drafts partly right, as trees (adaptive K) and as chains with every third token wrong
+    (K = 4), all requests in one batch: the tokens are plain decoding's, one request at a
+    time, in the same dtype."""
+    texts = prompts(6, seed=11)
+    plain = engine_for(model, tiny_tokenizer)
+    expected = [plain.generate([GenerationRequest(text, 24, num_speculative_tokens=0)])[0].token_ids for text in texts]
+    truth = {tuple(text): tokens for text, tokens in zip(texts, expected)}
+
+    def every_third_wrong(path: list[int], depth: int) -> tuple[list[int], list[int]]:
+        return [token if index % 3 != 2 else (token + 1) % VOCAB for index, token in enumerate(path)], []
+
+    for k, shape in ((None, branch_tree), (4, every_third_wrong)):
+        proposer = TreeProposer(lambda prompt: truth[tuple(prompt)], shape, texts)
+        engine = engine_for(model, tiny_tokenizer, proposer=proposer)
+        results = engine.generate([GenerationRequest(text, 24, num_speculative_tokens=k) for text in texts])
+        assert [result.token_ids for result in results] == expected
+        assert sum(result.stats.accepted_tokens for result in results) > 0
+
+
+def test_the_linear_layers_tiles_give_each_row_what_a_call_of_its_own_tile_gives():
+    torch.manual_seed(0)
+    weight, bias, hidden = torch.randn(48, 32), torch.randn(48), torch.randn(1, 21, 32)
+    out = invariant_linear(hidden, weight, bias, Invariance(linear_tile=8, prefill_tile=16), decode=5)
+    assert out.shape == (1, 21, 48)
+    decode = torch.cat([hidden[0, :5], torch.zeros(3, 32)])
+    assert torch.equal(out[0, :5], torch.nn.functional.linear(decode, weight, bias)[:5])  # the first decode tile, padded
+    assert torch.equal(out[0, 5:21], torch.nn.functional.linear(hidden[0, 5:21], weight, bias))  # one prefill tile of 16
+    lone = invariant_linear(hidden[:, :1], weight, bias, Invariance(linear_tile=0), decode=1)  # library rows: a lone row as two
+    assert torch.equal(lone[0, 0], torch.nn.functional.linear(hidden[0, [0, 0]], weight, bias)[0])
+
+
+def test_the_probe_catches_a_library_whose_rows_depend_on_their_count(monkeypatch):
+    assert isinstance(library_rows_invariant(torch.nn.Linear(8, 8), rows=(3, 4)), bool)  # this machine's library decides
+    original = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, weight, bias=None: original(x, weight, bias) + (x.shape[0] > 2) * 1e-3)
+    assert not library_rows_invariant(torch.nn.Linear(8, 8), rows=(3,))
+
+
+def test_padding_queries_and_columns_hides_what_was_added():
+    queries, mask = torch.randn(2, 3, 5, 8), torch.ones(2, 1, 5, 7, dtype=torch.bool)
+    padded, padded_mask = _pad_queries(queries, mask, 4)
+    assert padded.shape == (2, 3, 8, 8) and torch.equal(padded[:, :, :5], queries) and not padded[:, :, 5:].any()
+    assert padded_mask[:, :, 5:].sum() == 2 * 3 and padded_mask[:, :, 5:, 0].all()  # padding sees column 0 alone
+    widened, columns = _pad_columns(mask, 16, capacity=12)
+    assert columns == 12 and widened.shape[-1] == 12 and not widened[..., 7:].any()  # never past the cache
+    same, columns = _pad_columns(mask[..., :4], 4, capacity=12)
+    assert columns == 4 and same.shape[-1] == 4  # a multiple already: nothing added

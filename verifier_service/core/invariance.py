@@ -1,0 +1,151 @@
+"""Batch-invariant passes: a token's logits bitwise the same whatever else is in its pass.
+
+A packed step's shape depends on everything in it: the token's own chain or tree, the
+other sequences, a prefill chunk riding along. Matrix kernels pick their blocking, and
+with it the order of their float additions, from the shapes they are given, so the same
+token can come out of two passes a rounding apart: harmless in float32 so far, enough in
+bfloat16 to flip a greedy choice, and so to make speculative output differ from plain.
+Measured on a CPU (torch's oneDNN and MKL kernels):
+
+* a GEMM's row depends on how many rows the call has (float32 at every count; bfloat16
+  only between one row and more), but not on the other rows' values or on its own place
+  among them, when the count is fixed;
+* scaled-dot-product attention's output for a query depends on how many queries the call
+  has (its kernel cuts them into blocks of 32), but not on keys past the query's own that
+  its mask hides, nor on the other batch entries.
+
+So, as the batch-invariant kernels of He et al. (2025) fix one configuration for every
+batch size, a batch-invariant pass fixes the shapes (``Invariance``):
+
+* linear layers run the decode rows in tiles of ``linear_tile`` rows, and the prefill
+  rows in tiles of ``prefill_tile`` (padding the last), or, where a start-up probe finds
+  the library's GEMM invariant from two rows on (``library_rows_invariant``), as one call
+  with a lone row padded to two;
+* decode attention pads each row's queries to a multiple of ``query_tile``, and prefill
+  attention runs each chunk in tiles of ``query_tile`` queries (``kv_cache``).
+
+What this costs is measured by ``bench.bench_dtype --batch-invariant off on``; the tests compare a token's
+logits bitwise across pass compositions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# Queries per attention block: the CPU kernel's own block for short query runs.
+QUERY_TILE = 32
+# Columns an attention call reads, to a multiple of this many: a whole vector of the
+# kernel's softmax holds every column a query sees, whatever else the call reads.
+COLUMN_TILE = 16
+# Rows per GEMM call where the library's row results depend on the call's row count:
+# decode passes are short (1 + drafts per sequence); prefill chunks are long, and reading
+# the weights once per 64 prompt tokens keeps their cost near a single call's.
+DECODE_LINEAR_TILE = 8
+PREFILL_LINEAR_TILE = 64
+# Row counts the start-up probe compares against two rows.
+PROBED_ROWS = (3, 4, 5, 7, 8, 9, 13, 16, 17, 31, 33, 64, 100, 256)
+
+
+@dataclass(frozen=True)
+class Invariance:
+    """The fixed shapes of a batch-invariant pass. ``linear_tile`` 0: the library's GEMM
+    rows are invariant from two rows on, so a pass's rows go in one call (a lone row
+    padded to two); else decode rows go in tiles of ``linear_tile`` and prefill rows in
+    tiles of ``prefill_tile``."""
+
+    linear_tile: int = DECODE_LINEAR_TILE
+    prefill_tile: int = PREFILL_LINEAR_TILE
+    query_tile: int = QUERY_TILE
+    column_tile: int = COLUMN_TILE
+
+    def describe(self) -> str:
+        rows = "one call, from two rows" if not self.linear_tile else f"tiles of {self.linear_tile} (prefill {self.prefill_tile})"
+        return f"linear layers {rows}; attention queries in tiles of {self.query_tile}"
+
+
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def invariant_pass(invariance: Invariance, decode_tokens: int) -> Iterator[None]:
+    """Within it, this thread's linear layers run ``invariance``'s shapes; the pass's first
+    ``decode_tokens`` rows are decode rows, the rest prefill."""
+    previous = getattr(_thread, "pass_", None)
+    _thread.pass_ = (invariance, decode_tokens)
+    try:
+        yield
+    finally:
+        _thread.pass_ = previous
+
+
+def current_pass() -> tuple[Invariance, int] | None:
+    return getattr(_thread, "pass_", None)
+
+
+def invariant_linear(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariance: Invariance, decode: int
+) -> torch.Tensor:
+    """F.linear(hidden, weight, bias) with each row computed by a call of fixed shape: rows
+    [0, decode) as decode rows, the rest as prefill rows (``Invariance``)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    decode = min(decode, flat.shape[0])
+    parts = [
+        _rows(part, weight, bias, tile)
+        for part, tile in (
+            (flat[:decode], invariance.linear_tile),
+            (flat[decode:], invariance.prefill_tile if invariance.linear_tile else 0),
+        )
+        if part.shape[0]
+    ]
+    out = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else F.linear(flat, weight, bias)
+    return out.reshape(*hidden.shape[:-1], weight.shape[0])
+
+
+def _rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
+    count = rows.shape[0]
+    if not tile:  # the library's rows are invariant from two on
+        return F.linear(torch.cat([rows, rows]), weight, bias)[:1] if count == 1 else F.linear(rows, weight, bias)
+    padding = (-count) % tile
+    if padding:
+        rows = torch.cat([rows, rows.new_zeros(padding, rows.shape[1])])
+    return torch.cat([F.linear(rows[start : start + tile], weight, bias) for start in range(0, rows.shape[0], tile)])[:count]
+
+
+@torch.inference_mode()
+def library_rows_invariant(model: nn.Module, rows: tuple[int, ...] = PROBED_ROWS) -> bool:
+    """Whether every linear layer shape of ``model`` gives each row bitwise the same
+    result at every row count of ``rows`` as in a call of two rows, on random inputs in
+    the model's dtype and device (the library, the CPU and the thread count decide)."""
+    shapes = {
+        (module.weight.shape, module.weight.dtype, module.weight.device) for module in model.modules() if isinstance(module, nn.Linear)
+    }
+    generator = torch.Generator().manual_seed(0)
+    for (out_features, in_features), dtype, device in sorted(shapes, key=str):
+        weight = torch.randn(out_features, in_features, generator=generator).to(dtype=dtype, device=device)
+        inputs = torch.randn(max(rows), in_features, generator=generator).to(dtype=dtype, device=device)
+        checked = sorted({0, 1, *(count - 1 for count in rows)})  # first rows, and each call's last
+        alone = {row: F.linear(inputs[[row, (row + 1) % len(inputs)]], weight)[0] for row in checked}
+        for count in rows:
+            result = F.linear(inputs[:count], weight)
+            if any(not torch.equal(result[row], alone[row]) for row in checked if row < count):
+                log.info("linear rows of %s x %s in %s depend on the call's row count (%d rows)", out_features, in_features, dtype, count)
+                return False
+    return True
+
+
+def choose_invariance(model: nn.Module) -> Invariance:
+    """The cheapest fixed shapes this machine keeps a row's result under: one call per pass
+    where the library's GEMM rows are invariant (probed), tiles otherwise."""
+    invariance = Invariance(linear_tile=0) if library_rows_invariant(model) else Invariance()
+    log.info("batch-invariant passes: %s", invariance.describe())
+    return invariance

@@ -6,6 +6,7 @@ bfloat16; and so speculative output is plain output, token for token, in both.""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tests.verifier_service.test_engine_adaptive import FrozenStepCost
 from tests.verifier_service.test_trees import FLAT, NO_EOS, TreeProposer, branch_tree
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.core.invariance import Invariance, invariant_linear, library_rows_invariant
+from verifier_service.core.invariance import Invariance, invariant_linear, library_rows_invariant, tokens_attention_invariant
 from verifier_service.core.kv_cache import _pad_columns, _pad_queries
 
 VOCAB = 64
@@ -51,7 +52,7 @@ def engine_for(model, tokenizer, invariant: bool = True, proposer=None, **config
         copy.deepcopy(model),
         tokenizer,
         proposer,
-        EngineConfig(max_batch_size=ROWS, batch_invariant=invariant, **config),
+        EngineConfig(max_batch_size=ROWS, batch_invariant="on" if invariant else "off", **config),
         step_cost=FrozenStepCost(FLAT),
     )
     engine.eos_token_ids = NO_EOS
@@ -70,8 +71,24 @@ def filled(engine: SpeculativeEngine, texts: list[list[int]]) -> None:
             engine.target.forward([], [(slot, 0, prompt)], keep=[])
 
 
-def test_a_tokens_logits_are_the_same_whatever_shares_its_pass(model, tiny_tokenizer):
+@pytest.mark.parametrize("attention", ["chosen", "query tiles", "a call entry per token"])
+def test_a_tokens_logits_are_the_same_whatever_shares_its_pass(model, tiny_tokenizer, attention):
+    """With the decode attention the start-up probe chooses, and with each of the two: query
+    tiles everywhere; a call entry per token where the probe finds it invariant (else the
+    probe must not have chosen it)."""
     engine = engine_for(model, tiny_tokenizer)
+    chosen = engine.target.invariance
+    assert chosen is not None
+    if attention == "query tiles":
+        engine.target.invariance = dataclasses.replace(chosen, token_attention=False)
+    elif attention == "a call entry per token":
+        config = model.config
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        parameter = next(model.parameters())
+        if not tokens_attention_invariant(parameter.dtype, parameter.device, kv_heads, heads // kv_heads, config.head_dim):
+            assert not chosen.token_attention
+            return
+        engine.target.invariance = dataclasses.replace(chosen, token_attention=True)
     texts = prompts(ROWS)
     filled(engine, texts)
     cached, token = len(texts[0]), 5
@@ -160,3 +177,23 @@ def test_padding_queries_and_columns_hides_what_was_added():
     assert columns == 12 and widened.shape[-1] == 12 and not widened[..., 7:].any()  # never past the cache
     same, columns = _pad_columns(mask[..., :4], 4, capacity=12)
     assert columns == 4 and same.shape[-1] == 4  # a multiple already: nothing added
+
+
+@pytest.mark.parametrize("token_attention", [False, True])
+def test_fixed_shapes_compute_the_same_attention_as_free_ones_up_to_rounding(tiny_tokenizer, token_attention):
+    """The fixed shapes change the rounding, never the function: a pass's logits with and
+    without them agree to float32 rounding, tokens of chains, trees and prefill included."""
+    model = build(torch.float32)
+    free, fixed = engine_for(model, tiny_tokenizer, invariant=False), engine_for(model, tiny_tokenizer)
+    fixed.target.invariance = dataclasses.replace(fixed.target.invariance, token_attention=token_attention)
+    texts = prompts(3, seed=5)
+    outputs = []
+    for engine in (free, fixed):
+        filled(engine, texts)
+        rows = [(len(texts[0]), [5, 6, 7, 8]), (len(texts[1]), [9]), (len(texts[2]), [10, 11, 12])]
+        with torch.inference_mode():
+            logits = engine.target.forward(
+                rows, [(3, 0, texts[1])], list(range(8)) + [8 + len(texts[1]) - 1], trees=[[-1, 0, 0, 1], None, None]
+            )
+        outputs.append(logits)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)

@@ -131,8 +131,13 @@ class SpeculativeEngine:
             raise ValueError(f"max_sequence_tokens {capacity} exceeds the model's context of {self.context_length}")
         self.cache = SlotKVCache(self.config.max_batch_size, capacity)
         self.target = PackedModel(model, self.cache, self.vocab_size)
-        if self.config.batch_invariant:
-            self.target.invariance = choose_invariance(model)
+        if self.config.batch_invariant != "off":
+            invariance = choose_invariance(model)
+            if self.config.batch_invariant == "on" or not invariance.linear_tile:
+                self.target.invariance = invariance
+            log.info(
+                "batch-invariant passes %s (--batch-invariant %s)", "on" if self.target.invariance else "off", self.config.batch_invariant
+            )
         # The drafter, then the proposers beside it (a draft head), asked in this order.
         self.proposers = Proposers(proposer, beside, self.vocab_size)
         if self.proposers.wants_features:

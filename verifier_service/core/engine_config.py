@@ -71,10 +71,15 @@ class EngineConfig:
     )
 
     # Fixed shapes for every pass (core/invariance.py): a token's logits are then bitwise
-    # the same whatever shares its pass, which exactness needs in bfloat16; what it costs
-    # is measured by bench.bench_dtype --batch-invariant off on.
-    batch_invariant: bool = setting(
-        False, help="compute every pass with fixed shapes, so a token's logits do not depend on what else is in its pass"
+    # the same whatever shares its pass, which exactness needs in bfloat16. Auto takes them
+    # where the library's matrix rows are invariant already (a start-up probe; bfloat16 on
+    # a CPU with AVX512-BF16): there they cost 5-19% of a pass; float32's tiles cost 1.1-1.8x
+    # (bench.bench_dtype --batch-invariant off on).
+    batch_invariant: str = setting(
+        "auto",
+        choices=["auto", "on", "off"],
+        help="compute every pass with fixed shapes, so a token's logits do not depend on what else is in its pass "
+        "(auto: where this machine's matrix kernels make it cheap, as a start-up probe finds)",
     )
 
     # Each entry costs a column write at every verified position of the request.

@@ -21,8 +21,11 @@ batch size, a batch-invariant pass fixes the shapes (``Invariance``):
   rows in tiles of ``prefill_tile`` (padding the last), or, where a start-up probe finds
   the library's GEMM invariant from two rows on (``library_rows_invariant``), as one call
   with a lone row padded to two;
-* decode attention pads each row's queries to a multiple of ``query_tile``, and prefill
-  attention runs each chunk in tiles of ``query_tile`` queries (``kv_cache``).
+* decode attention gives each token a call entry of its own, where a start-up probe finds
+  that invariant (``token_attention``: the same query count in every call, whatever the
+  row's width), else pads each row's queries to a multiple of ``query_tile``; either way
+  the columns read go to a multiple of ``column_tile``. Prefill attention runs each chunk
+  in tiles of ``query_tile`` queries (``kv_cache``).
 
 What this costs is measured by ``bench.bench_dtype --batch-invariant off on``; the tests compare a token's
 logits bitwise across pass compositions.
@@ -67,10 +70,12 @@ class Invariance:
     prefill_tile: int = PREFILL_LINEAR_TILE
     query_tile: int = QUERY_TILE
     column_tile: int = COLUMN_TILE
+    token_attention: bool = False  # decode attention one token per call entry (else query tiles)
 
     def describe(self) -> str:
         rows = "one call, from two rows" if not self.linear_tile else f"tiles of {self.linear_tile} (prefill {self.prefill_tile})"
-        return f"linear layers {rows}; attention queries in tiles of {self.query_tile}"
+        decode = "a call entry per token" if self.token_attention else f"queries in tiles of {self.query_tile}"
+        return f"linear layers {rows}; decode attention {decode}; prefill attention in tiles of {self.query_tile}"
 
 
 _thread = threading.local()
@@ -143,9 +148,61 @@ def library_rows_invariant(model: nn.Module, rows: tuple[int, ...] = PROBED_ROWS
     return True
 
 
+@torch.inference_mode()
+def tokens_attention_invariant(dtype: torch.dtype, device: torch.device, kv_heads: int, groups: int, head_dim: int) -> bool:
+    """Whether attention gives a token's query heads bitwise the same output as a call entry
+    of their own (``kv_cache._token_attention``) whatever the other entries of the call and
+    however many hidden columns past a whole COLUMN_TILE it reads, on random inputs."""
+    generator = torch.Generator().manual_seed(1)
+
+    def random(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, generator=generator)).to(dtype=dtype, device=device)
+
+    keys, values = random(1, kv_heads, 400, head_dim, scale=3.0), random(1, kv_heads, 400, head_dim)
+    token = random(kv_heads, groups, head_dim, scale=2.0)
+
+    def attend(visible: int, columns: int, entries: int, at: int) -> torch.Tensor:
+        queries = random(entries, kv_heads, groups, head_dim, scale=2.0)
+        queries[at] = token
+        mask = torch.zeros(entries, 1, groups, columns, dtype=torch.bool, device=device)
+        mask[..., :visible] = True
+        expand = (entries, -1, -1, -1)
+        out = F.scaled_dot_product_attention(
+            queries, keys[..., :columns, :].expand(*expand), values[..., :columns, :].expand(*expand), attn_mask=mask
+        )
+        return out[at]
+
+    for visible in (5, 38, 100, 300):
+        least = visible + (-visible) % COLUMN_TILE
+        alone = attend(visible, least, 1, 0)
+        for columns, entries, at in ((least + COLUMN_TILE, 1, 0), (least, 4, 2), (least + 33, 9, 8), (400, 17, 0)):
+            if not torch.equal(alone, attend(visible, columns, entries, at)):
+                log.info("attention of one token per call entry depends on the call (%d visible columns)", visible)
+                return False
+    return True
+
+
 def choose_invariance(model: nn.Module) -> Invariance:
     """The cheapest fixed shapes this machine keeps a row's result under: one call per pass
-    where the library's GEMM rows are invariant (probed), tiles otherwise."""
-    invariance = Invariance(linear_tile=0) if library_rows_invariant(model) else Invariance()
-    log.info("batch-invariant passes: %s", invariance.describe())
+    where the library's GEMM rows are invariant (probed once per process for each set of
+    shapes and thread count), tiles otherwise."""
+    shapes = tuple(
+        sorted({(tuple(m.weight.shape), m.weight.dtype, m.weight.device) for m in model.modules() if isinstance(m, nn.Linear)}, key=str)
+    )
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", 1)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 64) // heads
+    parameter = next(model.parameters())
+    key = (shapes, torch.get_num_threads())
+    if key not in _probed:
+        _probed[key] = library_rows_invariant(model)
+    attention = ("attention", parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim, torch.get_num_threads())
+    if attention not in _probed:
+        _probed[attention] = tokens_attention_invariant(parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim)
+    invariance = Invariance(linear_tile=0 if _probed[key] else DECODE_LINEAR_TILE, token_attention=_probed[attention])
+    log.info("batch-invariant shapes: %s", invariance.describe())
     return invariance
+
+
+_probed: dict[tuple, bool] = {}  # (linear shapes, threads) -> the library's rows invariant

@@ -72,6 +72,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from verifier_service.core.invariance import Invariance
+
 ATTENTION_NAME = "specdec_slots"
 STEP_KWARG = "specdec_step"  # the keyword that carries a StepLayout down to attention
 # Columns zeroed ahead of a slot's extent at a time: zeroing is one fill per
@@ -249,10 +251,9 @@ class StepLayout:
     decode_tokens: int
     groups: list[DecodeGroup]
     segments: list[Segment]
-    # Batch-invariant attention (``invariance``): each decode row's queries padded to a
-    # multiple of this many, each prefill chunk attended in tiles of this many (0: off).
-    query_tile: int = 0
-    column_tile: int = 1  # and the columns each call reads, to a multiple of this many (hidden past the row's own)
+    # Batch-invariant attention (``invariance``; None: off): fixed query counts per call and
+    # columns read to a multiple of its ``column_tile``, hidden past each query's own.
+    invariance: Invariance | None = None
     _masks: dict = field(default_factory=dict)
 
     def segment_mask(self, segment: Segment, window: int | None) -> torch.Tensor | None:
@@ -336,8 +337,7 @@ def plan_step(
     device: torch.device,
     trees: list[list[int] | None] | None = None,
     split: bool | None = None,
-    query_tile: int = 0,
-    column_tile: int = 1,
+    invariance: Invariance | None = None,
 ) -> StepLayout:
     """Lay out one packed forward pass.
 
@@ -391,8 +391,7 @@ def plan_step(
         decode_tokens=decode_tokens,
         groups=groups,
         segments=packed,
-        query_tile=query_tile,
-        column_tile=column_tile,
+        invariance=invariance,
     )
 
 
@@ -471,9 +470,16 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
         queries = queries.permute(1, 0, 2, 3).reshape(rows, kv_heads, groups * width, dim)
         stop = group.first + rows
         mask, columns = group.mask(groups, window), group.columns
-        if step.query_tile:  # fixed query and column multiples: the kernel's blocks do not depend on the pass
-            queries, mask = _pad_queries(queries, mask, step.query_tile)
-            mask, columns = _pad_columns(mask, step.column_tile, cache.capacity)
+        invariance = step.invariance
+        if invariance is not None and invariance.token_attention:  # each token a call entry of its own
+            attended = _token_attention(queries, mask, keys, values, group.first, groups, width, invariance.column_tile, scale)
+            output[group.start : group.start + group.tokens] = attended.reshape(rows, heads, width, dim)[
+                group.scatter_rows, :, group.scatter_queries
+            ]
+            continue
+        if invariance is not None:  # fixed query and column multiples: the kernel's blocks do not depend on the pass
+            queries, mask = _pad_queries(queries, mask, invariance.query_tile)
+            mask, columns = _pad_columns(mask, invariance.column_tile, cache.capacity)
         attended = F.scaled_dot_product_attention(
             queries,
             keys[group.first : stop, :, :columns],
@@ -484,8 +490,9 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
         attended = attended.reshape(rows, heads, width, dim)
         output[group.start : group.start + group.tokens] = attended[group.scatter_rows, :, group.scatter_queries]
     for segment in step.segments:
-        if step.query_tile:
-            _tiled_segment(query, keys, values, output, segment, step.query_tile, step.column_tile, window, scale, groups)
+        if step.invariance is not None:
+            tile = step.invariance
+            _tiled_segment(query, keys, values, output, segment, tile.query_tile, tile.column_tile, window, scale, groups)
             continue
         end = segment.first_position + segment.length
         mask = step.segment_mask(segment, window)
@@ -524,6 +531,31 @@ def _pad_columns(mask: torch.Tensor, tile: int, capacity: int) -> tuple[torch.Te
     if wanted == columns:
         return mask, columns
     return F.pad(mask, (0, wanted - columns), value=False), wanted
+
+
+def _token_attention(queries, mask, keys, values, first: int, groups: int, width: int, column_tile: int, scale) -> torch.Tensor:
+    """Decode attention with each token of each row a call entry of its own: its ``groups``
+    query heads per key head against its row's cached keys (a stride-0 view, not a copy),
+    reading the row's columns to a multiple of ``column_tile``. Every call then has the same
+    query count whatever the row's width or the pass's rows. queries [rows, kv_heads,
+    groups * width, dim] (head-major, as folded), mask [rows, 1, groups * width, columns]
+    -> [rows, kv_heads, groups * width, dim]."""
+    rows, kv_heads, _, dim = queries.shape
+    mask, columns = _pad_columns(mask, column_tile, keys.shape[2])
+    out = torch.empty_like(queries)
+    for row in range(rows):
+        tokens = queries[row].view(kv_heads, groups, width, dim).permute(2, 0, 1, 3)  # [width, kv_heads, groups, dim]
+        visible = mask[row].view(1, groups, width, columns).permute(2, 0, 1, 3)  # [width, 1, groups, columns]
+        slot = first + row
+        attended = F.scaled_dot_product_attention(
+            tokens,
+            keys[slot : slot + 1, :, :columns].expand(width, -1, -1, -1),
+            values[slot : slot + 1, :, :columns].expand(width, -1, -1, -1),
+            attn_mask=visible,
+            scale=scale,
+        )  # [width, kv_heads, groups, dim]
+        out[row] = attended.permute(1, 2, 0, 3).reshape(kv_heads, groups * width, dim)
+    return out
 
 
 def _tiled_segment(

@@ -185,8 +185,7 @@ class PackedModel:
                 self.cache.ensure_finite(slot, first + length + (-(first + length)) % invariance.column_tile)
         for slot in range(len(counts)):
             self.cache.ensure_finite(slot, columns)
-        query_tile, column_tile = (invariance.query_tile, invariance.column_tile) if invariance else (0, 1)
-        layout = plan_step(self.cache, counts, placed, self.device, trees, query_tile=query_tile, column_tile=column_tile)
+        layout = plan_step(self.cache, counts, placed, self.device, trees, invariance=invariance)
         extra = {"logits_to_keep": torch.tensor(keep, dtype=torch.long, device=self.device)} if self.keeps_logits else {}
         decode_tokens = sum(count for _, count in counts)
         with engaged(), invariant_pass(invariance, decode_tokens) if invariance else contextlib.nullcontext():

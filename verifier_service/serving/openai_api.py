@@ -244,7 +244,8 @@ class OpenAIApi:
         return JSONResponse({"version": _VERSION})
 
     def _model(self, name: str) -> dict:
-        # max_model_len: prompt and output tokens one request may hold (vLLM's name).
+        # max_model_len: prompt and output tokens one request may hold (vLLM's name);
+        # dtype and batch_invariant: the form it is served in.
         return {
             "id": name,
             "object": "model",
@@ -252,6 +253,7 @@ class OpenAIApi:
             "owned_by": "specdec",
             "root": self.service.config.model,
             "max_model_len": self.service.capacity,
+            **self.service.precision,
         }
 
     async def models(self, request: Request) -> Response:

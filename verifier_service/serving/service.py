@@ -344,6 +344,14 @@ class VerifierService:
         return self.engine.cache.capacity
 
     @property
+    def precision(self) -> dict[str, Any]:
+        """The form the model is served in: its dtype, and whether every pass runs fixed
+        shapes (``--batch-invariant``), which makes a token's logits independent of its batch."""
+        assert self.engine is not None
+        dtype = str(next(self.engine.model.parameters()).dtype).removeprefix("torch.")
+        return {"dtype": dtype, "batch_invariant": self.engine.target.invariance is not None}
+
+    @property
     def vocab_size(self) -> int:
         assert self.engine is not None
         return self.engine.vocab_size

@@ -8,8 +8,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
+from scipy.stats import chi2_contingency
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.verifier_service.test_engine_adaptive import FrozenStepCost
@@ -17,6 +19,7 @@ from tests.verifier_service.test_trees import FLAT, NO_EOS, TreeProposer, branch
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.core.invariance import Invariance, invariant_linear, library_rows_invariant, tokens_attention_invariant
 from verifier_service.core.kv_cache import _pad_columns, _pad_queries
+from verifier_service.core.rejection import SamplingParams
 
 VOCAB = 64
 ROWS = 17
@@ -197,3 +200,49 @@ def test_fixed_shapes_compute_the_same_attention_as_free_ones_up_to_rounding(tin
             )
         outputs.append(logits)
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
+
+
+SAMPLING = SamplingParams(temperature=0.9, top_k=20, top_p=0.95)
+
+
+def guessing(model, tokenizer, texts, length):
+    """A proposer drafting each prompt's plain greedy continuation (partly what sampling draws)."""
+    plain = engine_for(model, tokenizer)
+    truth = {tuple(text): plain.generate([GenerationRequest(text, length, num_speculative_tokens=0)])[0].token_ids for text in texts}
+    return TreeProposer(lambda prompt: truth[tuple(prompt)], branch_tree, texts)
+
+
+def test_seeded_sampling_gives_plain_samplings_tokens_in_every_dtype(model, tiny_tokenizer):
+    """Coupled randomness: with a seed, speculative sampling draws exactly what plain sampling
+    draws, batched beside other requests, when the logits are the same bits."""
+    texts = prompts(4, seed=13)
+    engine = engine_for(model, tiny_tokenizer, proposer=guessing(model, tiny_tokenizer, texts, 24))
+    for seed in range(3):
+        params = dataclasses.replace(SAMPLING, seed=seed)
+        plain = engine.generate([GenerationRequest(text, 16, params, num_speculative_tokens=0) for text in texts])
+        speculative = engine.generate([GenerationRequest(text, 16, params, num_speculative_tokens=None) for text in texts])
+        assert [result.token_ids for result in speculative] == [result.token_ids for result in plain]
+        assert sum(result.stats.draft_tokens for result in speculative) > 0
+
+
+@pytest.mark.slow  # seconds of sampling: left out of make test-fast
+def test_sampled_speculation_keeps_the_targets_distribution_in_bfloat16(tiny_tokenizer):
+    """Token at output position 3, speculative against plain sampling on disjoint seeds, in
+    bfloat16 with fixed shapes: one distribution (chi-square)."""
+    model = build(torch.bfloat16)
+    text = prompts(1, seed=17)[0]
+    engine = engine_for(model, tiny_tokenizer, proposer=guessing(model, tiny_tokenizer, [text], 8))
+    samples = 1500
+
+    def position_3(seeds, k):
+        requests = [GenerationRequest(text, 4, dataclasses.replace(SAMPLING, seed=seed), num_speculative_tokens=k) for seed in seeds]
+        return [result.token_ids[3] for result in engine.generate(requests)]
+
+    table = np.stack(
+        [
+            np.bincount(position_3(range(samples), 3), minlength=VOCAB),
+            np.bincount(position_3(range(samples, 2 * samples), 0), minlength=VOCAB),
+        ]
+    )
+    table = table[:, table.sum(axis=0) >= 10]
+    assert table.shape[1] >= 2 and chi2_contingency(table).pvalue > 0.001

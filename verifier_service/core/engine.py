@@ -132,7 +132,10 @@ class SpeculativeEngine:
         self.cache = SlotKVCache(self.config.max_batch_size, capacity)
         self.target = PackedModel(model, self.cache, self.vocab_size)
         if self.config.batch_invariant != "off":
-            invariance = choose_invariance(model)
+            # The largest pass: every slot verifying its most drafts, beside a full prefill chunk
+            # and some padding tokens.
+            most_rows = self.config.max_batch_size * (1 + self.config.max_speculative_tokens) + self.config.prefill_chunk_tokens + 64
+            invariance = choose_invariance(model, most_rows)
             if self.config.batch_invariant == "on" or not invariance.linear_tile:
                 self.target.invariance = invariance
             log.info(

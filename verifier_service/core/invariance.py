@@ -11,8 +11,8 @@ Measured on a CPU (torch's oneDNN and MKL kernels):
   only between one row and more), but not on the other rows' values or on its own place
   among them, when the count is fixed;
 * scaled-dot-product attention's output for a query depends on how many queries the call
-  has (its kernel cuts them into blocks of 32), but not on keys past the query's own that
-  its mask hides, nor on the other batch entries.
+  has (its kernel cuts them into blocks of 32) and on whether the columns it reads end in
+  a whole 16-wide vector; not on hidden columns past that, nor on the other batch entries.
 
 So, as the batch-invariant kernels of He et al. (2025) fix one configuration for every
 batch size, a batch-invariant pass fixes the shapes (``Invariance``):
@@ -27,8 +27,8 @@ batch size, a batch-invariant pass fixes the shapes (``Invariance``):
   the columns read go to a multiple of ``column_tile``. Prefill attention runs each chunk
   in tiles of ``query_tile`` queries (``kv_cache``).
 
-What this costs is measured by ``bench.bench_dtype --batch-invariant off on``; the tests compare a token's
-logits bitwise across pass compositions.
+What this costs is measured by ``bench.bench_dtype --batch-invariant off on``; the tests
+compare a token's logits bitwise across pass compositions.
 """
 
 from __future__ import annotations
@@ -182,10 +182,10 @@ def tokens_attention_invariant(dtype: torch.dtype, device: torch.device, kv_head
     return True
 
 
-def choose_invariance(model: nn.Module) -> Invariance:
+def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> Invariance:
     """The cheapest fixed shapes this machine keeps a row's result under: one call per pass
-    where the library's GEMM rows are invariant (probed once per process for each set of
-    shapes and thread count), tiles otherwise."""
+    where the library's GEMM rows are invariant up to ``most_rows`` (the largest pass; probed
+    once per process for each set of shapes, size and thread count), tiles otherwise."""
     shapes = tuple(
         sorted({(tuple(m.weight.shape), m.weight.dtype, m.weight.device) for m in model.modules() if isinstance(m, nn.Linear)}, key=str)
     )
@@ -194,9 +194,9 @@ def choose_invariance(model: nn.Module) -> Invariance:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 64) // heads
     parameter = next(model.parameters())
-    key = (shapes, torch.get_num_threads())
+    key = (shapes, most_rows, torch.get_num_threads())
     if key not in _probed:
-        _probed[key] = library_rows_invariant(model)
+        _probed[key] = library_rows_invariant(model, tuple(sorted({*PROBED_ROWS, most_rows})))
     attention = ("attention", parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim, torch.get_num_threads())
     if attention not in _probed:
         _probed[attention] = tokens_attention_invariant(parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim)

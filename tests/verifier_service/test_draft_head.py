@@ -612,3 +612,12 @@ def test_each_feature_goes_to_the_head_once_through_the_draft_request(trained, t
     engine.propose()
     assert len(given) == 1 and given[0] is not None
     assert all(sequence.feature is None for sequence in engine._active)  # taken by the request, not drafted from twice
+
+
+def test_a_budget_too_short_for_any_answer_stops_the_trainer_with_what_to_change():
+    args = train_head.parser().parse_args(["--minutes", "0.05"])
+    trace = (torch.zeros(3, 4), torch.arange(3))
+    assert train_head.too_little_data([trace], [trace], args) is None
+    for traces, held_out, which in (([], [trace], "for training"), ([trace], [], "held out")):
+        message = train_head.too_little_data(traces, held_out, args)
+        assert message is not None and which in message and "--minutes 0.05" in message and "--data-share 0.5" in message

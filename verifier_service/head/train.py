@@ -255,6 +255,19 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
+def too_little_data(traces: list, held_out: list, args: argparse.Namespace) -> str | None:
+    """Why training cannot start on what ``collect`` gathered (no answer for training or none
+    held out: the data budget ran out first), or None."""
+    if traces and held_out:
+        return None
+    data_minutes = args.minutes * args.data_share
+    which = "for training" if not traces else "held out"
+    return (
+        f"no answer was completed {which} within the data budget ({data_minutes:.2f} of --minutes {args.minutes:g}, "
+        f"--data-share {args.data_share:g}); give more --minutes or a larger --data-share, or fewer --max-new-tokens"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -271,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     data_seconds = budget * args.data_share
     held_out_traces = collect(engine, tokenizer, prompts(HELD_OUT), args.max_new_tokens, data_seconds * args.held_out_share, torch.float32)
     traces = collect(engine, tokenizer, prompts(SUBJECTS), args.max_new_tokens, data_seconds * (1 - args.held_out_share), torch.float32)
+    problem = too_little_data(traces, held_out_traces, args)
+    if problem:
+        log.error("%s", problem)
+        return 2
     trained_tokens = sum(len(tokens) for _, tokens in traces)
 
     hidden, embedding = head_sizes(model)

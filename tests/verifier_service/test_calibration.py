@@ -390,3 +390,14 @@ def test_too_few_real_steps_at_a_count_are_no_evidence(tmp_path):
     for step in range(calibration.CHECK_EVERY):  # 1 token at a tenth of its cost, but fewer than STEP_SAMPLES times
         model.observe(1, 0, 0.1 * STORED[1]) if step < calibration.STEP_SAMPLES - 1 else model.observe(20, 0, 1.0)
     assert json.loads(path.read_text())["points"]["1"] == STORED[1]
+
+
+def test_free_and_batch_invariant_passes_keep_separate_calibrations(tiny_model, tiny_tokenizer):
+    """Fixed shapes change what a pass costs, so a calibration measured with free passes is
+    not served to fixed ones, nor the other way round."""
+    keys = {}
+    for mode in ("off", "on"):
+        engine = SpeculativeEngine(tiny_model, tiny_tokenizer, None, EngineConfig(batch_invariant=mode), step_cost=StepCostModel({1: 1.0}))
+        keys[mode] = calibration.calibration_key(engine)
+    assert keys["off"]["passes"] == "free shapes" and keys["on"]["passes"].startswith("batch-invariant: ")
+    assert {name for name in keys["off"] if keys["off"][name] != keys["on"][name]} == {"passes"}

@@ -74,6 +74,10 @@ class CostProbe(Protocol):
     @property
     def slot_count(self) -> int: ...
 
+    @property
+    def passes(self) -> str:
+        """How its passes are shaped (batch-invariant or free): a pass's cost depends on it."""
+
     def run_pass(self, decode_rows: list[tuple[int, list[int]]], segments: list, keep: list[int]) -> torch.Tensor: ...
 
 
@@ -145,6 +149,7 @@ def calibration_key(engine: CostProbe) -> dict:
         "format": STORED_FORMAT,
         "model": hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
         "dtype": str(next(model.parameters()).dtype),
+        "passes": engine.passes,
         "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else str(engine.device),
         "cpu": _cpu_name(),
         "threads": torch.get_num_threads(),

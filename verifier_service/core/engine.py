@@ -169,6 +169,12 @@ class SpeculativeEngine:
         self.proposers.drafter = proposer
 
     @property
+    def passes(self) -> str:
+        """How every pass is shaped: fixed shapes (``invariance``) or as each pass's kernels find fastest."""
+        invariance = self.target.invariance
+        return f"batch-invariant: {invariance.describe()}" if invariance else "free shapes"
+
+    @property
     def slot_count(self) -> int:
         """Cache slots: sequences that can run at once (``config.max_batch_size``)."""
         return len(self._slots)

@@ -31,6 +31,7 @@ from drafter_service.sessions import NGramDrafter
 from verifier_service.core.drafting import SessionProposer
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, has_fast_bfloat16, load_model, resolve_dtype
+from verifier_service.core.weights import use_int4_weights
 
 
 def decode(engine: SpeculativeEngine, prompts: list[list[int]], max_new_tokens: int, k, batched: bool):
@@ -47,8 +48,10 @@ def decode(engine: SpeculativeEngine, prompts: list[list[int]], max_new_tokens: 
     return [r.token_ids for r in results], time.perf_counter() - started
 
 
-def measure(dtype: str, model_name: str, max_new_tokens: int, invariant: bool = False) -> dict:
+def measure(dtype: str, model_name: str, max_new_tokens: int, invariant: bool = False, weights: str = "float") -> dict:
     loaded = load_model(model_name, device="cpu", dtype=dtype)
+    if weights == "int4":
+        use_int4_weights(loaded.model)
     prompts = [chat_prompt_ids(loaded.tokenizer, p) for w in workloads() for p in w.prompts]
     engine = SpeculativeEngine(loaded.model, loaded.tokenizer, config=EngineConfig(batch_invariant="on" if invariant else "off"))
     plain, plain_s = decode(engine, prompts, max_new_tokens, 0, batched=False)
@@ -86,12 +89,19 @@ def main(argv=None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument(
+        "--weights", nargs="+", choices=["float", "int4"], default=["float"], help="weight forms to measure (int4: bfloat16 only)"
+    )
+    parser.add_argument(
         "--batch-invariant", nargs="+", choices=["off", "on"], default=["off"], help="measure without and/or with fixed-shape passes"
     )
     args = parser.parse_args(argv)
     report = {
-        dtype + (", batch-invariant" if mode == "on" else ""): measure(dtype, args.model, args.max_new_tokens, mode == "on")
+        dtype + (", int4" if weights == "int4" else "") + (", batch-invariant" if mode == "on" else ""): measure(
+            dtype, args.model, args.max_new_tokens, mode == "on", weights
+        )
         for dtype in args.dtypes
+        for weights in args.weights
+        if weights == "float" or dtype == "bfloat16"
         for mode in args.batch_invariant
     }
     cpu = torch.device("cpu")

@@ -54,6 +54,7 @@ from transformers import PreTrainedModel
 
 from verifier_service.core.kv_cache import SlotKVCache
 from verifier_service.core.linear_kernels import MEASURED_UP_TO, LinearKernels
+from verifier_service.core.weights import weights_form
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ def calibration_key(engine: CostProbe) -> dict:
         "format": STORED_FORMAT,
         "model": hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
         "dtype": str(next(model.parameters()).dtype),
+        "weights": weights_form(model),
         "passes": engine.passes,
         "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else str(engine.device),
         "cpu": _cpu_name(),

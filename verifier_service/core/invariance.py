@@ -36,8 +36,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -103,49 +105,77 @@ def invariant_linear(
     """F.linear(hidden, weight, bias) with each row computed by a call of fixed shape: rows
     [0, decode) as decode rows, the rest as prefill rows (``Invariance``)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
-    decode = min(decode, flat.shape[0])
-    parts = [
-        _rows(part, weight, bias, tile)
-        for part, tile in (
-            (flat[:decode], invariance.linear_tile),
-            (flat[decode:], invariance.prefill_tile if invariance.linear_tile else 0),
-        )
-        if part.shape[0]
-    ]
-    out = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else F.linear(flat, weight, bias)
+    out = invariant_rows(flat, lambda rows: F.linear(rows, weight, bias), invariance, decode)
     return out.reshape(*hidden.shape[:-1], weight.shape[0])
 
 
-def _rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
+Rows = Callable[[torch.Tensor], torch.Tensor]  # a linear layer's rows [n, in] -> [n, out]
+
+
+def invariant_rows(flat: torch.Tensor, compute: Rows, invariance: Invariance, decode: int) -> torch.Tensor:
+    """``compute`` (a linear layer's rows [n, in] -> [n, out]) over ``flat`` in calls of fixed
+    shape: rows [0, decode) as decode rows, the rest as prefill rows (``Invariance``)."""
+    decode = min(decode, flat.shape[0])
+    prefill_tile = invariance.prefill_tile if invariance.linear_tile else 0
+    parts = [
+        _rows(part, compute, tile)
+        for part, tile in ((flat[:decode], invariance.linear_tile), (flat[decode:], prefill_tile))
+        if part.shape[0]
+    ]
+    return torch.cat(parts) if len(parts) > 1 else parts[0] if parts else compute(flat)
+
+
+def _rows(rows: torch.Tensor, compute: Rows, tile: int) -> torch.Tensor:
     count = rows.shape[0]
     if not tile:  # the library's rows are invariant from two on
-        return F.linear(torch.cat([rows, rows]), weight, bias)[:1] if count == 1 else F.linear(rows, weight, bias)
+        return compute(torch.cat([rows, rows]))[:1] if count == 1 else compute(rows)
     padding = (-count) % tile
     if padding:
         rows = torch.cat([rows, rows.new_zeros(padding, rows.shape[1])])
-    return torch.cat([F.linear(rows[start : start + tile], weight, bias) for start in range(0, rows.shape[0], tile)])[:count]
+    return torch.cat([compute(rows[start : start + tile]) for start in range(0, rows.shape[0], tile)])[:count]
 
 
 @torch.inference_mode()
 def library_rows_invariant(model: nn.Module, rows: tuple[int, ...] = PROBED_ROWS) -> bool:
     """Whether every linear layer shape of ``model`` gives each row bitwise the same
     result at every row count of ``rows`` as in a call of two rows, on random inputs in
-    the model's dtype and device (the library, the CPU and the thread count decide)."""
-    shapes = {
-        (module.weight.shape, module.weight.dtype, module.weight.device) for module in model.modules() if isinstance(module, nn.Linear)
-    }
+    the model's dtype and device (the library, the CPU and the thread count decide).
+    Layers of another form (int4: ``row_probe``) are probed through themselves."""
     generator = torch.Generator().manual_seed(0)
-    for (out_features, in_features), dtype, device in sorted(shapes, key=str):
+    layers: list[tuple[str, int, torch.dtype, torch.device, Rows]] = []
+    for (out_features, in_features), dtype, device in linear_shapes(model):
         weight = torch.randn(out_features, in_features, generator=generator).to(dtype=dtype, device=device)
+        layers.append((f"{out_features} x {in_features} in {dtype}", in_features, dtype, device, partial(F.linear, weight=weight)))
+    for module in {(module.out_features, module.in_features): module for module in other_layers(model)}.values():
+        out_features, in_features = int(module.out_features), int(module.in_features)  # type: ignore[arg-type]
+        compute = cast(Rows, module.rows)
+        layers.append(
+            (f"{type(module).__name__} {out_features} x {in_features}", in_features, torch.bfloat16, torch.device("cpu"), compute)
+        )
+    checked = sorted({0, 1, *(count - 1 for count in rows)})  # first rows, and each call's last
+    for name, in_features, dtype, device, compute in layers:
         inputs = torch.randn(max(rows), in_features, generator=generator).to(dtype=dtype, device=device)
-        checked = sorted({0, 1, *(count - 1 for count in rows)})  # first rows, and each call's last
-        alone = {row: F.linear(inputs[[row, (row + 1) % len(inputs)]], weight)[0] for row in checked}
+        alone = {row: compute(inputs[[row, (row + 1) % len(inputs)]])[0] for row in checked}
         for count in rows:
-            result = F.linear(inputs[:count], weight)
+            result = compute(inputs[:count])
             if any(not torch.equal(result[row], alone[row]) for row in checked if row < count):
-                log.info("linear rows of %s x %s in %s depend on the call's row count (%d rows)", out_features, in_features, dtype, count)
+                log.info("linear rows of %s depend on the call's row count (%d rows)", name, count)
                 return False
     return True
+
+
+def linear_shapes(model: nn.Module) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
+    shapes = {
+        (tuple(module.weight.shape), module.weight.dtype, module.weight.device)
+        for module in model.modules()
+        if isinstance(module, nn.Linear)
+    }
+    return sorted(shapes, key=str)
+
+
+def other_layers(model: nn.Module) -> list[nn.Module]:
+    """Linear layers of another form than ``nn.Linear`` that probe themselves (``row_probe``)."""
+    return [module for module in model.modules() if getattr(module, "row_probe", False)]
 
 
 @torch.inference_mode()
@@ -186,9 +216,7 @@ def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> In
     """The cheapest fixed shapes this machine keeps a row's result under: one call per pass
     where the library's GEMM rows are invariant up to ``most_rows`` (the largest pass; probed
     once per process for each set of shapes, size and thread count), tiles otherwise."""
-    shapes = tuple(
-        sorted({(tuple(m.weight.shape), m.weight.dtype, m.weight.device) for m in model.modules() if isinstance(m, nn.Linear)}, key=str)
-    )
+    shapes = (*linear_shapes(model), *sorted({(type(m).__name__, m.out_features, m.in_features) for m in other_layers(model)}))
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", 1)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

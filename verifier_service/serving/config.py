@@ -52,6 +52,14 @@ class VerifierConfig:
         choices=["float32", "bfloat16", "auto"],
         help="weights and activations (auto: bfloat16 where the hardware has native bf16: GPUs, AMX or AVX512-BF16 CPUs)",
     )
+    # int4 reads a quarter of bfloat16's weight bytes; core/weights.py says what it keeps exact.
+    weights: str = setting(
+        "float",
+        group=MODEL,
+        choices=["float", "int4"],
+        help="the linear layers' weights: float (in --dtype) or int4 in groups of 32, computed with bfloat16 activations on the "
+        "CPU (a Q4_1 GGUF's own integers); needs --dtype bfloat16",
+    )
     # Trained by python -m verifier_service.head.train; refused when trained on another model.
     # Off by default: on a 2-core CPU it pays for one sequence but not yet for 16
     # (docs/benchmarks.md: the draft head), and a default must not slow any batch down.
@@ -217,6 +225,8 @@ class VerifierConfig:
             raise ValueError(f"--shared-scope {self.shared_scope!r} is no scope of --api-key-file (a line 'KEY scope=NAME' names one)")
         self.origins()
         self.hosts()
+        if self.weights == "int4" and self.dtype == "float32":
+            raise ValueError("--weights int4 computes with bfloat16 activations: start it with --dtype bfloat16 (or auto)")
         if self.draft_head_vocabulary == 1:  # each drafting step takes the head's two best guesses
             raise ValueError("--draft-head-vocabulary is 0 (every token the head was trained on) or at least 2, got 1")
 

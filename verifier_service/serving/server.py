@@ -59,6 +59,7 @@ from verifier_service.core.planner import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_
 from verifier_service.core.processing import TokenLogprob
 from verifier_service.core.rejection import SamplingParams
 from verifier_service.core.text import IncrementalText
+from verifier_service.core.weights import use_int4_weights
 from verifier_service.head.model import find_head
 from verifier_service.head.proposer import HeadProposer
 from verifier_service.serving.config import VerifierConfig
@@ -260,6 +261,12 @@ class VerifierServer:
         config = self.service.config
         started = time.perf_counter()
         loaded = load_model(config.model, device=config.device, dtype=config.dtype)
+        if config.weights == "int4":
+            if next(loaded.model.parameters()).dtype != torch.bfloat16:  # --dtype auto chose float32 on this machine
+                raise ValueError(
+                    "--weights int4 computes with bfloat16 activations; --dtype auto chose float32 here: pass --dtype bfloat16"
+                )
+            log.info("int4 weights: %d linear layers", use_int4_weights(loaded.model))
         torch.set_grad_enabled(False)
         # Uncalibrated: every step costs the same (as on an idle GPU), refined by real step times.
         step_cost = None if config.calibrate else StepCostModel({1: 1.0, 1024: 1.0})

@@ -34,6 +34,7 @@ from verifier_service.core.engine import SpeculativeEngine
 from verifier_service.core.errors import InvalidRequest
 from verifier_service.core.generation import FINISH_CANCELLED, GenerationRequest, GenerationResult
 from verifier_service.core.model_loading import cache_root
+from verifier_service.core.weights import weights_form
 from verifier_service.serving.metrics import PROVIDER, VerifierMetrics
 from verifier_service.serving.scheduler import RequestHandle, Scheduler
 from verifier_service.serving.scopes import DEFAULT_SCOPE, ScopeIds, load_secret
@@ -348,8 +349,9 @@ class VerifierService:
         """The form the model is served in: its dtype, and whether every pass runs fixed
         shapes (``--batch-invariant``), which makes a token's logits independent of its batch."""
         assert self.engine is not None
-        dtype = str(next(self.engine.model.parameters()).dtype).removeprefix("torch.")
-        return {"dtype": dtype, "batch_invariant": self.engine.target.invariance is not None}
+        model = self.engine.model
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        return {"dtype": dtype, "weights": weights_form(model), "batch_invariant": self.engine.target.invariance is not None}
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,100 @@
+"""int4 weights (``core/weights.py``): the integers of a 4-bit checkpoint found again exactly,
+the kernel computing what the stored weight says, and the engine exact in that form."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from tests.verifier_service.test_batch_invariance import ROWS, TreeProposer, branch_tree, build, engine_for, prompts
+from verifier_service.core.engine import GenerationRequest
+from verifier_service.core.weights import GROUP, Int4Linear, error_bound, quantize, stored, use_int4_weights, weights_form
+
+
+def q4_1(outputs: int, inputs: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight as a Q4_1 file holds it (w = d q + m, float16 d and m, q in [0, 15], each
+    group's least q 0 and greatest 15, as the quantizer makes them), and its integers."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = inputs // GROUP
+    integers = torch.randint(0, 16, (outputs, groups, GROUP), generator=generator)
+    integers[..., 0], integers[..., 1] = 0, 15
+    d = (torch.rand(outputs, groups, 1, generator=generator) * 0.05 + 0.001).half()
+    m = (-torch.rand(outputs, groups, 1, generator=generator) * 0.4).half()
+    return (d.float() * integers + m.float()).reshape(outputs, inputs), integers.reshape(outputs, inputs)
+
+
+def test_the_integers_of_a_4_bit_weight_are_found_again_exactly():
+    weight, integers = q4_1(64, 128)
+    found, scales, zeros = quantize(weight)
+    assert torch.equal(found, integers.to(torch.int32))
+    rebuilt = ((found.reshape(64, 4, GROUP) - 8) * scales[..., None] + zeros[..., None]).reshape(64, 128)
+    torch.testing.assert_close(rebuilt, weight, rtol=0, atol=1e-6)
+
+
+def test_the_kernel_computes_with_the_stored_weight_and_it_moves_within_the_stated_bound():
+    weight, _ = q4_1(48, 96, seed=1)
+    linear = nn.Linear(96, 48, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    module = Int4Linear(linear)
+    held = stored(weight)
+    _, scales, zeros = quantize(weight)
+    moved = (held - weight).abs().reshape(48, 3, GROUP).amax(-1)
+    assert bool((moved <= error_bound(scales, zeros)).all()) and moved.max() > 0  # bfloat16 scales do move it
+    inputs = torch.randn(5, 96).to(torch.bfloat16)
+    expected = torch.nn.functional.linear(inputs.float(), held, linear.bias.detach())
+    torch.testing.assert_close(module(inputs).float(), expected, rtol=1e-2, atol=1e-2)  # bfloat16 output
+    wrong = torch.nn.functional.linear(inputs.float(), held.roll(1, 0), linear.bias.detach())
+    assert not torch.allclose(module(inputs).float(), wrong, rtol=1e-2, atol=1e-2)
+
+
+def test_the_output_layer_and_sizes_the_kernel_refuses_keep_their_form():
+    model = build(torch.bfloat16)
+    model.model.layers[0].mlp.gate_proj = nn.Linear(256, 40, bias=False).to(torch.bfloat16)  # 40 outputs: not a multiple of 16
+    replaced = use_int4_weights(model)
+    assert replaced == 2 * 7 - 1 and weights_form(model) == "int4"
+    assert type(model.lm_head) is nn.Linear and type(model.model.layers[0].mlp.gate_proj) is nn.Linear
+    assert weights_form(build(torch.bfloat16)) == "float"
+
+
+def int4_model():
+    model = build(torch.bfloat16)
+    use_int4_weights(model)
+    return model
+
+
+def test_with_int4_weights_a_tokens_logits_are_the_same_whatever_shares_its_pass(tiny_tokenizer):
+    engine = engine_for(int4_model(), tiny_tokenizer)
+    texts = prompts(ROWS)
+    with torch.inference_mode():
+        for slot, prompt in enumerate(texts):
+            engine.target.forward([], [(slot, 0, prompt)], keep=[])
+        cached = len(texts[0])
+        alone = engine.target.forward([(cached, [5])], [], [0])[0].clone()
+        others = [(len(text), [10 + index, 3, 4]) for index, text in enumerate(texts[1:])]
+        beside = engine.target.forward([(cached, [5, 7, 8]), *others], [(ROWS, 0, [2 + i % 60 for i in range(70)])], [0])[0]
+    assert torch.equal(alone, beside)
+
+
+def test_greedy_speculative_output_is_plain_output_with_int4_weights(tiny_tokenizer):
+    model = int4_model()
+    texts = prompts(5, seed=21)
+    plain = engine_for(copy.deepcopy(model), tiny_tokenizer)
+    expected = [plain.generate([GenerationRequest(text, 20, num_speculative_tokens=0)])[0].token_ids for text in texts]
+    truth = {tuple(text): tokens for text, tokens in zip(texts, expected)}
+    engine = engine_for(model, tiny_tokenizer, proposer=TreeProposer(lambda prompt: truth[tuple(prompt)], branch_tree, texts))
+    results = engine.generate([GenerationRequest(text, 20, num_speculative_tokens=None) for text in texts])
+    assert [result.token_ids for result in results] == expected
+    assert sum(result.stats.accepted_tokens for result in results) > 0
+
+
+def test_int4_weights_with_float32_activations_are_refused_with_the_flag_to_change():
+    import pytest
+
+    from verifier_service.serving.config import VerifierConfig
+
+    with pytest.raises(ValueError, match=r"--weights int4 computes with bfloat16 activations: start it with --dtype bfloat16"):
+        VerifierConfig(weights="int4", dtype="float32")
+    assert VerifierConfig(weights="int4", dtype="bfloat16").weights == "int4"

@@ -1,0 +1,113 @@
+"""Weight-only int4: linear layers held as 4-bit integers, computed by PyTorch's CPU kernel.
+
+Each weight row is cut along its inputs into groups of ``GROUP`` (32); a group holds its
+values as integers q in [0, 15] with one scale and one zero, w = (q - 8) * scale + zero,
+and ``torch.ops.aten._weight_int4pack_mm_for_cpu`` multiplies bfloat16 activations by the
+packed integers, reading a quarter of bfloat16's weight bytes.
+
+The default model's GGUF stores its linear layers as Q4_1: groups of 32 with w = d * q + m
+(float16 d and m, q in [0, 15]). Loading dequantizes them; ``quantize`` finds the same q
+again (m is a group's least value and d * 15 its range, as Q4_1's quantizer sets them), so
+the integers are exactly the file's, and only the scale and zero move: the kernel wants
+them in bfloat16, which rounds scale and zero by up to 2^-8 of their size (``error_bound``). A
+weight that did not come from 4 bits is quantized, with the error of 4 bits.
+
+The output layer keeps its form (the GGUF's is 8-bit), and so do layers whose sizes the
+kernel does not take (inputs a multiple of 32, outputs of 16).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from verifier_service.core.invariance import current_pass, invariant_rows
+
+GROUP = 32  # inputs per scale and zero
+LEVELS = 15  # the largest integer of 4 bits
+OUTPUTS_MULTIPLE = 16  # the kernel packs outputs in blocks of this many
+
+
+class Int4Linear(nn.Module):
+    """An ``nn.Linear`` whose weight is int4 in groups of GROUP inputs (``quantize``)."""
+
+    row_probe = True  # the batch-invariance probe runs this module itself (``invariance``)
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        integers, scales, zeros = quantize(linear.weight.detach())
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(integers, 1))
+        # [groups, outputs, (scale, zero)], as the kernel reads them.
+        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16))
+        self.bias: torch.Tensor | None = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """[rows, in_features] -> [rows, out_features], in bfloat16."""
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(torch.bfloat16).contiguous(), self.packed, GROUP, self.scales_and_zeros)
+        return out if self.bias is None else out + self.bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, self.in_features)
+        invariant = current_pass()
+        out = invariant_rows(flat, self.rows, *invariant) if invariant is not None else self.rows(flat)
+        return out.reshape(*hidden.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(integers [out, in] int32 in [0, 15], scales [out, groups], zeros [out, groups]) with
+    weight ~ (integers - 8) * scale + zero per group of GROUP inputs, in float32.
+
+    A group from Q4_1 (d = 0.5, m = -1: values -1, -0.5, ..., 6.5) gives back its integers
+    0..15, scale 0.5 and zero m + 8 d = 3."""
+    outputs, inputs = weight.shape
+    groups = weight.float().reshape(outputs, inputs // GROUP, GROUP)
+    least, most = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((most - least) / LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
+    integers = ((groups - least[..., None]) / scales[..., None]).round().clamp(0, LEVELS).to(torch.int32)
+    return integers.reshape(outputs, inputs), scales, least + 8 * scales
+
+
+def stored(weight: torch.Tensor) -> torch.Tensor:
+    """The weight [out, in] an ``Int4Linear`` of ``weight`` computes with: its integers, and
+    its scales and zeros as the kernel holds them (bfloat16), in float32."""
+    integers, scales, zeros = quantize(weight)
+    outputs, inputs = weight.shape
+    scales, zeros = scales.to(torch.bfloat16).float(), zeros.to(torch.bfloat16).float()
+    return ((integers.reshape(outputs, -1, GROUP) - 8) * scales[..., None] + zeros[..., None]).reshape(outputs, inputs)
+
+
+def error_bound(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The most a weight of each group moves when its scale and zero (``quantize``) are
+    stored in bfloat16, as the kernel wants them: each rounds by at most 2^-8 of itself
+    (8 significant bits), and w = (q - 8) scale + zero has |q - 8| <= 8."""
+    return (8 * scales.abs() + zeros.abs()) * 2.0**-8
+
+
+def use_int4_weights(model: nn.Module) -> int:
+    """Replace ``model``'s linear layers (not its output layer) by ``Int4Linear`` where the
+    kernel takes their sizes; returns how many. CPU only."""
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("int4 weights run on the CPU kernel; on a GPU use --weights float")
+    output = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if (
+                isinstance(child, nn.Linear)
+                and child is not output
+                and child.in_features % GROUP == 0
+                and child.out_features % OUTPUTS_MULTIPLE == 0
+            ):
+                setattr(parent, name, Int4Linear(child))
+                replaced += 1
+    return replaced
+
+
+def weights_form(model: nn.Module) -> str:
+    """ "int4" when some linear layer is int4, else "float" (the model's dtype)."""
+    return "int4" if any(isinstance(module, Int4Linear) for module in model.modules()) else "float"

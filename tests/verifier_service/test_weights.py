@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -91,10 +92,26 @@ def test_greedy_speculative_output_is_plain_output_with_int4_weights(tiny_tokeni
 
 
 def test_int4_weights_with_float32_activations_are_refused_with_the_flag_to_change():
-    import pytest
-
     from verifier_service.serving.config import VerifierConfig
 
     with pytest.raises(ValueError, match=r"--weights int4 computes with bfloat16 activations: start it with --dtype bfloat16"):
         VerifierConfig(weights="int4", dtype="float32")
     assert VerifierConfig(weights="int4", dtype="bfloat16").weights == "int4"
+
+
+@pytest.mark.slow  # loads the default model twice
+def test_the_default_models_int4_layers_keep_its_ggufs_integers():
+    """The default GGUF's linear layers are Q4_1: loaded in float32 each lies exactly on its
+    4-bit grid, and loaded in bfloat16 (as --weights int4 runs) gives the same integers."""
+    from verifier_service.core.model_loading import load_model
+
+    float32, bfloat16 = load_model(dtype="float32").model, load_model(dtype="bfloat16").model
+    output = float32.get_output_embeddings()
+    pairs = [(a, b) for a, b in zip(float32.modules(), bfloat16.modules()) if isinstance(a, nn.Linear) and a is not output]
+    assert len(pairs) == 30 * 7
+    for a, b in pairs:
+        integers, scales, zeros = quantize(a.weight.detach())
+        rows, columns = integers.shape
+        rebuilt = ((integers.reshape(rows, -1, GROUP) - 8) * scales[..., None] + zeros[..., None]).reshape(rows, columns)
+        torch.testing.assert_close(rebuilt, a.weight.detach(), rtol=0, atol=1e-6)
+        assert torch.equal(quantize(b.weight.detach())[0], integers)

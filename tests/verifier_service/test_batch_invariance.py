@@ -18,7 +18,7 @@ from tests.verifier_service.test_engine_adaptive import FrozenStepCost
 from tests.verifier_service.test_trees import FLAT, NO_EOS, TreeProposer, branch_tree
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.core.invariance import Invariance, invariant_linear, library_rows_invariant, tokens_attention_invariant
-from verifier_service.core.kv_cache import _pad_columns, _pad_queries
+from verifier_service.core.kv_cache import _pad_columns, _pad_queries, _pad_query_mask
 from verifier_service.core.rejection import SamplingParams
 
 VOCAB = 64
@@ -173,7 +173,7 @@ def test_the_probe_catches_a_library_whose_rows_depend_on_their_count(monkeypatc
 
 def test_padding_queries_and_columns_hides_what_was_added():
     queries, mask = torch.randn(2, 3, 5, 8), torch.ones(2, 1, 5, 7, dtype=torch.bool)
-    padded, padded_mask = _pad_queries(queries, mask, 4)
+    padded, padded_mask = _pad_queries(queries, 4), _pad_query_mask(mask, 4)
     assert padded.shape == (2, 3, 8, 8) and torch.equal(padded[:, :, :5], queries) and not padded[:, :, 5:].any()
     assert padded_mask[:, :, 5:].sum() == 2 * 3 and padded_mask[:, :, 5:, 0].all()  # padding sees column 0 alone
     widened, columns = _pad_columns(mask, 16, capacity=12)

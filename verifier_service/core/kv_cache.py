@@ -217,6 +217,19 @@ class DecodeGroup:
             mask = self._masks[key] = mask[:, None].repeat(1, 1, groups, 1)
         return mask
 
+    def fixed_mask(self, groups: int, window: int | None, invariance: Invariance, capacity: int) -> torch.Tensor:
+        """``mask`` as a batch-invariant pass reads it, built once for every layer: queries
+        padded to a multiple of ``query_tile`` (unless each token is a call entry of its own),
+        columns to a multiple of ``column_tile``, hidden."""
+        key = (groups, window, invariance, capacity)
+        mask = self._masks.get(key)
+        if mask is None:
+            mask = self.mask(groups, window)
+            if not invariance.token_attention:
+                mask = _pad_query_mask(mask, invariance.query_tile)
+            mask = self._masks[key] = _pad_columns(mask, invariance.column_tile, capacity)[0]
+        return mask
+
     def _tree_mask(self, window: int | None) -> torch.Tensor:
         """[rows, width, columns]: each query sees its row's cached columns and its
         ancestors' (and its own) new column; under a window, only those whose
@@ -255,6 +268,22 @@ class StepLayout:
     # columns read to a multiple of its ``column_tile``, hidden past each query's own.
     invariance: Invariance | None = None
     _masks: dict = field(default_factory=dict)
+
+    def tile_mask(self, segment: Segment, start: int, window: int | None, capacity: int) -> torch.Tensor:
+        """[query_tile, columns] bool: the causal mask of a prefill tile of ``segment`` from
+        its query ``start`` (padding queries repeat the last one), columns to a multiple of
+        ``column_tile``, hidden past the tile's end; built once for every layer."""
+        assert self.invariance is not None
+        key = ("tile", segment.start, start, window)
+        mask = self._masks.get(key)
+        if mask is None:
+            device, tile = self.position_ids.device, self.invariance.query_tile
+            count = min(tile, segment.length - start)
+            first = segment.first_position + start
+            positions = first + torch.arange(tile, device=device).clamp(max=count - 1)
+            visible = _visible(positions[:, None], torch.arange(first + count, device=device), window)
+            mask = self._masks[key] = _pad_columns(visible, self.invariance.column_tile, capacity)[0]
+        return mask
 
     def segment_mask(self, segment: Segment, window: int | None) -> torch.Tensor | None:
         """[length, first_position + length] bool, or None when plain causal attention is exact."""
@@ -471,15 +500,16 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
         stop = group.first + rows
         mask, columns = group.mask(groups, window), group.columns
         invariance = step.invariance
-        if invariance is not None and invariance.token_attention:  # each token a call entry of its own
-            attended = _token_attention(queries, mask, keys, values, group.first, groups, width, invariance.column_tile, scale)
-            output[group.start : group.start + group.tokens] = attended.reshape(rows, heads, width, dim)[
-                group.scatter_rows, :, group.scatter_queries
-            ]
-            continue
         if invariance is not None:  # fixed query and column multiples: the kernel's blocks do not depend on the pass
-            queries, mask = _pad_queries(queries, mask, invariance.query_tile)
-            mask, columns = _pad_columns(mask, invariance.column_tile, cache.capacity)
+            mask = group.fixed_mask(groups, window, invariance, cache.capacity)
+            columns = mask.shape[-1]
+            if invariance.token_attention:  # each token a call entry of its own
+                attended = _token_attention(queries, mask, keys, values, group.first, groups, width, scale)
+                output[group.start : group.start + group.tokens] = attended.reshape(rows, heads, width, dim)[
+                    group.scatter_rows, :, group.scatter_queries
+                ]
+                continue
+            queries = _pad_queries(queries, invariance.query_tile)
         attended = F.scaled_dot_product_attention(
             queries,
             keys[group.first : stop, :, :columns],
@@ -491,8 +521,7 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
         output[group.start : group.start + group.tokens] = attended[group.scatter_rows, :, group.scatter_queries]
     for segment in step.segments:
         if step.invariance is not None:
-            tile = step.invariance
-            _tiled_segment(query, keys, values, output, segment, tile.query_tile, tile.column_tile, window, scale, groups)
+            _tiled_segment(query, keys, values, output, step, segment, window, scale, groups)
             continue
         end = segment.first_position + segment.length
         mask = step.segment_mask(segment, window)
@@ -509,18 +538,23 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
     return output[None], None
 
 
-def _pad_queries(queries: torch.Tensor, mask: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries [rows, kv_heads, count, dim] and their mask [rows, 1, count, columns], padded
-    to a multiple of ``tile`` queries; a padding query sees column 0 (a row of nothing but
-    masked columns would be NaN), and its output is dropped."""
-    count = queries.shape[2]
-    padding = (-count) % tile
+def _pad_queries(queries: torch.Tensor, tile: int) -> torch.Tensor:
+    """Queries [rows, kv_heads, count, dim] padded with zeros to a multiple of ``tile``
+    queries (their mask: ``_pad_query_mask``); the padding's output is dropped."""
+    padding = (-queries.shape[2]) % tile
+    return F.pad(queries, (0, 0, 0, padding)) if padding else queries
+
+
+def _pad_query_mask(mask: torch.Tensor, tile: int) -> torch.Tensor:
+    """A mask [rows, 1, count, columns] padded to a multiple of ``tile`` queries, as
+    ``_pad_queries`` pads them; a padding query sees column 0 (a row of nothing but masked
+    columns would be NaN)."""
+    padding = (-mask.shape[2]) % tile
     if not padding:
-        return queries, mask
-    queries = F.pad(queries, (0, 0, 0, padding))
+        return mask
     extra = torch.zeros(mask.shape[0], 1, padding, mask.shape[3], dtype=torch.bool, device=mask.device)
     extra[..., 0] = True
-    return queries, torch.cat([mask, extra], dim=2)
+    return torch.cat([mask, extra], dim=2)
 
 
 def _pad_columns(mask: torch.Tensor, tile: int, capacity: int) -> tuple[torch.Tensor, int]:
@@ -533,15 +567,15 @@ def _pad_columns(mask: torch.Tensor, tile: int, capacity: int) -> tuple[torch.Te
     return F.pad(mask, (0, wanted - columns), value=False), wanted
 
 
-def _token_attention(queries, mask, keys, values, first: int, groups: int, width: int, column_tile: int, scale) -> torch.Tensor:
+def _token_attention(queries, mask, keys, values, first: int, groups: int, width: int, scale) -> torch.Tensor:
     """Decode attention with each token of each row a call entry of its own: its ``groups``
     query heads per key head against its row's cached keys (a stride-0 view, not a copy),
-    reading the row's columns to a multiple of ``column_tile``. Every call then has the same
-    query count whatever the row's width or the pass's rows. queries [rows, kv_heads,
+    reading the columns its mask has (``DecodeGroup.fixed_mask``). Every call then has the
+    same query count whatever the row's width or the pass's rows. queries [rows, kv_heads,
     groups * width, dim] (head-major, as folded), mask [rows, 1, groups * width, columns]
     -> [rows, kv_heads, groups * width, dim]."""
     rows, kv_heads, _, dim = queries.shape
-    mask, columns = _pad_columns(mask, column_tile, keys.shape[2])
+    columns = mask.shape[-1]
     out = torch.empty_like(queries)
     for row in range(rows):
         tokens = queries[row].view(kv_heads, groups, width, dim).permute(2, 0, 1, 3)  # [width, kv_heads, groups, dim]
@@ -558,20 +592,17 @@ def _token_attention(queries, mask, keys, values, first: int, groups: int, width
     return out
 
 
-def _tiled_segment(
-    query, keys, values, output, segment: Segment, tile: int, column_tile: int, window: int | None, scale, groups: int
-) -> None:
+def _tiled_segment(query, keys, values, output, step: StepLayout, segment: Segment, window: int | None, scale, groups: int) -> None:
     """A prefill chunk's attention in tiles of ``tile`` queries, each a call of exactly that
     many (the last padded), reading its slot's columns up to the tile's last position under
     an explicit causal mask: a prompt token's output does not depend on how the prompt was
     cut into chunks."""
-    device = query.device
+    assert step.invariance is not None
+    tile = step.invariance.query_tile
     for start in range(0, segment.length, tile):
         count = min(tile, segment.length - start)
-        first = segment.first_position + start
-        positions = first + torch.arange(tile, device=device).clamp(max=count - 1)
-        end = first + count
-        mask, end = _pad_columns(_visible(positions[:, None], torch.arange(end, device=device), window), column_tile, keys.shape[2])
+        mask = step.tile_mask(segment, start, window, keys.shape[2])
+        end = mask.shape[-1]
         tokens = query[:, :, segment.start + start : segment.start + start + count]
         if count < tile:
             tokens = F.pad(tokens, (0, 0, 0, tile - count))

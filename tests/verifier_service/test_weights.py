@@ -11,7 +11,7 @@ from torch import nn
 
 from tests.verifier_service.test_batch_invariance import ROWS, TreeProposer, branch_tree, build, engine_for, prompts
 from verifier_service.core.engine import GenerationRequest
-from verifier_service.core.weights import GROUP, Int4Linear, error_bound, quantize, stored, use_int4_weights, weights_form
+from verifier_service.core.weights import GROUP, Int4Linear, error_bound, quantize, rebuilt, stored, use_int4_weights, weights_form
 
 
 def q4_1(outputs: int, inputs: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,8 +30,7 @@ def test_the_integers_of_a_4_bit_weight_are_found_again_exactly():
     weight, integers = q4_1(64, 128)
     found, scales, zeros = quantize(weight)
     assert torch.equal(found, integers.to(torch.int32))
-    rebuilt = ((found.reshape(64, 4, GROUP) - 8) * scales[..., None] + zeros[..., None]).reshape(64, 128)
-    torch.testing.assert_close(rebuilt, weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(rebuilt(found, scales, zeros), weight, rtol=0, atol=1e-6)
 
 
 def test_the_kernel_computes_with_the_stored_weight_and_it_moves_within_the_stated_bound():
@@ -111,7 +110,5 @@ def test_the_default_models_int4_layers_keep_its_ggufs_integers():
     assert len(pairs) == 30 * 7
     for a, b in pairs:
         integers, scales, zeros = quantize(a.weight.detach())
-        rows, columns = integers.shape
-        rebuilt = ((integers.reshape(rows, -1, GROUP) - 8) * scales[..., None] + zeros[..., None]).reshape(rows, columns)
-        torch.testing.assert_close(rebuilt, a.weight.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(rebuilt(integers, scales, zeros), a.weight.detach(), rtol=0, atol=1e-6)
         assert torch.equal(quantize(b.weight.detach())[0], integers)

@@ -72,13 +72,17 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return integers.reshape(outputs, inputs), scales, least + 8 * scales
 
 
+def rebuilt(integers: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The weight [out, in] that ``quantize``'s integers, scales and zeros stand for, in float32."""
+    outputs, inputs = integers.shape
+    return ((integers.reshape(outputs, -1, GROUP) - 8) * scales[..., None].float() + zeros[..., None].float()).reshape(outputs, inputs)
+
+
 def stored(weight: torch.Tensor) -> torch.Tensor:
     """The weight [out, in] an ``Int4Linear`` of ``weight`` computes with: its integers, and
     its scales and zeros as the kernel holds them (bfloat16), in float32."""
     integers, scales, zeros = quantize(weight)
-    outputs, inputs = weight.shape
-    scales, zeros = scales.to(torch.bfloat16).float(), zeros.to(torch.bfloat16).float()
-    return ((integers.reshape(outputs, -1, GROUP) - 8) * scales[..., None] + zeros[..., None]).reshape(outputs, inputs)
+    return rebuilt(integers, scales.to(torch.bfloat16), zeros.to(torch.bfloat16))
 
 
 def error_bound(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:

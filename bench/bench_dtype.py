@@ -48,12 +48,13 @@ def decode(engine: SpeculativeEngine, prompts: list[list[int]], max_new_tokens: 
     return [r.token_ids for r in results], time.perf_counter() - started
 
 
-def measure(dtype: str, model_name: str, max_new_tokens: int, invariant: bool = False, weights: str = "float") -> dict:
+def measure(dtype: str, model_name: str, max_new_tokens: int, passes: str = "off", weights: str = "float") -> dict:
+    """One form's equality and speed; ``passes``: --batch-invariant, "off" or "on"."""
     loaded = load_model(model_name, device="cpu", dtype=dtype)
     if weights == "int4":
         use_int4_weights(loaded.model)
     prompts = [chat_prompt_ids(loaded.tokenizer, p) for w in workloads() for p in w.prompts]
-    engine = SpeculativeEngine(loaded.model, loaded.tokenizer, config=EngineConfig(batch_invariant="on" if invariant else "off"))
+    engine = SpeculativeEngine(loaded.model, loaded.tokenizer, config=EngineConfig(batch_invariant=passes))
     plain, plain_s = decode(engine, prompts, max_new_tokens, 0, batched=False)
     single, single_s = decode(engine, prompts, max_new_tokens, None, batched=False)
     batch, batch_s = decode(engine, prompts, max_new_tokens, None, batched=True)
@@ -97,7 +98,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     report = {
         dtype + (", int4" if weights == "int4" else "") + (", batch-invariant" if mode == "on" else ""): measure(
-            dtype, args.model, args.max_new_tokens, mode == "on", weights
+            dtype, args.model, args.max_new_tokens, mode, weights
         )
         for dtype in args.dtypes
         for weights in args.weights

@@ -9,7 +9,7 @@ both one at a time and all prompts as one batch. A prompt counts as equal
 when its tokens are identical to the plain ones. In float32 they must all
 be (the tests hold it to that); in bfloat16 a row's rounding can depend on
 how many tokens share its forward pass, which is what this measures. Also
-reports tokens/s per dtype and what ``--dtype auto`` picks on this machine.
+reports tokens/s per dtype and which form the defaults (``--dtype auto --weights auto``) choose here.
 ``--batch-invariant off on`` measures each dtype both ways: with fixed-shape passes
 (``--batch-invariant``), a token's logits do not depend on its batch-mates.
 
@@ -30,7 +30,8 @@ from bench.workloads import workloads
 from drafter_service.sessions import NGramDrafter
 from verifier_service.core.drafting import SessionProposer
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, has_fast_bfloat16, load_model, resolve_dtype
+from verifier_service.core.forms import candidates, choose_form
+from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, has_fast_bfloat16, load_model
 from verifier_service.core.weights import use_int4_weights
 
 
@@ -83,6 +84,14 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def auto_form(model_name: str):
+    """The form the service's defaults (--dtype auto --weights auto) choose here, measured as at its start."""
+    loaded = load_model(model_name, device="cpu", dtype="float32")
+    config = EngineConfig()
+    forms = candidates("auto", "auto", 0, torch.device("cpu"), config.batch_invariant)
+    return choose_form(loaded.model, loaded.tokenizer, forms, config).form
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -112,12 +121,12 @@ def main(argv=None) -> None:
         "threads": torch.get_num_threads(),
         "machine": platform.platform(),
         "native_bfloat16": has_fast_bfloat16(cpu),
-        "auto_picks": str(resolve_dtype("auto", cpu)),
+        "auto_picks": str(auto_form(args.model)),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "dtype.json").write_text(json.dumps({"meta": meta, "dtypes": report}, indent=2) + "\n")
     print(markdown_table(report))
-    print(f"\nnative bf16 on this CPU: {meta['native_bfloat16']}; --dtype auto picks {meta['auto_picks']}")
+    print(f"\nnative bf16 on this CPU: {meta['native_bfloat16']}; the defaults choose {meta['auto_picks']}")
 
 
 if __name__ == "__main__":

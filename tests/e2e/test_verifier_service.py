@@ -12,6 +12,7 @@ enough to be cancelled, time out or hold a batch slot on purpose.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -246,17 +248,24 @@ GROUNDED_PROMPT = (
 REAL_PROMPTS = ["What is the capital of France?", "Write a haiku about autumn.", GROUNDED_PROMPT]
 
 
-@pytest.fixture(scope="module")
-def real_server(tmp_path_factory):
-    drafter = Drafter(tmp_path_factory.mktemp("real-drafter-db"))
+@contextlib.contextmanager
+def real_verifier(db: Path, *args: str) -> Iterator[Verifier]:
+    drafter = Drafter(db)
     try:
-        verifier = start_verifier("--drafter", drafter.address, *DRAFTER_TIMEOUT, startup_s=REAL_STARTUP_S)
+        verifier = start_verifier("--drafter", drafter.address, *DRAFTER_TIMEOUT, *args, startup_s=REAL_STARTUP_S)
         try:
             yield verifier
         finally:
             verifier.stop()
     finally:
         drafter.stop()
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory):
+    """float32: transformers' own arithmetic, so its output is transformers' token for token."""
+    with real_verifier(tmp_path_factory.mktemp("real-drafter-db"), "--dtype", "float32") as verifier:
+        yield verifier
 
 
 def test_greedy_outputs_equal_transformers_generate_on_the_real_model(real_server, real_model):
@@ -291,6 +300,24 @@ def test_greedy_outputs_equal_transformers_generate_on_the_real_model(real_serve
     )
     assert list(grounded.token_ids) == references[GROUNDED_PROMPT]
     assert grounded.stats.accepted_tokens > 0, grounded.stats
+
+
+def test_in_the_form_the_defaults_choose_speculative_output_is_plain_output_batched(tmp_path):
+    """Whatever form the start-up measurement picks on this machine (bfloat16 or int4 where
+    they are fastest), adaptive and fixed-K speculation, batched together, give plain
+    decoding's tokens in that form."""
+    with real_verifier(tmp_path / "db") as verifier:
+        requests = [
+            pb.GenerateRequest(prompt=prompt, chat=True, max_new_tokens=REAL_MAX_NEW_TOKENS, **k)
+            for prompt in REAL_PROMPTS
+            for k in ({"num_speculative_tokens": 0}, {}, {"num_speculative_tokens": 4})
+        ]
+        with ThreadPoolExecutor(len(requests)) as pool:
+            answers = list(pool.map(lambda r: generate(verifier, r), requests))
+    for index, prompt in enumerate(REAL_PROMPTS):
+        plain, adaptive, fixed = answers[3 * index : 3 * index + 3]
+        assert list(adaptive.token_ids) == list(fixed.token_ids) == list(plain.token_ids), prompt
+    assert sum(answer.stats.accepted_tokens for answer in answers) > 0
 
 
 # -- 2. concurrency -------------------------------------------------------------------------

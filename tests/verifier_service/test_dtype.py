@@ -1,4 +1,4 @@
-"""--dtype: what "auto" picks on which hardware, and greedy exactness within one dtype."""
+"""Dtypes: which hardware computes bfloat16 natively, and greedy exactness within one dtype."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from drafter_service.sessions import NGramDrafter
 from verifier_service.core import model_loading
 from verifier_service.core.drafting import SessionProposer
 from verifier_service.core.engine import GenerationRequest, SpeculativeEngine
-from verifier_service.core.model_loading import resolve_dtype
+from verifier_service.core.model_loading import has_fast_bfloat16, resolve_dtype
 
 CPU = torch.device("cpu")
 
@@ -19,26 +19,25 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize(
     "flags, expected",
     [
-        ({"avx2", "fma"}, torch.float32),  # emulated bf16 is slower than float32: keep float32
-        ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16),
-        ({"avx512f", "amx_tile", "amx_bf16"}, torch.bfloat16),
-        (set(), torch.float32),  # unknown CPU
+        ({"avx2", "fma"}, False),  # emulated bf16 is slower than float32
+        ({"avx2", "avx512f", "avx512_bf16"}, True),
+        ({"avx512f", "amx_tile", "amx_bf16"}, True),
+        (set(), False),  # unknown CPU
     ],
 )
-def test_auto_picks_bfloat16_only_on_cpus_with_native_bf16(monkeypatch, flags, expected):
+def test_bfloat16_counts_as_fast_only_on_cpus_with_native_bf16(monkeypatch, flags, expected):
     monkeypatch.setattr(model_loading, "cpu_flags", lambda: frozenset(flags))
-    assert resolve_dtype("auto", CPU) == expected
+    assert has_fast_bfloat16(CPU) is expected
 
 
-def test_named_dtypes_are_taken_as_given_whatever_the_hardware(monkeypatch):
-    monkeypatch.setattr(model_loading, "cpu_flags", lambda: frozenset({"amx_bf16"}))
-    assert resolve_dtype("float32", CPU) == torch.float32
-    assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
+def test_dtypes_are_taken_by_name():
+    assert resolve_dtype("float32") == torch.float32
+    assert resolve_dtype("bfloat16") == torch.bfloat16
 
 
 def test_an_unknown_dtype_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match=r"dtype must be auto or one of \['bfloat16', 'float32'\], got 'float8'"):
-        resolve_dtype("float8", CPU)
+    with pytest.raises(ValueError, match=r"dtype must be one of \['bfloat16', 'float32'\], got 'float8'"):
+        resolve_dtype("float8")
 
 
 def test_cpu_flags_reads_this_machines_cpu():

@@ -691,7 +691,7 @@ def test_a_model_is_retrieved_by_its_id_and_another_is_openais_404(client, open_
     assert client.get(f"/v1/models/{MODEL}").json() == client.get("/v1/models").json()["data"][0]
     card = client.get(f"/v1/models/{MODEL}").json()
     assert card["max_model_len"] == CAPACITY
-    assert (card["dtype"], card["weights"]) == ("float32", "float")  # the form it is served in
+    assert (card["dtype"], card["weights"], card["threads"]) == ("float32", "float", torch.get_num_threads())  # its form
     assert card["batch_invariant"] is (open_service.engine.target.invariance is not None)
     error = assert_openai_error(client.get("/v1/models/org/other-model"), 404)
     assert (error["param"], error["code"]) == ("model", "model_not_found") and '"org/other-model"' in error["message"]

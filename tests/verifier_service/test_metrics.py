@@ -83,6 +83,15 @@ def test_every_family_carries_the_model_name():
             assert sample.labels.get("model_name") == MODEL, (family.name, sample)
 
 
+def test_the_served_form_is_a_labelled_info_sample():
+    metrics = VerifierMetrics(MODEL)
+    metrics.describe_form({"dtype": "bfloat16", "weights": "int4", "threads": 2, "batch_invariant": True})
+    form = {"dtype": "bfloat16", "weights": "int4", "threads": "2", "batch_invariant": "true"}
+    assert value(metrics, "specdec_verifier_model_info", **form) == 1.0
+    metrics.describe_form({"dtype": "float32", "weights": "float", "threads": 1, "batch_invariant": False})
+    assert value(metrics, "specdec_verifier_model_info", **form) is None  # one form at a time
+
+
 def test_a_scrape_reads_the_cache_usage_once_for_both_gauges():
     metrics = VerifierMetrics(MODEL)
     assert value(metrics, "specdec_verifier_kv_cache_usage_perc") == 0.0  # no engine yet: 0, as an unset gauge

@@ -153,7 +153,7 @@ def calibration_key(engine: CostProbe) -> dict:
         "weights": weights_form(model),
         "passes": engine.passes,
         "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else str(engine.device),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "slots": engine.slot_count,
@@ -162,7 +162,8 @@ def calibration_key(engine: CostProbe) -> dict:
     }
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else the platform's word for it."""
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:
@@ -452,6 +453,11 @@ class _Timings:
             f"up to {engine.kernels.up_to}" if engine.kernels is not None else "no",
         )
         return StepCostModel(points, per_context_token)
+
+
+def time_pass(engine: CostProbe, tokens: int, rows: int) -> float:
+    """Seconds one decode-shaped pass of ``tokens`` spread over ``rows`` slots takes (one cached column each)."""
+    return _best_time(engine, 1, _spread(tokens, rows, cached=1), [], list(range(tokens)))
 
 
 def _spread(tokens: int, slots: int, cached: int) -> list[tuple[int, list[int]]]:

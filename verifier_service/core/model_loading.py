@@ -48,9 +48,8 @@ class LoadedModel:
     device: torch.device
 
 
-# What --dtype accepts. float32 is the default everywhere: greedy output is
-# then transformers' own token for token, while in bfloat16 a row's rounding can
-# depend on how many tokens share its forward pass (docs/guides/models-and-precision.md).
+# The dtypes a model loads in. The service's --dtype auto is a measured choice among its
+# exact forms (forms.py); float32 is transformers' own arithmetic, token for token.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # CPU features with native bf16 arithmetic. Without them bf16 is emulated and
 # slower than float32 (measured 4-6x on an AVX2-only EPYC), never faster.
@@ -79,14 +78,12 @@ def has_fast_bfloat16(device: torch.device) -> bool:
     return device.type == "cpu" and bool(cpu_flags() & FAST_BF16_CPU_FLAGS)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """A --dtype value as a torch dtype; "auto" is bfloat16 where the hardware computes it natively."""
-    if name == "auto":
-        return torch.bfloat16 if has_fast_bfloat16(device) else torch.float32
+def resolve_dtype(name: str) -> torch.dtype:
+    """A dtype's name as a torch dtype."""
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {name!r}") from None
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
 
 
 def cache_root() -> Path:
@@ -177,7 +174,7 @@ def load_model(
     dtype: str = "float32",
 ) -> LoadedModel:
     device = torch.device(device) if device is not None else default_device()
-    torch_dtype = resolve_dtype(dtype, device)
+    torch_dtype = resolve_dtype(dtype)
     path = resolve_model_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)

@@ -92,6 +92,17 @@ def error_bound(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     return (8 * scales.abs() + zeros.abs()) * 2.0**-8
 
 
+def int4_supported(device: torch.device) -> bool:
+    """Whether int4 weights run on ``device``: a CPU whose torch has the kernel and computes with it."""
+    if device.type != "cpu" or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return False
+    try:
+        linear = Int4Linear(nn.Linear(GROUP, OUTPUTS_MULTIPLE, bias=False))
+        return bool(torch.isfinite(linear.rows(torch.ones(1, GROUP))).all())
+    except RuntimeError:  # a build without the kernel's CPU implementation
+        return False
+
+
 def use_int4_weights(model: nn.Module) -> int:
     """Replace ``model``'s linear layers (not its output layer) by ``Int4Linear`` where the
     kernel takes their sizes; returns how many. CPU only."""

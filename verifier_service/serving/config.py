@@ -45,20 +45,28 @@ class VerifierConfig:
         f"default model also {DEFAULT_MODEL_HUB_NAME})",
     )
     device: str | None = setting(None, group=MODEL, help="cpu, cuda, cuda:1 (none: CUDA when present, else CPU)")
-    # float32 keeps greedy output identical to transformers' own; see model_loading.DTYPES.
+    # The form (core/forms.py): every form auto takes is exact, and the fastest of them on
+    # this machine is measured at start-up and kept in the cache folder for later starts.
     dtype: str = setting(
-        "float32",
+        "auto",
         group=MODEL,
-        choices=["float32", "bfloat16", "auto"],
-        help="weights and activations (auto: bfloat16 where the hardware has native bf16: GPUs, AMX or AVX512-BF16 CPUs)",
+        choices=["auto", "float32", "bfloat16"],
+        help="activations and float weights (auto: the fastest exact form measured at start-up: float32, or bfloat16 with "
+        "batch-invariant passes where the hardware computes it natively; float32 is transformers' own arithmetic)",
     )
     # int4 reads a quarter of bfloat16's weight bytes; core/weights.py says what it keeps exact.
     weights: str = setting(
-        "float",
+        "auto",
         group=MODEL,
-        choices=["float", "int4"],
-        help="the linear layers' weights: float (in --dtype) or int4 in groups of 32, computed with bfloat16 activations on the "
-        "CPU (a Q4_1 GGUF's own integers); needs --dtype bfloat16",
+        choices=["auto", "float", "int4"],
+        help="the linear layers' weights: float (in --dtype) or int4 in groups of 32 with bfloat16 activations, on the CPU "
+        "(a Q4_1 GGUF's own integers; needs --dtype bfloat16 or auto) (auto: whichever is faster here, measured at start-up)",
+    )
+    threads: int = setting(
+        0,
+        group=MODEL,
+        minimum=0,
+        help="threads torch computes with (0: torch's default or one, whichever is faster here, measured at start-up)",
     )
     # Trained by python -m verifier_service.head.train; refused when trained on another model.
     # Off by default: on a 2-core CPU it pays for one sequence but not yet for 16
@@ -196,16 +204,17 @@ class VerifierConfig:
     calibrate: bool = setting(
         True,
         group=ENGINE,
-        help="serve from a flat step cost that real steps refine instead of measuring the cost at start-up (tests, tiny models)",
+        help="measure nothing at start-up: serve from a flat step cost that real steps refine, in the first form --dtype and "
+        "--weights allow (float32 for auto) (tests, tiny models)",
     )
     # Calibrating takes ~20 s on an idle 2-core machine (at most --calibration-budget-seconds);
     # a start with a stored one serves from it at once.
     calibration_cache: bool = setting(
         True,
         group=ENGINE,
-        help="neither read nor keep a stored step-cost calibration: measure it at every start. By default it is kept under the "
-        "cache folder ($SPECDEC_CACHE_DIR/calibration) and served from at once at later starts (lowered when real "
-        "steps show the machine faster, never replaced by a busy start's timings)",
+        help="neither read nor keep a stored step-cost calibration or chosen form: measure them at every start. By default "
+        "they are kept under the cache folder ($SPECDEC_CACHE_DIR/calibration and /forms) and served from at once at later "
+        "starts (a calibration lowered when real steps show the machine faster, never replaced by a busy start's timings)",
     )
     connections: ConnectionLimits = nested(ConnectionLimits, group=CONNECTIONS)
     engine: EngineConfig = nested(EngineConfig, group=ENGINE)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
 from opentelemetry.semconv._incubating.metrics import gen_ai_metrics
 from opentelemetry.semconv.attributes import error_attributes
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "specdec_verifier_"
@@ -149,12 +149,23 @@ class VerifierMetrics:
             REQUEST_DURATION_BUCKETS,
             error_label=True,
         )
+        # vLLM's cache_config_info idiom: the form as labels of a sample that is always 1.
+        self._form = Info(
+            PREFIX + "model",
+            "The form the model is served in (dtype, weights, threads, batch-invariant passes)",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(model_name)
         self._external: dict[str, tuple[str, Callable[[], float]]] = {}
         self.registry.register(self)  # collect() below adds counters read from elsewhere
 
     def _gen_ai_histogram(self, instrument: str, help_text: str, buckets, error_label: bool = False) -> Histogram:
         labels = ["model_name", *GEN_AI_LABELS, *([ERROR_TYPE_LABEL] if error_label else [])]
         return Histogram(prometheus_name(instrument, "s"), help_text, labels, buckets=buckets, registry=self.registry)
+
+    def describe_form(self, form: dict) -> None:
+        """``specdec_verifier_model_info{model_name, dtype, weights, threads, batch_invariant} 1``."""
+        self._form.info({name: str(value).lower() for name, value in form.items()})
 
     def watch(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         """A counter kept by another object (e.g. the drafter client's fallbacks), read at scrape time."""

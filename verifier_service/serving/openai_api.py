@@ -245,7 +245,7 @@ class OpenAIApi:
 
     def _model(self, name: str) -> dict:
         # max_model_len: prompt and output tokens one request may hold (vLLM's name);
-        # dtype and batch_invariant: the form it is served in.
+        # dtype, weights, threads and batch_invariant: the form it is served in (core.forms).
         return {
             "id": name,
             "object": "model",

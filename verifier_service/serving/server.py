@@ -44,6 +44,7 @@ from specdec.vocabulary import tokenizer_fingerprint
 from verifier_service.core.calibration import StepCostModel
 from verifier_service.core.engine import SpeculativeEngine
 from verifier_service.core.errors import InvalidRequest
+from verifier_service.core.forms import candidates, choose_form
 from verifier_service.core.generation import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
@@ -54,12 +55,11 @@ from verifier_service.core.generation import (
     GenerationResult,
     GenerationStats,
 )
-from verifier_service.core.model_loading import cache_root, chat_prompt_ids, load_model
+from verifier_service.core.model_loading import cache_root, chat_prompt_ids, default_device, load_model
 from verifier_service.core.planner import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_HEAD, SOURCE_SUCCESSOR
 from verifier_service.core.processing import TokenLogprob
 from verifier_service.core.rejection import SamplingParams
 from verifier_service.core.text import IncrementalText
-from verifier_service.core.weights import use_int4_weights
 from verifier_service.head.model import find_head
 from verifier_service.head.proposer import HeadProposer
 from verifier_service.serving.config import VerifierConfig
@@ -257,16 +257,21 @@ class VerifierServer:
         return None if self.http is None else self.http.port
 
     def load(self) -> None:
-        """Load the model, calibrate and warm up, start the scheduler, then report SERVING."""
+        """Load the model, choose its form (``core.forms``), calibrate and warm up, start the
+        scheduler, then report SERVING."""
         config = self.service.config
         started = time.perf_counter()
-        loaded = load_model(config.model, device=config.device, dtype=config.dtype)
-        if config.weights == "int4":
-            if next(loaded.model.parameters()).dtype != torch.bfloat16:  # --dtype auto chose float32 on this machine
-                raise ValueError(
-                    "--weights int4 computes with bfloat16 activations; --dtype auto chose float32 here: pass --dtype bfloat16"
-                )
-            log.info("int4 weights: %d linear layers", use_int4_weights(loaded.model))
+        device = torch.device(config.device) if config.device else default_device()
+        forms = candidates(config.dtype, config.weights, config.threads, device, config.engine.batch_invariant)
+        if not config.calibrate and len(forms) > 1:  # nothing is measured at start-up: the first candidate
+            log.info("form not measured (--no-calibrate): %s", forms[0])
+            forms = forms[:1]
+        loaded = load_model(config.model, device=device, dtype="float32" if len({f.dtype for f in forms}) > 1 else forms[0].dtype)
+        # The chosen form and the step-cost calibration are kept for later starts (--calibration-cache).
+        cache = cache_root() if config.calibration_cache else None
+        choice = choose_form(loaded.model, loaded.tokenizer, forms, config.engine, cache / "forms" if cache else None)
+        torch.set_num_threads(choice.form.threads)
+        model = choice.model
         torch.set_grad_enabled(False)
         # Uncalibrated: every step costs the same (as on an idle GPU), refined by real step times.
         step_cost = None if config.calibrate else StepCostModel({1: 1.0, 1024: 1.0})
@@ -283,10 +288,10 @@ class VerifierServer:
             )
         observer = ServiceObserver(self.service.tracing, self.service.metrics)
         proposer = observer.traced(self.drafter) if self.drafter is not None else None
-        folder = cache_root() / "calibration" if config.calibration_cache else None
-        head = find_head(config.draft_head, loaded.model, loaded.tokenizer, config.draft_head_vocabulary)
+        folder = cache / "calibration" if cache else None
+        head = find_head(config.draft_head, model, loaded.tokenizer, config.draft_head_vocabulary)
         beside = [HeadProposer(head, config.draft_head_depth)] if head is not None else []
-        engine = SpeculativeEngine(loaded.model, loaded.tokenizer, proposer, config.engine, step_cost, folder, beside)
+        engine = SpeculativeEngine(model, loaded.tokenizer, proposer, config.engine, step_cost, folder, beside)
         # Warm-up: a prefill and a one-token pass, the two shapes every request starts with.
         engine.generate([GenerationRequest([0, 1, 2, 3], 2, num_speculative_tokens=0)])
         scheduler = Scheduler(engine, config.scheduler, observer)
@@ -296,13 +301,8 @@ class VerifierServer:
         scheduler.start()
         self.service.attach(engine, scheduler)
         serving.set_serving(self.health, SERVICE_NAME, True)
-        log.info(
-            "model %s (%s) ready on %s in %.1fs",
-            config.model,
-            next(loaded.model.parameters()).dtype,
-            engine.device,
-            time.perf_counter() - started,
-        )
+        self.service.metrics.describe_form(self.service.precision)
+        log.info("model %s (%s) ready on %s in %.1fs", config.model, choice.form, engine.device, time.perf_counter() - started)
 
     def stop(self, grace: float | None = None) -> bool:
         """NOT_SERVING, drain in-flight requests for up to ``grace`` seconds, then stop."""

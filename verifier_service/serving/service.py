@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 from opentelemetry import trace
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
 from opentelemetry.semconv.attributes import error_attributes
@@ -346,12 +347,17 @@ class VerifierService:
 
     @property
     def precision(self) -> dict[str, Any]:
-        """The form the model is served in: its dtype, and whether every pass runs fixed
-        shapes (``--batch-invariant``), which makes a token's logits independent of its batch."""
+        """The form the model is served in (``core.forms``): its dtype, its weights' form, torch's
+        threads, and whether every pass runs fixed shapes (``--batch-invariant``), which makes a
+        token's logits independent of its batch."""
         assert self.engine is not None
         model = self.engine.model
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        return {"dtype": dtype, "weights": weights_form(model), "batch_invariant": self.engine.target.invariance is not None}
+        return {
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "weights": weights_form(model),
+            "threads": torch.get_num_threads(),
+            "batch_invariant": self.engine.target.invariance is not None,
+        }
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,258 @@
+"""The form a model is served in, chosen at start-up by measuring: its dtype, its weights'
+form and the thread count (``Form``).
+
+Every form the service chooses by itself is exact: speculative output equals plain output
+of the same form. float32 is (its rounding has been too small to flip a greedy choice, and
+it is transformers' own arithmetic); a bfloat16 form is only with batch-invariant passes
+(``invariance``), so it is a candidate only where the engine would run its passes with fixed
+shapes. Which exact form is fastest depends on the machine: bfloat16 is emulated, and slower
+than float32, on a CPU without AVX512-BF16 or AMX; PyTorch's int4 kernel runs on CPUs only;
+one thread can beat two where the other core is busy. So ``choose_form`` builds an engine of
+each candidate and times the same passes in each, round by round, and keeps the form whose
+passes cost least (the geometric mean over a one-token pass, a chain's pass, and a batch's
+passes of one and of four tokens a row): first the forms at torch's thread count, then the
+fastest of them at one thread. A chosen form is kept in a folder, keyed by what
+decides it (the model, the device, the CPU, torch and the candidates): later starts on
+the same machine take it without measuring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from verifier_service.core.calibration import StepCostModel, cpu_name, time_pass
+from verifier_service.core.engine import SpeculativeEngine
+from verifier_service.core.engine_config import EngineConfig
+from verifier_service.core.model_loading import has_fast_bfloat16
+from verifier_service.core.weights import int4_supported, use_int4_weights
+
+log = logging.getLogger(__name__)
+
+# Each candidate's passes are timed this many times, round by round across the candidates
+# (load comes in bursts; rounds spread a burst over all of them), and each pass's fastest kept.
+ROUNDS = 3
+# Cache positions of the engines that only time passes: each pass reads one cached column.
+PROBE_CAPACITY = 64
+STORED_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Form:
+    """How the model is computed: ``dtype`` (float32 or bfloat16), the linear layers'
+    ``weights`` (float, in the dtype, or int4) and torch's ``threads``."""
+
+    dtype: str
+    weights: str
+    threads: int
+
+    def __str__(self) -> str:
+        weights = "" if self.weights == "float" else f", {self.weights} weights"
+        return f"{self.dtype}{weights}, {self.threads} thread{'s' * (self.threads != 1)}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``choose_form`` found: the form, the model in it, and each timed form's mean
+    seconds per pass (empty when there was one candidate, or the choice was stored)."""
+
+    form: Form
+    model: PreTrainedModel
+    timings: dict[Form, float]
+    stored: bool = False
+
+
+def candidates(dtype: str, weights: str, threads: int, device: torch.device, batch_invariant: str) -> list[Form]:
+    """The forms a start may take for ``--dtype``, ``--weights`` and ``--threads`` (each may be
+    "auto", or 0 threads), in order of preference on a tie.
+
+    Left to itself the service considers only forms that can be exact (the module docstring):
+    bfloat16 where passes may be batch-invariant (not ``--batch-invariant off``), and with
+    float weights only where the hardware computes bfloat16 natively; int4 where its CPU
+    kernel runs. A form named by the flags is taken as named."""
+    named_bfloat16 = dtype == "bfloat16" or weights == "int4"
+    forms = []
+    for form_dtype, form_weights in (("float32", "float"), ("bfloat16", "float"), ("bfloat16", "int4")):
+        if dtype not in ("auto", form_dtype) or weights not in ("auto", form_weights):
+            continue
+        if form_weights == "int4" and not int4_supported(device):
+            if weights == "int4":
+                raise ValueError(f"--weights int4 runs on PyTorch's CPU kernel, which {device} lacks: use --weights float")
+            continue
+        if form_dtype == "bfloat16" and not named_bfloat16:
+            if batch_invariant == "off" or (form_weights == "float" and not has_fast_bfloat16(device)):
+                continue
+        forms.append((form_dtype, form_weights))
+    if not forms:
+        raise ValueError(f"--weights {weights} computes with bfloat16 activations: --dtype {dtype} has no form with it")
+    if threads:
+        counts = [threads]
+    else:  # one thread can beat several where the other cores are busy; a GPU's host thread count matters little
+        counts = sorted({torch.get_num_threads(), 1}, reverse=True) if device.type == "cpu" else [torch.get_num_threads()]
+    return [Form(form_dtype, form_weights, count) for form_dtype, form_weights in forms for count in counts]
+
+
+def in_form(model: PreTrainedModel, form: Form, keep: bool = False) -> PreTrainedModel:
+    """``model`` computed in ``form`` (a copy if ``keep``, else converted in place)."""
+    if keep:
+        model = copy.deepcopy(model)
+    model = model.to(getattr(torch, form.dtype))
+    if form.weights == "int4":
+        use_int4_weights(model)
+    return model
+
+
+@contextlib.contextmanager
+def using_threads(count: int) -> Iterator[None]:
+    """torch computing with ``count`` threads inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def pass_shapes(config: EngineConfig) -> list[tuple[int, int]]:
+    """(tokens, rows) of the passes a form is timed on: one token; a chain of the adaptive depth;
+    a full batch of one token a row and of four."""
+    rows = min(config.max_batch_size, 16)
+    chain = 1 + min(config.max_adaptive_k, config.max_speculative_tokens)
+    return sorted({(1, 1), (chain, 1), (rows, rows), (4 * rows, rows)})
+
+
+def choose_form(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    forms: list[Form],
+    config: EngineConfig,
+    folder: Path | None = None,
+) -> Choice:
+    """The form of ``forms`` whose passes cost least on this machine, with ``model`` (in
+    float32, or in the one dtype of ``forms``) converted into it. One candidate is taken
+    without measuring; a form stored in ``folder`` under the same key is taken at once."""
+    if len(forms) == 1:
+        return Choice(forms[0], in_form(model, forms[0]), {})
+    key = form_key(model, forms, config)
+    stored = read_choice(folder, key) if folder is not None else None
+    if stored is not None:
+        log.info("serving in %s (stored for this machine)", stored)
+        return Choice(stored, in_form(model, stored), {}, stored=True)
+    started = time.monotonic()
+    engines: dict[Form, SpeculativeEngine] = {}
+
+    def timed(these: list[Form]) -> dict[Form, float]:
+        for form in these:
+            if form not in engines:
+                with using_threads(form.threads):
+                    engines[form] = probe_engine(in_form(model, form, keep=True), tokenizer, config)
+        exact = [form for form in these if form.dtype == "float32" or engines[form].target.invariance is not None]
+        if config.batch_invariant == "off" or not exact:  # inexact forms asked for by name
+            exact = these
+        for form in set(these) - set(exact):
+            log.info("%s left out: its passes would not be batch-invariant here, so not exact", form)
+        return time_forms({form: engines[form] for form in exact}, pass_shapes(config))
+
+    # The forms at the first thread count, then the fastest of them at the others.
+    timings = timed([form for form in forms if form.threads == forms[0].threads])
+    chosen = min(timings, key=lambda form: timings[form])
+    other_threads = [form for form in forms if (form.dtype, form.weights) == (chosen.dtype, chosen.weights) and form != chosen]
+    if other_threads:
+        timings |= timed([chosen, *other_threads])
+        chosen = min([chosen, *other_threads], key=lambda form: timings[form])
+    engines.clear()
+    gc.collect()
+    log.info(
+        "serving in %s, the fastest exact form here (ms per pass, geometric mean: %s; measured in %.1f s)",
+        chosen,
+        ", ".join(f"{form}: {1000 * seconds:.1f}" for form, seconds in timings.items()),
+        time.monotonic() - started,
+    )
+    if folder is not None:
+        write_choice(folder, key, chosen, timings)
+    return Choice(chosen, in_form(model, chosen), timings)
+
+
+def probe_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: EngineConfig) -> SpeculativeEngine:
+    """An engine of ``config``'s slots and passes (batch-invariant or free, as it would serve)
+    that only times passes: a short cache and a flat step cost, no calibration."""
+    short = replace(config, max_sequence_tokens=PROBE_CAPACITY)
+    return SpeculativeEngine(model, tokenizer, None, short, StepCostModel({1: 1.0, 1024: 1.0}))
+
+
+def time_forms(engines: dict[Form, SpeculativeEngine], shapes: list[tuple[int, int]]) -> dict[Form, float]:
+    """Each engine's geometric mean over ``shapes`` of its fastest pass in ROUNDS rounds, the
+    engines taking turns within each round."""
+    best: dict[Form, dict[tuple[int, int], float]] = {form: {} for form in engines}
+    with torch.inference_mode():
+        for form, engine in engines.items():  # a first pass of each shape: warm-up, not timed
+            with using_threads(form.threads):
+                for tokens, rows in shapes:
+                    time_pass(engine, tokens, rows)
+        for _ in range(ROUNDS):
+            for form, engine in engines.items():
+                with using_threads(form.threads):
+                    for shape in shapes:
+                        seconds = time_pass(engine, *shape)
+                        best[form][shape] = min(best[form].get(shape, math.inf), seconds)
+    return {form: math.exp(sum(math.log(s) for s in times.values()) / len(times)) for form, times in best.items()}
+
+
+def form_key(model: PreTrainedModel, forms: list[Form], config: EngineConfig) -> dict:
+    """What decides the choice: a stored one is taken only under the same."""
+    parameter = next(model.parameters())
+    device = parameter.device
+    key = {
+        "format": STORED_FORMAT,
+        "model": hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+        "cpu": cpu_name(),
+        "torch": torch.__version__,
+        "candidates": [asdict(form) for form in forms],
+        "shapes": pass_shapes(config),
+        "batch_invariant": config.batch_invariant,
+    }
+    return json.loads(json.dumps(key))  # as it reads back from a file: tuples as lists
+
+
+def _path(folder: Path, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return folder / f"form-{digest}.json"
+
+
+def read_choice(folder: Path, key: dict) -> Form | None:
+    """The form stored for ``key``; None when there is none, or it is unreadable or of another key."""
+    try:
+        stored = json.loads(_path(folder, key).read_text())
+        form = Form(**stored["form"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if stored.get("key") != key or asdict(form) not in key["candidates"]:
+        return None
+    return form
+
+
+def write_choice(folder: Path, key: dict, form: Form, timings: dict[Form, float]) -> None:
+    """Store the choice whole (by rename); a folder that cannot be written is logged, not fatal."""
+    content = {"key": key, "form": asdict(form), "seconds_per_pass": {str(f): s for f, s in timings.items()}}
+    path = _path(folder, key)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(json.dumps(content, indent=1))
+        os.replace(staging, path)
+    except OSError as error:
+        log.warning("the chosen form is not kept (%s): the next start measures again", error)

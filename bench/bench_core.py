@@ -17,8 +17,11 @@ over rounds of same-round ratios (one round's adaptive-vs-fixed ranking
 swung by ±15% with the machine's load). Each of our methods keeps one engine for the whole run,
 as the service does (what adaptive K learns about draft odds carries over),
 with a fresh drafter per request, so no request is drafted from an earlier
-answer. Every method's tokens are checked against hf-greedy: greedy
-speculative decoding must not change the output.
+answer. Every method of ours is checked against our plain decoding, prompt
+lookup against transformers' greedy: greedy speculative decoding must not
+change the output. The model is in the form a verifier serves on this machine
+(``--dtype``, ``--weights``, ``--threads``; ``bench.served``), transformers'
+methods included; ``--dtype float32`` is today's arithmetic of transformers.
 
 Batch mode (``--batch N``, 0 to skip): N distinct prompts of a kind
 (``bench.workloads.service_prompts``) are prefilled together, then only the
@@ -45,11 +48,12 @@ from pathlib import Path
 
 import torch
 
+from bench.served import add_form_flags, load_form
 from bench.workloads import Workload, service_prompts, workloads
 from drafter_service.sessions import NGramDrafter
 from verifier_service.core.drafting import DraftProposer, DraftRequest, ProposedDraft, SessionProposer
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
+from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids
 
 SPEC_KS = (1, 2, 3, 5, 8)
 ADAPTIVE = None  # num_speculative_tokens unset: the engine chooses per step
@@ -169,7 +173,10 @@ def measure(model, tokenizer, max_new_tokens: int, rounds: int, only: list[str] 
                         total["drafted"] += stats.draft_tokens
                         total["accepted"] += stats.accepted_tokens
                         total["steps"] += stats.verify_steps_with_drafts
-                mismatches.update(name for name, tokens in outputs.items() if tokens != outputs["hf-greedy"])
+                # Ours against our plain decoding (the same form); transformers' prompt lookup against its greedy.
+                mismatches.update(
+                    name for name, tokens in outputs.items() if tokens != outputs["hf-greedy" if name.startswith("hf-") else "plain"]
+                )
             per_round.append(totals)
         report[workload.name] = _summarise(workload, per_round, sorted(mismatches))
         _print_workload(workload.name, report[workload.name])
@@ -369,9 +376,10 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--max-adaptive-nodes", type=int, help="the engine's --max-adaptive-nodes (default: the engine's; 0: chains, as before draft trees)"
     )
+    add_form_flags(parser)
     args = parser.parse_args(argv)
     config = EngineConfig() if args.max_adaptive_nodes is None else EngineConfig(max_adaptive_nodes=args.max_adaptive_nodes)
-    loaded = load_model(args.model)
+    loaded, form = load_form(args.model, args.dtype, args.weights, args.threads)
     model, tokenizer = loaded.model, loaded.tokenizer
     warm_ids = chat_prompt_ids(tokenizer, "Say hello.")
     warm_engine = SpeculativeEngine(model, tokenizer)  # measures the step cost (once per model)
@@ -395,6 +403,7 @@ def main(argv=None) -> None:
     )
     meta = {
         "model": args.model,
+        "form": str(form),
         "max_new_tokens": args.max_new_tokens,
         "torch_threads": torch.get_num_threads(),
         "machine": platform.platform(),

@@ -9,14 +9,18 @@ llama.cpp. In one run, interleaved per prompt of ``bench.workloads``:
 
 * ``llama.cpp``: plain greedy decoding of the quantized file (its own kernels);
 * ``llama.cpp-pld``: the same with llama-cpp-python's prompt lookup drafts (10 tokens);
-* ``plain`` and ``adaptive``: our engine, float32 weights dequantized from that
-  file, K=0 and adaptive K (as ``bench_core``: one engine for the run, a
-  fresh drafter per request).
+* ``plain`` and ``adaptive``: our engine in the form a verifier serves here by
+  default (``bench.served``: on an AVX512-BF16 CPU the file's own 4-bit integers
+  with bfloat16 activations), K=0 and adaptive K (as ``bench_core``: one engine
+  for the run, a fresh drafter per request);
+* ``float32-plain`` and ``float32-adaptive``: the same in float32, weights
+  dequantized from that file (the form that was the default before forms were
+  measured).
 
 Every method is timed over the whole request (prompt included) with the same
-chat-template token ids. The two engines do not compute the same numbers
-(Q4_1 kernels against float32), so their outputs may differ; each reports its
-own. The native build crashed on one of these machines, hence the explicit
+chat-template token ids. The engines do not compute the same numbers (Q4_1
+kernels, int4 with bfloat16, float32), so their outputs may differ; ours are
+checked against our plain decoding of the same form. The native build crashed on one of these machines, hence the explicit
 instruction-set flags. Writes ``llamacpp.json`` under ``--out``.
 """
 
@@ -29,10 +33,14 @@ import platform
 import time
 from pathlib import Path
 
+import torch
+
 from bench.bench_core import ADAPTIVE, run_fresh
+from bench.served import load_form
 from bench.workloads import workloads
 from verifier_service.core.engine import SpeculativeEngine
-from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, find_default_gguf, load_model
+from verifier_service.core.forms import using_threads
+from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, find_default_gguf
 
 PLD_TOKENS = 10  # llama-cpp-python's default for prompt lookup
 
@@ -66,21 +74,31 @@ def main(argv=None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
-    loaded = load_model(DEFAULT_MODEL)
-    engines = {k: SpeculativeEngine(loaded.model, loaded.tokenizer) for k in (0, ADAPTIVE)}
+    float32, float32_form = load_form(DEFAULT_MODEL, "float32", "float", torch.get_num_threads())  # as before: torch's threads
+    served, form = load_form(DEFAULT_MODEL)
+    tokenizer = served.tokenizer
+    ours = {}  # name -> (engine, k, threads)
+    for prefix, loaded, its in (("", served, form), ("float32-", float32, float32_form)):
+        with using_threads(its.threads):
+            for k, name in ((0, "plain"), (ADAPTIVE, "adaptive")):
+                ours[prefix + name] = (SpeculativeEngine(loaded.model, loaded.tokenizer), k, its.threads)
     llamas = {"llama.cpp": llama_cpp(draft=False), "llama.cpp-pld": llama_cpp(draft=True)}
-    warm = chat_prompt_ids(loaded.tokenizer, "Say hello.")
+    warm = chat_prompt_ids(tokenizer, "Say hello.")
     for llm in llamas.values():
         run_llama(llm, warm, 8)
-    report = {}
+    report, mismatches = {}, set()
     for workload in workloads():
-        totals = {name: [0, 0.0] for name in ("plain", "adaptive", *llamas)}
+        totals = {name: [0, 0.0] for name in (*ours, *llamas)}
         for prompt in workload.prompts:
-            ids = chat_prompt_ids(loaded.tokenizer, prompt)
-            for k, name in ((0, "plain"), (ADAPTIVE, "adaptive")):
-                tokens, _, seconds = run_fresh(engines[k], ids, args.max_new_tokens, k, workload.repeated)
+            ids = chat_prompt_ids(tokenizer, prompt)
+            outputs = {}
+            for name, (engine, k, threads) in ours.items():
+                with using_threads(threads):
+                    tokens, _, seconds = run_fresh(engine, ids, args.max_new_tokens, k, workload.repeated)
+                outputs[name] = tokens
                 totals[name][0] += len(tokens)
                 totals[name][1] += seconds
+            mismatches |= {name for name in ours if outputs[name] != outputs[name.replace("adaptive", "plain")]}
             for name, llm in llamas.items():
                 tokens, seconds = run_llama(llm, ids, args.max_new_tokens)
                 totals[name][0] += len(tokens)
@@ -88,10 +106,19 @@ def main(argv=None) -> None:
         rates = {name: tokens / seconds for name, (tokens, seconds) in totals.items()}
         report[workload.name] = {name: round(rate, 2) for name, rate in rates.items()}
         print(workload.name, report[workload.name], flush=True)
-    meta = {"max_new_tokens": args.max_new_tokens, "machine": platform.platform(), "cpus": os.cpu_count(), "pld_tokens": PLD_TOKENS}
+    meta = {
+        "max_new_tokens": args.max_new_tokens,
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "pld_tokens": PLD_TOKENS,
+        "form": str(form),
+        "float32_form": str(float32_form),
+        "speculative_differs_from_plain": sorted(mismatches),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "llamacpp.json").write_text(json.dumps({"meta": meta, "tokens_per_s": report}, indent=2) + "\n")
-    names = ["plain", "adaptive", *llamas]
+    names = [*ours, *llamas]
+    print(f"\nours: {form}; float32: {float32_form}; speculative differs from plain: {sorted(mismatches) or 'never'}")
     print("\n| workload | " + " | ".join(f"{n} tok/s" for n in names) + " | adaptive / llama.cpp |")
     print("|---|" + "---:|" * (len(names) + 1))
     for name, rates in report.items():

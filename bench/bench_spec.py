@@ -1,5 +1,6 @@
 """Spec-Bench, per group: our defaults against plain decoding, the previous adaptive chain,
-and transformers' prompt lookup, greedy, on the default model.
+and transformers' prompt lookup, greedy, on the default model in the form a verifier
+serves here (``--dtype``, ``--weights``, ``--threads``: ``bench.served``).
 
     python -m bench.bench_spec ../shared/spec_bench/question.jsonl [--per-group 4] [--max-new-tokens 96]
         [--batch 16] [--rounds 1] [--out bench/results]
@@ -48,11 +49,12 @@ from pathlib import Path
 import torch
 
 from bench.bench_core import decode_batch, run_hf
+from bench.served import add_form_flags, load_form
 from bench.spec_bench import geometric_mean, load_groups
 from drafter_service.sessions import NGramDrafter
 from verifier_service.core.drafting import SessionProposer
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, load_model
+from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids
 from verifier_service.head.model import DEFAULT_HEAD_VOCABULARY, HeadDrafter, find_head
 from verifier_service.head.proposer import DEFAULT_HEAD_DEPTH, HeadProposer
 
@@ -266,8 +268,9 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--draft-head", default="auto", help="the head for the head method: a folder, auto (the cache's), none")
     parser.add_argument("--draft-head-vocabulary", type=int, default=DEFAULT_HEAD_VOCABULARY, help="draft tokens the head keeps (0: all)")
+    add_form_flags(parser)
     args = parser.parse_args(argv)
-    loaded = load_model(args.model)
+    loaded, form = load_form(args.model, args.dtype, args.weights, args.threads)
     model, tokenizer = loaded.model, loaded.tokenizer
     head = find_head(args.draft_head, model, tokenizer, args.draft_head_vocabulary)
     methods = [name for name in args.methods.split(",") if name in ALL_METHODS and (name != "head" or head is not None)]
@@ -279,6 +282,7 @@ def main(argv=None) -> None:
     result: dict = {
         "meta": {
             "model": args.model,
+            "form": str(form),
             "questions": args.questions.name,
             "per_group": args.per_group,
             "max_new_tokens": args.max_new_tokens,

@@ -37,7 +37,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from verifier_service.core.calibration import StepCostModel, cpu_name, time_pass
 from verifier_service.core.engine import SpeculativeEngine
 from verifier_service.core.engine_config import EngineConfig
-from verifier_service.core.model_loading import has_fast_bfloat16
+from verifier_service.core.model_loading import LoadedModel, has_fast_bfloat16, load_model
 from verifier_service.core.weights import int4_supported, use_int4_weights
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,30 @@ class Choice:
     model: PreTrainedModel
     timings: dict[Form, float]
     stored: bool = False
+
+
+def load_served(
+    name: str,
+    device: torch.device,
+    dtype: str = "auto",
+    weights: str = "auto",
+    threads: int = 0,
+    config: EngineConfig | None = None,
+    folder: Path | None = None,
+    measure: bool = True,
+) -> tuple[LoadedModel, Form]:
+    """The model ``name`` in the form the flags ask for (``candidates``; the fastest measured
+    where they leave a choice, or the first candidate without ``measure``), with torch set
+    to the form's thread count: what a verifier serves, and the benchmarks measure."""
+    config = config or EngineConfig()
+    forms = candidates(dtype, weights, threads, device, config.batch_invariant)
+    if not measure and len(forms) > 1:
+        log.info("form not measured: %s", forms[0])
+        forms = forms[:1]
+    loaded = load_model(name, device=device, dtype="float32" if len({form.dtype for form in forms}) > 1 else forms[0].dtype)
+    choice = choose_form(loaded.model, loaded.tokenizer, forms, config, folder)
+    torch.set_num_threads(choice.form.threads)
+    return replace(loaded, model=choice.model), choice.form
 
 
 def candidates(dtype: str, weights: str, threads: int, device: torch.device, batch_invariant: str) -> list[Form]:

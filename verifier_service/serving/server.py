@@ -44,7 +44,7 @@ from specdec.vocabulary import tokenizer_fingerprint
 from verifier_service.core.calibration import StepCostModel
 from verifier_service.core.engine import SpeculativeEngine
 from verifier_service.core.errors import InvalidRequest
-from verifier_service.core.forms import candidates, choose_form
+from verifier_service.core.forms import load_served
 from verifier_service.core.generation import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
@@ -55,7 +55,7 @@ from verifier_service.core.generation import (
     GenerationResult,
     GenerationStats,
 )
-from verifier_service.core.model_loading import cache_root, chat_prompt_ids, default_device, load_model
+from verifier_service.core.model_loading import cache_root, chat_prompt_ids, default_device
 from verifier_service.core.planner import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_HEAD, SOURCE_SUCCESSOR
 from verifier_service.core.processing import TokenLogprob
 from verifier_service.core.rejection import SamplingParams
@@ -262,16 +262,20 @@ class VerifierServer:
         config = self.service.config
         started = time.perf_counter()
         device = torch.device(config.device) if config.device else default_device()
-        forms = candidates(config.dtype, config.weights, config.threads, device, config.engine.batch_invariant)
-        if not config.calibrate and len(forms) > 1:  # nothing is measured at start-up: the first candidate
-            log.info("form not measured (--no-calibrate): %s", forms[0])
-            forms = forms[:1]
-        loaded = load_model(config.model, device=device, dtype="float32" if len({f.dtype for f in forms}) > 1 else forms[0].dtype)
-        # The chosen form and the step-cost calibration are kept for later starts (--calibration-cache).
+        # The chosen form and the step-cost calibration are kept for later starts (--calibration-cache);
+        # --no-calibrate measures neither.
         cache = cache_root() if config.calibration_cache else None
-        choice = choose_form(loaded.model, loaded.tokenizer, forms, config.engine, cache / "forms" if cache else None)
-        torch.set_num_threads(choice.form.threads)
-        model = choice.model
+        loaded, form = load_served(
+            config.model,
+            device,
+            config.dtype,
+            config.weights,
+            config.threads,
+            config.engine,
+            cache / "forms" if cache else None,
+            config.calibrate,
+        )
+        model = loaded.model
         torch.set_grad_enabled(False)
         # Uncalibrated: every step costs the same (as on an idle GPU), refined by real step times.
         step_cost = None if config.calibrate else StepCostModel({1: 1.0, 1024: 1.0})
@@ -302,7 +306,7 @@ class VerifierServer:
         self.service.attach(engine, scheduler)
         serving.set_serving(self.health, SERVICE_NAME, True)
         self.service.metrics.describe_form(self.service.precision)
-        log.info("model %s (%s) ready on %s in %.1fs", config.model, choice.form, engine.device, time.perf_counter() - started)
+        log.info("model %s (%s) ready on %s in %.1fs", config.model, form, engine.device, time.perf_counter() - started)
 
     def stop(self, grace: float | None = None) -> bool:
         """NOT_SERVING, drain in-flight requests for up to ``grace`` seconds, then stop."""

@@ -11,6 +11,7 @@ from torch import nn
 
 from tests.verifier_service.test_batch_invariance import ROWS, TreeProposer, branch_tree, build, engine_for, prompts
 from verifier_service.core.engine import GenerationRequest
+from verifier_service.core.invariance import Invariance, invariant_rows, lone_row_invariant
 from verifier_service.core.weights import GROUP, Int4Linear, error_bound, quantize, rebuilt, stored, use_int4_weights, weights_form
 
 
@@ -76,6 +77,42 @@ def test_with_int4_weights_a_tokens_logits_are_the_same_whatever_shares_its_pass
         others = [(len(text), [10 + index, 3, 4]) for index, text in enumerate(texts[1:])]
         beside = engine.target.forward([(cached, [5, 7, 8]), *others], [(ROWS, 0, [2 + i % 60 for i in range(70)])], [0])[0]
     assert torch.equal(alone, beside)
+
+
+def test_int4_layers_run_a_lone_row_unpadded_where_the_probe_finds_it_invariant(tiny_tokenizer):
+    engine = engine_for(int4_model(), tiny_tokenizer)
+    layers = [module for module in engine.model.modules() if isinstance(module, Int4Linear)]
+    assert layers and all(module.lone_row for module in layers)  # the kernel's rows: the same at every count
+    assert engine.target.invariance is not None and engine.target.invariance.linear_tile == 0
+
+
+class LoneRowDiffers(nn.Module):
+    """A layer whose lone row comes out a rounding apart from the same row among others."""
+
+    row_probe = True
+    in_features, out_features = 32, 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        self.calls.append(flat.shape[0])
+        out = flat[:, :16].float() * 3
+        return out + 1e-3 if flat.shape[0] == 1 else out
+
+
+def test_a_layer_whose_lone_row_differs_is_found_so_and_its_lone_rows_are_padded():
+    layer = LoneRowDiffers()
+    assert not lone_row_invariant(layer)
+    invariance = Invariance(linear_tile=0)
+    row = torch.ones(1, 32)
+    layer.calls.clear()
+    assert torch.equal(invariant_rows(row, layer.rows, invariance, 1), layer.rows(torch.cat([row, row]))[:1])
+    assert layer.calls[0] == 2  # padded to two
+    layer.calls.clear()
+    invariant_rows(row, layer.rows, invariance, 1, lone_row=True)
+    assert layer.calls == [1]
 
 
 def test_greedy_speculative_output_is_plain_output_with_int4_weights(tiny_tokenizer):

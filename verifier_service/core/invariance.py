@@ -112,23 +112,25 @@ def invariant_linear(
 Rows = Callable[[torch.Tensor], torch.Tensor]  # a linear layer's rows [n, in] -> [n, out]
 
 
-def invariant_rows(flat: torch.Tensor, compute: Rows, invariance: Invariance, decode: int) -> torch.Tensor:
+def invariant_rows(flat: torch.Tensor, compute: Rows, invariance: Invariance, decode: int, lone_row: bool = False) -> torch.Tensor:
     """``compute`` (a linear layer's rows [n, in] -> [n, out]) over ``flat`` in calls of fixed
-    shape: rows [0, decode) as decode rows, the rest as prefill rows (``Invariance``)."""
+    shape: rows [0, decode) as decode rows, the rest as prefill rows (``Invariance``).
+    ``lone_row``: the layer gives a row alone what it gives it among others (``lone_row_invariant``),
+    so a lone row needs no padding."""
     decode = min(decode, flat.shape[0])
     prefill_tile = invariance.prefill_tile if invariance.linear_tile else 0
     parts = [
-        _rows(part, compute, tile)
+        _rows(part, compute, tile, lone_row)
         for part, tile in ((flat[:decode], invariance.linear_tile), (flat[decode:], prefill_tile))
         if part.shape[0]
     ]
     return torch.cat(parts) if len(parts) > 1 else parts[0] if parts else compute(flat)
 
 
-def _rows(rows: torch.Tensor, compute: Rows, tile: int) -> torch.Tensor:
+def _rows(rows: torch.Tensor, compute: Rows, tile: int, lone_row: bool = False) -> torch.Tensor:
     count = rows.shape[0]
     if not tile:  # the library's rows are invariant from two on
-        return compute(torch.cat([rows, rows]))[:1] if count == 1 else compute(rows)
+        return compute(torch.cat([rows, rows]))[:1] if count == 1 and not lone_row else compute(rows)
     padding = (-count) % tile
     if padding:
         rows = torch.cat([rows, rows.new_zeros(padding, rows.shape[1])])
@@ -162,6 +164,18 @@ def library_rows_invariant(model: nn.Module, rows: tuple[int, ...] = PROBED_ROWS
                 log.info("linear rows of %s depend on the call's row count (%d rows)", name, count)
                 return False
     return True
+
+
+@torch.inference_mode()
+def lone_row_invariant(module: nn.Module, rows: tuple[int, ...] = PROBED_ROWS) -> bool:
+    """Whether a layer that probes itself (``row_probe``, with ``rows``) gives a row computed
+    alone bitwise what it gives that row in a call of each count of ``rows``, on random inputs."""
+    generator = torch.Generator().manual_seed(2)
+    compute = cast(Rows, module.rows)
+    inputs = torch.randn(max(rows), int(module.in_features), generator=generator).to(torch.bfloat16)  # type: ignore[arg-type]
+    checked = sorted({0, 1, *(count - 1 for count in rows)})
+    alone = {row: compute(inputs[row : row + 1])[0] for row in checked}
+    return all(torch.equal(compute(inputs[:count])[row], alone[row]) for count in rows for row in checked if row < count)
 
 
 def linear_shapes(model: nn.Module) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
@@ -228,6 +242,11 @@ def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> In
     attention = ("attention", parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim, torch.get_num_threads())
     if attention not in _probed:
         _probed[attention] = tokens_attention_invariant(parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim)
+    for module in other_layers(model):  # layers that need no padding even for a lone row
+        lone = ("lone row", type(module).__name__, module.out_features, module.in_features, torch.get_num_threads())
+        if lone not in _probed:
+            _probed[lone] = lone_row_invariant(module)
+        setattr(module, "lone_row", _probed[lone])  # noqa: B010 (a module attribute the probe sets)
     invariance = Invariance(linear_tile=0 if _probed[key] else DECODE_LINEAR_TILE, token_attention=_probed[attention])
     log.info("batch-invariant shapes: %s", invariance.describe())
     return invariance

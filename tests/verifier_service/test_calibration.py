@@ -400,4 +400,5 @@ def test_free_and_batch_invariant_passes_keep_separate_calibrations(tiny_model, 
         engine = SpeculativeEngine(tiny_model, tiny_tokenizer, None, EngineConfig(batch_invariant=mode), step_cost=StepCostModel({1: 1.0}))
         keys[mode] = calibration.calibration_key(engine)
     assert keys["off"]["passes"] == "free shapes" and keys["on"]["passes"].startswith("batch-invariant: ")
-    assert {name for name in keys["off"] if keys["off"][name] != keys["on"][name]} == {"passes"}
+    differing = {name for name in keys["off"] if keys["off"][name] != keys["on"][name]}
+    assert "passes" in differing and differing <= {"passes", "cache_reads"}  # per-token reads go with per-token attention

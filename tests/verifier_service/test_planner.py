@@ -316,3 +316,20 @@ def test_scaled_survivals_never_exceed_their_parents():
     planner._record = {"context": [0.0, 10.0], "head": [10.0, 10.0]}
     row = PlannedChain([A, HEAD])
     assert planner._scaled(row, [0.9, 0.8]) == [pytest.approx(0.9 * planner.realism("context"))] * 2
+
+
+def test_where_every_token_reads_its_rows_cache_drafts_at_long_context_are_dearer_and_fewer_are_verified():
+    # Each token 4% of a step, each cached token read 0.01%: 16 rows at 500 cached tokens read
+    # 8,000 either way; read again by every draft token, a draft costs 4% + 5%: a first draft
+    # token surviving half the time pays for 4% (it needs ~0.27) but not for 9% (~0.6).
+    cost = StepCostModel({1: 1.0, 1024: 1.0 + 0.04 * 1023}, per_context_token=1e-4)
+    planners = [Planner(cost), Planner(cost)]
+    for planner in planners:
+        for index in range(20):
+            planner.acceptance.learn([A, B, C], accepted=index % 2)  # the first token survives half the time
+    verified = []
+    for planner, reads_per_token in zip(planners, (0.0, 500.0)):
+        chains = [PlannedChain([A, B, C]) for _ in range(16)]
+        planner.plan(chains, 0, 16 * 500, reads_per_token)
+        verified.append(sum(chain.verify for chain in chains))
+    assert verified[0] > verified[1]

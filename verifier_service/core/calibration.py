@@ -79,6 +79,10 @@ class CostProbe(Protocol):
     def passes(self) -> str:
         """How its passes are shaped (batch-invariant or free): a pass's cost depends on it."""
 
+    @property
+    def reads_per_token(self) -> bool:
+        """Whether each token of a row reads the row's cached tokens (else each row once)."""
+
     def run_pass(self, decode_rows: list[tuple[int, list[int]]], segments: list, keep: list[int]) -> torch.Tensor: ...
 
 
@@ -152,6 +156,7 @@ def calibration_key(engine: CostProbe) -> dict:
         "dtype": str(next(model.parameters()).dtype),
         "weights": weights_form(model),
         "passes": engine.passes,
+        "cache_reads": "per token" if engine.reads_per_token else "per row",
         "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else str(engine.device),
         "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
@@ -431,7 +436,7 @@ class _Timings:
         with engine.kernels.forcing(False) if engine.kernels is not None else contextlib.nullcontext():
             seconds = _best_time(engine, CALIBRATION_REPEATS, rows, [], list(range(count)))
         if self.context is None or seconds < self.context[2]:
-            self.context = (count, len(rows) * columns, seconds)
+            self.context = (count, (count if engine.reads_per_token else len(rows)) * columns, seconds)
 
     def model(self, engine: CostProbe) -> StepCostModel:
         """The step costs under the forms ``choose`` keeps, and the cache-read term: the

@@ -175,6 +175,14 @@ class SpeculativeEngine:
         return f"batch-invariant: {invariance.describe()}" if invariance else "free shapes"
 
     @property
+    def reads_per_token(self) -> bool:
+        """Whether each token a pass verifies reads its row's cached tokens itself (decode
+        attention a call entry per token), not once per row: what an extra draft token costs
+        then grows with its row's context (``step.cache_reads``)."""
+        invariance = self.target.invariance
+        return invariance is not None and invariance.token_attention
+
+    @property
     def slot_count(self) -> int:
         """Cache slots: sequences that can run at once (``config.max_batch_size``)."""
         return len(self._slots)
@@ -306,14 +314,16 @@ class SpeculativeEngine:
             return outcomes
         rows, context = self.propose()
         chunks = self._plan_prefill()
-        self.planner.plan(rows, sum(chunk.length for chunk in chunks), context)
+        # Where each token reads its row's cache, every draft token verified reads it again.
+        per_token = context / len(rows) if self.reads_per_token and rows else 0.0
+        self.planner.plan(rows, sum(chunk.length for chunk in chunks), context, per_token)
         clock = StepClock(self.step_cost, len(rows))
         scored = self.target.score(rows, chunks, self._alone)
         clock.accepting()
         kept = KeptRows.of(scored.rows, scored.chunks)
         decisions = self.accept(scored.rows, scored.logits, kept)
         self._keep_predictions(scored.rows, scored.logits, kept)
-        self.last_step = clock.report(scored, decisions, context)
+        self.last_step = clock.report(scored, decisions, cache_reads(scored.rows, self.reads_per_token))
         self._keep_logprobs(scored.rows, scored.logits, decisions, kept)
         outcomes += self._commit_all(scored.rows, decisions)
         outcomes += self._finish_prefills(scored.chunks, scored.logits, kept)

@@ -391,10 +391,11 @@ class Planner:
         base = self.cost.cheapest(rows, context)
         return max(0.0, rows * (self.cost.cheapest(rows + 1, context) - base) / base)
 
-    def plan(self, rows: Sequence[PlannedRow], prefill_tokens: int, context: int) -> None:
+    def plan(self, rows: Sequence[PlannedRow], prefill_tokens: int, context: int, reads_per_token: float = 0.0) -> None:
         """Set what each row verifies: a fixed-K row its whole draft, adaptive rows the
         tokens whose survival pays for their cost in a step of ``prefill_tokens`` more
-        tokens, whose attention reads ``context`` cached tokens."""
+        tokens, whose attention reads ``context`` cached tokens, and ``reads_per_token``
+        more for each token beyond one a row (where every token reads its row's cache)."""
         adaptive, survivals = [], []
         base_tokens, base_expected = len(rows), float(len(rows))
         for row in rows:
@@ -413,7 +414,11 @@ class Planner:
             self._probe(adaptive, base_tokens + prefill_tokens)
             return
         scaled = [self._scaled(row, row_survivals) for row, row_survivals in zip(adaptive, survivals)]
-        plan = plan_verification(scaled, base_tokens, base_expected, lambda tokens: self.cost.cheapest(tokens, context), prefill_tokens)
+
+        def cost(tokens: int) -> float:  # the tokens past one a row read again (a prefill chunk's too: a constant)
+            return self.cost.cheapest(tokens, round(context + max(0, tokens - len(rows)) * reads_per_token))
+
+        plan = plan_verification(scaled, base_tokens, base_expected, cost, prefill_tokens)
         for row, chosen, row_survivals in zip(adaptive, plan.chosen, survivals):
             if chosen:
                 expected: dict[str, float] = {}

@@ -201,8 +201,10 @@ def feature_rows(
     return produced
 
 
-def cache_reads(rows: Sequence[Row]) -> int:
+def cache_reads(rows: Sequence[Row], per_token: bool = False) -> int:
     """Cached tokens a step's decode rows read in attention, about: each row its own (a CPU
-    cuts the rows into attention calls where reading a longer row's columns would cost more).
-    A prefill chunk adds its slot's earlier tokens (``PrefillChunk.first``)."""
-    return sum(row.sequence.cached for row in rows)
+    cuts the rows into attention calls where reading a longer row's columns would cost more),
+    or, ``per_token``, each token of a row its row's (batch-invariant decode attention gives
+    every token a call entry of its own: ``SpeculativeEngine.reads_per_token``). A prefill
+    chunk adds its slot's earlier tokens (``PrefillChunk.first``)."""
+    return sum(row.sequence.cached * (1 + row.verify if per_token else 1) for row in rows)

@@ -326,13 +326,20 @@ def test_every_option_a_benchmark_reads_is_one_it_declares():
     import re
     from pathlib import Path
 
-    for program in sorted((Path(__file__).resolve().parent.parent / "bench").glob("*.py")):
-        source = program.read_text()
+    def declared_in(source: str) -> set[str]:
         declared = set()
         for match in re.finditer(r'add_argument\(\s*"([^"]+)"(?:\s*,\s*"([^"]+)")?([^)]*)', source, re.DOTALL):
             dest = re.search(r'dest="(\w+)"', match.group(3) or "")
             names = [name for name in match.group(1, 2) if name]
             long = [name for name in names if name.startswith("--")]
             declared.add(dest.group(1) if dest else (long or names)[0].lstrip("-").replace("-", "_"))
+        return declared
+
+    folder = Path(__file__).resolve().parent.parent / "bench"
+    form_flags = declared_in((folder / "served.py").read_text())  # what add_form_flags declares
+    assert form_flags == {"dtype", "weights", "threads"}
+    for program in sorted(folder.glob("*.py")):
+        source = program.read_text()
+        declared = declared_in(source) | (form_flags if "add_form_flags(parser)" in source else set())
         read = set(re.findall(r"\bargs\.(\w+)", source))
         assert read <= declared, f"{program.name} reads args.{sorted(read - declared)} but declares no such flag"

@@ -37,9 +37,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import hashlib
-import json
 import logging
-import os
 import platform
 import time
 import weakref
@@ -52,6 +50,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from verifier_service.core.keyed_file import KeyedFile
 from verifier_service.core.kv_cache import SlotKVCache
 from verifier_service.core.linear_kernels import MEASURED_UP_TO, LinearKernels
 from verifier_service.core.weights import weights_form
@@ -215,13 +214,13 @@ class CalibrationFile:
     an unreadable file is no file, an unwritable one a warning."""
 
     def __init__(self, folder: Path, key: dict) -> None:
-        self.key = key
-        self.path = folder / f"step-cost-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
+        self.file = KeyedFile(folder, "step-cost", key)
+        self.key, self.path = key, self.file.path
 
     def read(self) -> StoredCalibration | None:
         try:
-            record = json.loads(self.path.read_text())
-            if record["key"] != self.key:
+            record = self.file.read()
+            if record is None:
                 return None
             points = {int(count): float(seconds) for count, seconds in record["points"].items()}
             if not points or not all(count >= 1 and seconds > 0 for count, seconds in points.items()):
@@ -230,25 +229,19 @@ class CalibrationFile:
             if not isinstance(complete, bool):
                 raise TypeError(f"complete is {complete!r}, not true or false")
             return StoredCalibration(points, float(record["per_context_token"]), int(record["up_to"]), complete)
-        except FileNotFoundError:
-            return None
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             log.warning("stored step cost %s is unreadable (%s: %s); calibrating again", self.path, type(error).__name__, error)
             return None
 
     def write(self, stored: StoredCalibration) -> bool:
         record = {
-            "key": self.key,
             "points": stored.points,
             "per_context_token": stored.per_context_token,
             "up_to": stored.up_to,
             "complete": stored.complete,
         }
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps(record))
-            os.replace(partial, self.path)  # whole or not at all, even beside another starting verifier
+            self.file.write(record)  # whole or not at all, even beside another starting verifier
             return True
         except OSError as error:
             log.warning("could not store the step cost in %s (%s); the next start calibrates again", self.path, error)

@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -37,6 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from verifier_service.core.calibration import StepCostModel, cpu_name, time_pass
 from verifier_service.core.engine import SpeculativeEngine
 from verifier_service.core.engine_config import EngineConfig
+from verifier_service.core.keyed_file import KeyedFile
 from verifier_service.core.model_loading import LoadedModel, has_fast_bfloat16, load_model
 from verifier_service.core.weights import int4_supported, use_int4_weights
 
@@ -252,31 +252,19 @@ def form_key(model: PreTrainedModel, forms: list[Form], config: EngineConfig) ->
     return json.loads(json.dumps(key))  # as it reads back from a file: tuples as lists
 
 
-def _path(folder: Path, key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return folder / f"form-{digest}.json"
-
-
 def read_choice(folder: Path, key: dict) -> Form | None:
     """The form stored for ``key``; None when there is none, or it is unreadable or of another key."""
     try:
-        stored = json.loads(_path(folder, key).read_text())
-        form = Form(**stored["form"])
+        stored = KeyedFile(folder, "form", key).read()
+        form = None if stored is None else Form(**stored["form"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if stored.get("key") != key or asdict(form) not in key["candidates"]:
-        return None
-    return form
+    return form if form is not None and asdict(form) in key["candidates"] else None
 
 
 def write_choice(folder: Path, key: dict, form: Form, timings: dict[Form, float]) -> None:
     """Store the choice whole (by rename); a folder that cannot be written is logged, not fatal."""
-    content = {"key": key, "form": asdict(form), "seconds_per_pass": {str(f): s for f, s in timings.items()}}
-    path = _path(folder, key)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        staging = path.with_suffix(f".{os.getpid()}.tmp")
-        staging.write_text(json.dumps(content, indent=1))
-        os.replace(staging, path)
+        KeyedFile(folder, "form", key).write({"form": asdict(form), "seconds_per_pass": {str(f): s for f, s in timings.items()}})
     except OSError as error:
         log.warning("the chosen form is not kept (%s): the next start measures again", error)

@@ -30,7 +30,7 @@ from bench.workloads import workloads
 from drafter_service.sessions import NGramDrafter
 from verifier_service.core.drafting import SessionProposer
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.core.forms import candidates, choose_form
+from verifier_service.core.forms import load_served
 from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, has_fast_bfloat16, load_model
 from verifier_service.core.weights import use_int4_weights
 
@@ -84,14 +84,6 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def auto_form(model_name: str):
-    """The form the service's defaults (--dtype auto --weights auto) choose here, measured as at its start."""
-    loaded = load_model(model_name, device="cpu", dtype="float32")
-    config = EngineConfig()
-    forms = candidates("auto", "auto", 0, torch.device("cpu"), config.batch_invariant)
-    return choose_form(loaded.model, loaded.tokenizer, forms, config).form
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -121,7 +113,7 @@ def main(argv=None) -> None:
         "threads": torch.get_num_threads(),
         "machine": platform.platform(),
         "native_bfloat16": has_fast_bfloat16(cpu),
-        "auto_picks": str(auto_form(args.model)),
+        "auto_picks": str(load_served(args.model, cpu)[1]),  # measured as a start with the defaults measures, last
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "dtype.json").write_text(json.dumps({"meta": meta, "dtypes": report}, indent=2) + "\n")

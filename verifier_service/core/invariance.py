@@ -195,8 +195,9 @@ def other_layers(model: nn.Module) -> list[nn.Module]:
 @torch.inference_mode()
 def tokens_attention_invariant(dtype: torch.dtype, device: torch.device, kv_heads: int, groups: int, head_dim: int) -> bool:
     """Whether attention gives a token's query heads bitwise the same output as a call entry
-    of their own (``kv_cache._token_attention``) whatever the other entries of the call and
-    however many hidden columns past a whole COLUMN_TILE it reads, on random inputs."""
+    of their own (``kv_cache._token_attention``) whatever the other entries of the call (its
+    row's other tokens, or other rows' tokens reading other cached rows) and however many
+    hidden columns past a whole COLUMN_TILE it reads, on random inputs."""
     generator = torch.Generator().manual_seed(1)
 
     def random(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -205,22 +206,28 @@ def tokens_attention_invariant(dtype: torch.dtype, device: torch.device, kv_head
     keys, values = random(1, kv_heads, 400, head_dim, scale=3.0), random(1, kv_heads, 400, head_dim)
     token = random(kv_heads, groups, head_dim, scale=2.0)
 
-    def attend(visible: int, columns: int, entries: int, at: int) -> torch.Tensor:
+    def attend(visible: int, columns: int, entries: int, at: int, shared: bool) -> torch.Tensor:
+        """The token's output as entry ``at`` of a call of ``entries``, all reading the same
+        cached row (a stride-0 view: a row's own tokens) or each its own (the rows of a batch)."""
         queries = random(entries, kv_heads, groups, head_dim, scale=2.0)
         queries[at] = token
         mask = torch.zeros(entries, 1, groups, columns, dtype=torch.bool, device=device)
         mask[..., :visible] = True
-        expand = (entries, -1, -1, -1)
-        out = F.scaled_dot_product_attention(
-            queries, keys[..., :columns, :].expand(*expand), values[..., :columns, :].expand(*expand), attn_mask=mask
-        )
-        return out[at]
+        if shared:
+            expand = (entries, -1, -1, -1)
+            entry_keys, entry_values = keys[..., :columns, :].expand(*expand), values[..., :columns, :].expand(*expand)
+        else:
+            entry_keys, entry_values = random(entries, kv_heads, 400, head_dim, scale=3.0), random(entries, kv_heads, 400, head_dim)
+            entry_keys[at], entry_values[at] = keys[0], values[0]
+            entry_keys, entry_values = entry_keys[..., :columns, :], entry_values[..., :columns, :]
+        return F.scaled_dot_product_attention(queries, entry_keys, entry_values, attn_mask=mask)[at]
 
     for visible in (5, 38, 100, 300):
         least = visible + (-visible) % COLUMN_TILE
-        alone = attend(visible, least, 1, 0)
-        for columns, entries, at in ((least + COLUMN_TILE, 1, 0), (least, 4, 2), (least + 33, 9, 8), (400, 17, 0)):
-            if not torch.equal(alone, attend(visible, columns, entries, at)):
+        alone = attend(visible, least, 1, 0, True)
+        calls = ((least + COLUMN_TILE, 1, 0), (least, 4, 2), (least + 33, 9, 8), (400, 17, 0))
+        for columns, entries, at, shared in [(*call, shared) for call in calls for shared in (True, False)]:
+            if not torch.equal(alone, attend(visible, columns, entries, at, shared)):
                 log.info("attention of one token per call entry depends on the call (%d visible columns)", visible)
                 return False
     return True

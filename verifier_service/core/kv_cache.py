@@ -569,14 +569,23 @@ def _pad_columns(mask: torch.Tensor, tile: int, capacity: int) -> tuple[torch.Te
 
 def _token_attention(queries, mask, keys, values, first: int, groups: int, width: int, scale) -> torch.Tensor:
     """Decode attention with each token of each row a call entry of its own: its ``groups``
-    query heads per key head against its row's cached keys (a stride-0 view, not a copy),
-    reading the columns its mask has (``DecodeGroup.fixed_mask``). Every call then has the
-    same query count whatever the row's width or the pass's rows. queries [rows, kv_heads,
-    groups * width, dim] (head-major, as folded), mask [rows, 1, groups * width, columns]
-    -> [rows, kv_heads, groups * width, dim]."""
+    query heads against its row's cached keys, read in place, up to the columns its mask has
+    (``DecodeGroup.fixed_mask``). Every call then has the same query count per entry whatever
+    the row's width or the pass's rows. A call per query index (entry r: row r's token, the
+    rows' slots as they lie) where the rows outnumber the width, else a call per row (entry i:
+    its token i, the row's slot a stride-0 view): min(rows, width) calls. queries [rows,
+    kv_heads, groups * width, dim] (head-major, as folded), mask [rows, 1, groups * width,
+    columns] -> [rows, kv_heads, groups * width, dim]."""
     rows, kv_heads, _, dim = queries.shape
     columns = mask.shape[-1]
     out = torch.empty_like(queries)
+    if rows > width:
+        cached_keys, cached_values = keys[first : first + rows, :, :columns], values[first : first + rows, :, :columns]
+        for query in range(width):
+            out[:, :, query::width] = F.scaled_dot_product_attention(
+                queries[:, :, query::width], cached_keys, cached_values, attn_mask=mask[:, :, query::width], scale=scale
+            )  # [rows, kv_heads, groups, dim]
+        return out
     for row in range(rows):
         tokens = queries[row].view(kv_heads, groups, width, dim).permute(2, 0, 1, 3)  # [width, kv_heads, groups, dim]
         visible = mask[row].view(1, groups, width, columns).permute(2, 0, 1, 3)  # [width, 1, groups, columns]

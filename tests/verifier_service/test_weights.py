@@ -79,11 +79,20 @@ def test_with_int4_weights_a_tokens_logits_are_the_same_whatever_shares_its_pass
     assert torch.equal(alone, beside)
 
 
-def test_int4_layers_run_a_lone_row_unpadded_where_the_probe_finds_it_invariant(tiny_tokenizer):
+def test_int4_layers_run_rows_as_they_come_where_the_probe_finds_them_invariant(tiny_tokenizer, monkeypatch):
     engine = engine_for(int4_model(), tiny_tokenizer)
     layers = [module for module in engine.model.modules() if isinstance(module, Int4Linear)]
-    assert layers and all(module.lone_row for module in layers)  # the kernel's rows: the same at every count
+    assert layers and all(module.any_rows for module in layers)  # the kernel's rows: the same at every count
     assert engine.target.invariance is not None and engine.target.invariance.linear_tile == 0
+    calls: list[int] = []
+    rows = Int4Linear.rows
+    monkeypatch.setattr(Int4Linear, "rows", lambda self, flat: calls.append(flat.shape[0]) or rows(self, flat))
+    with torch.inference_mode():
+        engine.target.forward([(0, [5])], [], [0])  # one decode row: not padded to two
+        assert set(calls) == {1}
+        calls.clear()
+        engine.target.forward([(0, [5, 6])], [(1, 0, list(range(2, 12)))], [0])  # decode and prefill rows: one call
+        assert set(calls) == {12}
 
 
 class LoneRowDiffers(nn.Module):
@@ -110,9 +119,6 @@ def test_a_layer_whose_lone_row_differs_is_found_so_and_its_lone_rows_are_padded
     layer.calls.clear()
     assert torch.equal(invariant_rows(row, layer.rows, invariance, 1), layer.rows(torch.cat([row, row]))[:1])
     assert layer.calls[0] == 2  # padded to two
-    layer.calls.clear()
-    invariant_rows(row, layer.rows, invariance, 1, lone_row=True)
-    assert layer.calls == [1]
 
 
 def test_greedy_speculative_output_is_plain_output_with_int4_weights(tiny_tokenizer):

@@ -112,25 +112,23 @@ def invariant_linear(
 Rows = Callable[[torch.Tensor], torch.Tensor]  # a linear layer's rows [n, in] -> [n, out]
 
 
-def invariant_rows(flat: torch.Tensor, compute: Rows, invariance: Invariance, decode: int, lone_row: bool = False) -> torch.Tensor:
+def invariant_rows(flat: torch.Tensor, compute: Rows, invariance: Invariance, decode: int) -> torch.Tensor:
     """``compute`` (a linear layer's rows [n, in] -> [n, out]) over ``flat`` in calls of fixed
-    shape: rows [0, decode) as decode rows, the rest as prefill rows (``Invariance``).
-    ``lone_row``: the layer gives a row alone what it gives it among others (``lone_row_invariant``),
-    so a lone row needs no padding."""
+    shape: rows [0, decode) as decode rows, the rest as prefill rows (``Invariance``)."""
     decode = min(decode, flat.shape[0])
     prefill_tile = invariance.prefill_tile if invariance.linear_tile else 0
     parts = [
-        _rows(part, compute, tile, lone_row)
+        _rows(part, compute, tile)
         for part, tile in ((flat[:decode], invariance.linear_tile), (flat[decode:], prefill_tile))
         if part.shape[0]
     ]
     return torch.cat(parts) if len(parts) > 1 else parts[0] if parts else compute(flat)
 
 
-def _rows(rows: torch.Tensor, compute: Rows, tile: int, lone_row: bool = False) -> torch.Tensor:
+def _rows(rows: torch.Tensor, compute: Rows, tile: int) -> torch.Tensor:
     count = rows.shape[0]
     if not tile:  # the library's rows are invariant from two on
-        return compute(torch.cat([rows, rows]))[:1] if count == 1 and not lone_row else compute(rows)
+        return compute(torch.cat([rows, rows]))[:1] if count == 1 else compute(rows)
     padding = (-count) % tile
     if padding:
         rows = torch.cat([rows, rows.new_zeros(padding, rows.shape[1])])
@@ -249,11 +247,11 @@ def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> In
     attention = ("attention", parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim, torch.get_num_threads())
     if attention not in _probed:
         _probed[attention] = tokens_attention_invariant(parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim)
-    for module in other_layers(model):  # layers that need no padding even for a lone row
+    for module in other_layers(model):  # layers whose rows need no fixed shapes at all
         lone = ("lone row", type(module).__name__, module.out_features, module.in_features, torch.get_num_threads())
         if lone not in _probed:
             _probed[lone] = lone_row_invariant(module)
-        setattr(module, "lone_row", _probed[lone])  # noqa: B010 (a module attribute the probe sets)
+        setattr(module, "any_rows", _probed[lone])  # noqa: B010 (a module attribute the probe sets)
     invariance = Invariance(linear_tile=0 if _probed[key] else DECODE_LINEAR_TILE, token_attention=_probed[attention])
     log.info("batch-invariant shapes: %s", invariance.describe())
     return invariance

@@ -33,7 +33,9 @@ class Int4Linear(nn.Module):
     """An ``nn.Linear`` whose weight is int4 in groups of GROUP inputs (``quantize``)."""
 
     row_probe = True  # the batch-invariance probe runs this module itself (``invariance``)
-    lone_row = False  # a lone row needs no padding: set by the probe (``invariance.lone_row_invariant``)
+    # A row comes out the same at any row count, alone included, so a batch-invariant pass
+    # calls it as it comes: set by the start-up probe (``invariance.lone_row_invariant``).
+    any_rows = False
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -51,8 +53,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, self.in_features)
-        invariant = current_pass()
-        out = invariant_rows(flat, self.rows, *invariant, lone_row=self.lone_row) if invariant is not None else self.rows(flat)
+        invariant = None if self.any_rows else current_pass()
+        out = invariant_rows(flat, self.rows, *invariant) if invariant is not None else self.rows(flat)
         return out.reshape(*hidden.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -333,3 +333,22 @@ def test_where_every_token_reads_its_rows_cache_drafts_at_long_context_are_deare
         planner.plan(chains, 0, 16 * 500, reads_per_token)
         verified.append(sum(chain.verify for chain in chains))
     assert verified[0] > verified[1]
+
+
+def test_probes_share_the_tokens_one_probe_opens_with_the_rows_due_soonest():
+    """16 rows whose drafts never pay, on a machine where 17 to 20 tokens cost the same
+    (int4 weights are read once per four rows): the row due a probe opens the block, and the
+    three free tokens go to the first draft tokens of the rows nearest their own probes (at
+    least half way there), not to rows probed just now; on a machine where every token
+    costs, the probe goes alone."""
+    blocks = StepCostModel({count: 1.0 + 0.3 * ((count + 3) // 4) for count in range(1, 33)})
+    for cost, probed in ((blocks, {0: 1, 5: 1, 6: 1, 7: 1}), (StepCostModel.linear(1.0, 0.05), {0: 1})):
+        planner = Planner(cost)
+        for _ in range(30):  # every draft rejected: none pays
+            planner.acceptance.learn_outcomes([(A, False)])
+        rows = [PlannedChain([A, B, C]) for _ in range(16)]
+        for index, row in enumerate(rows):
+            row.calibration.idle = {0: 8, 5: 7, 6: 6, 7: 4, 8: 3}.get(index, 0)  # row 0 due (after 8), 5-7 over half way
+        planner.plan(rows, 0, 0)
+        assert {index: row.verify for index, row in enumerate(rows) if row.verify} == probed
+        assert all(row.probe for row in rows if row.verify)

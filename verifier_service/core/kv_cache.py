@@ -199,6 +199,7 @@ class DecodeGroup:
     query_positions: torch.Tensor  # [rows, width] position of each (row, query)
     scatter_rows: torch.Tensor  # [tokens] row (in the group) of each of its decode tokens
     scatter_queries: torch.Tensor  # [tokens] its query index in the row
+    widths: list[int]  # [rows] each row's own query count (the rest of ``width`` is padding)
     # Only when some row of the group branches: [rows, width, width] bool, query i
     # sees query j's column (j is i or an ancestor), and each row's cached length [rows].
     ancestors: torch.Tensor | None = None
@@ -453,6 +454,7 @@ def _decode_group(decode_rows, parents_of, positions: list[int], starts: list[in
         query_positions=torch.tensor(query_list, device=device),
         scatter_rows=torch.tensor(rows_list, device=device),
         scatter_queries=torch.tensor(queries_list, device=device),
+        widths=[count for _, count in counts],
         ancestors=ancestors,
         cached=cached,
     )
@@ -504,7 +506,7 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
             mask = group.fixed_mask(groups, window, invariance, cache.capacity)
             columns = mask.shape[-1]
             if invariance.token_attention:  # each token a call entry of its own
-                attended = _token_attention(queries, mask, keys, values, group.first, groups, width, scale)
+                attended = _token_attention(queries, mask, keys, values, group.first, groups, group.widths, scale)
                 output[group.start : group.start + group.tokens] = attended.reshape(rows, heads, width, dim)[
                     group.scatter_rows, :, group.scatter_queries
                 ]
@@ -567,37 +569,45 @@ def _pad_columns(mask: torch.Tensor, tile: int, capacity: int) -> tuple[torch.Te
     return F.pad(mask, (0, wanted - columns), value=False), wanted
 
 
-def _token_attention(queries, mask, keys, values, first: int, groups: int, width: int, scale) -> torch.Tensor:
+def _token_attention(queries, mask, keys, values, first: int, groups: int, widths: list[int], scale) -> torch.Tensor:
     """Decode attention with each token of each row a call entry of its own: its ``groups``
     query heads against its row's cached keys, read in place, up to the columns its mask has
     (``DecodeGroup.fixed_mask``). Every call then has the same query count per entry whatever
-    the row's width or the pass's rows. A call per query index (entry r: row r's token, the
-    rows' slots as they lie) where the rows outnumber the width, else a call per row (entry i:
-    its token i, the row's slot a stride-0 view): min(rows, width) calls. queries [rows,
-    kv_heads, groups * width, dim] (head-major, as folded), mask [rows, 1, groups * width,
-    columns] -> [rows, kv_heads, groups * width, dim]."""
+    the row's width or the pass's rows. A call per query index where the rows outnumber the
+    width (entry r: row r's token, over the rows that have one, from the first to the last,
+    their slots as they lie), else a call per row (entry i: its token i, the row's slot a
+    stride-0 view): min(rows, width) calls. Padding queries (past a row's own ``widths``) are
+    not computed: their output is left unset. queries [rows, kv_heads, groups * width, dim]
+    (head-major, as folded), mask [rows, 1, groups * width, columns] -> [rows, kv_heads,
+    groups * width, dim]."""
     rows, kv_heads, _, dim = queries.shape
-    columns = mask.shape[-1]
+    width, columns = max(widths), mask.shape[-1]
     out = torch.empty_like(queries)
     if rows > width:
-        cached_keys, cached_values = keys[first : first + rows, :, :columns], values[first : first + rows, :, :columns]
         for query in range(width):
-            out[:, :, query::width] = F.scaled_dot_product_attention(
-                queries[:, :, query::width], cached_keys, cached_values, attn_mask=mask[:, :, query::width], scale=scale
-            )  # [rows, kv_heads, groups, dim]
+            having = [row for row in range(rows) if widths[row] > query]
+            low, high = having[0], having[-1] + 1
+            out[low:high, :, query::width] = F.scaled_dot_product_attention(
+                queries[low:high, :, query::width],
+                keys[first + low : first + high, :, :columns],
+                values[first + low : first + high, :, :columns],
+                attn_mask=mask[low:high, :, query::width],
+                scale=scale,
+            )  # [high - low, kv_heads, groups, dim]
         return out
     for row in range(rows):
-        tokens = queries[row].view(kv_heads, groups, width, dim).permute(2, 0, 1, 3)  # [width, kv_heads, groups, dim]
-        visible = mask[row].view(1, groups, width, columns).permute(2, 0, 1, 3)  # [width, 1, groups, columns]
+        count = widths[row]
+        tokens = queries[row].view(kv_heads, groups, width, dim).permute(2, 0, 1, 3)[:count]  # [count, kv_heads, groups, dim]
+        visible = mask[row].view(1, groups, width, columns).permute(2, 0, 1, 3)[:count]  # [count, 1, groups, columns]
         slot = first + row
         attended = F.scaled_dot_product_attention(
             tokens,
-            keys[slot : slot + 1, :, :columns].expand(width, -1, -1, -1),
-            values[slot : slot + 1, :, :columns].expand(width, -1, -1, -1),
+            keys[slot : slot + 1, :, :columns].expand(count, -1, -1, -1),
+            values[slot : slot + 1, :, :columns].expand(count, -1, -1, -1),
             attn_mask=visible,
             scale=scale,
-        )  # [width, kv_heads, groups, dim]
-        out[row] = attended.permute(1, 2, 0, 3).reshape(kv_heads, groups * width, dim)
+        )  # [count, kv_heads, groups, dim]
+        out[row].view(kv_heads, groups, width, dim)[:, :, :count] = attended.permute(1, 2, 0, 3)
     return out
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,10 +16,10 @@ from scipy.stats import chi2_contingency
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.verifier_service.test_engine_adaptive import FrozenStepCost
-from tests.verifier_service.test_trees import FLAT, NO_EOS, TreeProposer, branch_tree
+from tests.verifier_service.test_trees import FLAT, NO_EOS, TreeProposer, branch_tree, wrong
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.core.invariance import Invariance, invariant_linear, library_rows_invariant, tokens_attention_invariant
-from verifier_service.core.kv_cache import _pad_columns, _pad_queries, _pad_query_mask
+from verifier_service.core.kv_cache import _pad_columns, _pad_group_mask, _pad_groups, _pad_queries, _pad_query_mask, _token_attention
 from verifier_service.core.rejection import SamplingParams
 
 VOCAB = 64
@@ -144,12 +145,19 @@ def test_greedy_speculative_output_is_plain_output_in_every_dtype(model, tiny_to
     def every_third_wrong(path: list[int], depth: int) -> tuple[list[int], list[int]]:
         return [token if index % 3 != 2 else (token + 1) % VOCAB for index, token in enumerate(path)], []
 
-    for k, shape in ((None, branch_tree), (4, every_third_wrong)):
+    def third_wrong_with_branches(path: list[int], depth: int) -> tuple[list[int], list[int]]:
+        tokens, _ = every_third_wrong(path, depth)
+        chain = list(range(-1, len(tokens) - 1))
+        return tokens + [wrong(token) for token in tokens], chain + chain  # a wrong sibling beside every node
+
+    for k, shape in ((None, branch_tree), (None, third_wrong_with_branches), (4, every_third_wrong)):
         proposer = TreeProposer(lambda prompt: truth[tuple(prompt)], shape, texts)
         engine = engine_for(model, tiny_tokenizer, proposer=proposer)
         results = engine.generate([GenerationRequest(text, 24, num_speculative_tokens=k) for text in texts])
         assert [result.token_ids for result in results] == expected
-        assert sum(result.stats.accepted_tokens for result in results) > 0
+        assert all(request.max_nodes == 0 for request in proposer.requests)  # chains asked for, and verified
+        if shape is not branch_tree:  # its true tokens lie off the leading chain, which is not verified
+            assert sum(result.stats.accepted_tokens for result in results) > 0
 
 
 def test_the_linear_layers_tiles_give_each_row_what_a_call_of_its_own_tile_gives():
@@ -246,3 +254,39 @@ def test_sampled_speculation_keeps_the_targets_distribution_in_bfloat16(tiny_tok
     )
     table = table[:, table.sum(axis=0) >= 10]
     assert table.shape[1] >= 2 and chi2_contingency(table).pvalue > 0.001
+
+
+def test_a_token_alone_in_its_attention_call_is_the_token_among_others_on_the_default_models_own_inputs():
+    """Decode attention inputs captured from the default model (one token's 3 query heads
+    per key head over 67 cached columns, bfloat16) where CPU flash attention computed the
+    token alone in its call (3 items on 2 threads) a bfloat16 step apart from the same
+    token among others. Token attention pads an entry's query heads to an even count
+    (``QUERY_MULTIPLE``), as ``slot_attention`` does here, and the token comes out the
+    same however many rows its call has. Random inputs never showed the difference."""
+    case = torch.load(Path(__file__).parent / "data" / "token_attention_case.pt")
+    queries, keys, values = case["queries"], case["keys"], case["values"]  # [kv, groups, dim], [kv, 67, dim] x 2
+    kv_heads, groups, dim = queries.shape
+    padded = _pad_groups(queries[None], groups, 1)
+    mask, columns = _pad_columns(_pad_group_mask(torch.ones(1, 1, groups, keys.shape[1], dtype=torch.bool), groups, 1), 16, 4096)
+    cached = torch.zeros(4, kv_heads, columns, dim, dtype=keys.dtype)
+    cached_values = torch.zeros_like(cached)
+    cached[:, :, : keys.shape[1]], cached_values[:, :, : keys.shape[1]] = keys, values  # every row the same cache
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outputs = [
+            _token_attention(
+                padded.expand(rows, -1, -1, -1),
+                mask.expand(rows, -1, -1, -1),
+                cached,
+                cached_values,
+                0,
+                padded.shape[2],
+                [[columns]] * rows,
+                case["scale"],
+            )[0, :, :groups]
+            for rows in (1, 2, 3, 4)
+        ]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(output, outputs[0]) for output in outputs[1:])

@@ -80,7 +80,7 @@ from verifier_service.core.linear_kernels import use_linear_kernels
 from verifier_service.core.observer import StepClock
 from verifier_service.core.planner import Planner, draft_buckets
 from verifier_service.core.processing import TokenLogprob, token_logprobs
-from verifier_service.core.proposing import Proposers
+from verifier_service.core.proposing import Proposers, leading_chain
 from verifier_service.core.step import (
     KeptRows,
     PrefillChunk,
@@ -345,6 +345,14 @@ class SpeculativeEngine:
         for row, draft in zip(asking, self.proposers.propose(requests)):
             row.sequence.proposed = row.asked = True
             row.draft, row.parents, row.evidence, row.chain = draft
+            if self.target.invariance is not None:  # exact along a draft's leading chain only (``_draft_request``)
+                keep = leading_chain(row.parents)
+                row.draft, row.parents, row.evidence, row.chain = (
+                    row.draft[:keep],
+                    row.parents[:keep],
+                    row.evidence[:keep],
+                    min(row.chain, keep),
+                )
             row.tree = not is_chain(row.parents)
             row.buckets = draft_buckets(row.evidence, row.parents)
         return rows, context
@@ -359,7 +367,11 @@ class SpeculativeEngine:
             self._draft_budget(sequence),
             verified=sequence.verified,
             accepted=sequence.accepted,
-            max_nodes=self.config.max_adaptive_nodes if adaptive else 0,
+            # Batch-invariant passes draft chains: a tree node off its leading chain reads its
+            # ancestors' cache columns with its siblings' between them, and CPU attention sums
+            # columns in blocks whose bounds follow the columns a call reads, so it is not the
+            # token plain decoding computes at its position.
+            max_nodes=self.config.max_adaptive_nodes if adaptive and self.target.invariance is None else 0,
             predictions=sequence.predictions,
             scope=sequence.request.scope,
             feature=sequence.feature,

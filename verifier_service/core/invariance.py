@@ -52,6 +52,15 @@ QUERY_TILE = 32
 # Columns an attention call reads, to a multiple of this many: a whole vector of the
 # kernel's softmax holds every column a query sees, whatever else the call reads.
 COLUMN_TILE = 16
+# Query heads per call entry of token attention, to a multiple of this many (the padding
+# sees one column, its output dropped). With an odd count (SmolLM2: 3 query heads per key
+# head) CPU flash attention's result for an entry depended on which thread computed it,
+# rarely, by a bfloat16 step: on the default model's own inputs a token alone in its
+# call (3 items on 2 threads) came out apart from the same token among others in 20 of
+# 1,920 calls over 30 layers, 4 widths, 2-8 threads and 1-5 entries; with 4 queries in
+# none. Random inputs never showed it (0 of 1,200 calls), which is why the probe below
+# cannot be the only guard.
+QUERY_MULTIPLE = 2
 # Rows per GEMM call where the library's row results depend on the call's row count:
 # decode passes are short (1 + drafts per sequence); prefill chunks are long, and reading
 # the weights once per 64 prompt tokens keeps their cost near a single call's.

@@ -72,7 +72,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from verifier_service.core.invariance import Invariance
+from verifier_service.core.invariance import QUERY_MULTIPLE, Invariance
 
 ATTENTION_NAME = "specdec_slots"
 STEP_KWARG = "specdec_step"  # the keyword that carries a StepLayout down to attention
@@ -200,6 +200,7 @@ class DecodeGroup:
     scatter_rows: torch.Tensor  # [tokens] row (in the group) of each of its decode tokens
     scatter_queries: torch.Tensor  # [tokens] its query index in the row
     widths: list[int]  # [rows] each row's own query count (the rest of ``width`` is padding)
+    cached_rows: list[int]  # [rows] each row's cached length: its query i writes column cached + i
     # Only when some row of the group branches: [rows, width, width] bool, query i
     # sees query j's column (j is i or an ancestor), and each row's cached length [rows].
     ancestors: torch.Tensor | None = None
@@ -226,7 +227,9 @@ class DecodeGroup:
         mask = self._masks.get(key)
         if mask is None:
             mask = self.mask(groups, window)
-            if not invariance.token_attention:
+            if invariance.token_attention:
+                mask = _pad_group_mask(mask, groups, self.width)
+            else:
                 mask = _pad_query_mask(mask, invariance.query_tile)
             mask = self._masks[key] = _pad_columns(mask, invariance.column_tile, capacity)[0]
         return mask
@@ -455,6 +458,7 @@ def _decode_group(decode_rows, parents_of, positions: list[int], starts: list[in
         scatter_rows=torch.tensor(rows_list, device=device),
         scatter_queries=torch.tensor(queries_list, device=device),
         widths=[count for _, count in counts],
+        cached_rows=[length for length, _ in counts],
         ancestors=ancestors,
         cached=cached,
     )
@@ -506,10 +510,14 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
             mask = group.fixed_mask(groups, window, invariance, cache.capacity)
             columns = mask.shape[-1]
             if invariance.token_attention:  # each token a call entry of its own
-                attended = _token_attention(queries, mask, keys, values, group.first, groups, group.widths, scale)
-                output[group.start : group.start + group.tokens] = attended.reshape(rows, heads, width, dim)[
-                    group.scatter_rows, :, group.scatter_queries
+                padded = _pad_groups(queries, groups, width)
+                reads = [
+                    [min(cache.capacity, column + (-column) % invariance.column_tile) for column in range(cached + 1, cached + 1 + count)]
+                    for cached, count in zip(group.cached_rows, group.widths)
                 ]
+                attended = _token_attention(padded, mask, keys, values, group.first, padded.shape[2] // width, reads, scale)
+                attended = attended.view(rows, kv_heads, -1, width, dim)[:, :, :groups].reshape(rows, heads, width, dim)
+                output[group.start : group.start + group.tokens] = attended[group.scatter_rows, :, group.scatter_queries]
                 continue
             queries = _pad_queries(queries, invariance.query_tile)
         attended = F.scaled_dot_product_attention(
@@ -559,6 +567,28 @@ def _pad_query_mask(mask: torch.Tensor, tile: int) -> torch.Tensor:
     return torch.cat([mask, extra], dim=2)
 
 
+def _pad_groups(queries: torch.Tensor, groups: int, width: int) -> torch.Tensor:
+    """Folded queries [rows, kv_heads, groups * width, dim] with zero query heads added to a
+    multiple of ``QUERY_MULTIPLE`` per key head (their mask: ``_pad_group_mask``)."""
+    padding = (-groups) % QUERY_MULTIPLE
+    if not padding:
+        return queries
+    rows, kv_heads, _, dim = queries.shape
+    return F.pad(queries.view(rows, kv_heads, groups, width, dim), (0, 0, 0, 0, 0, padding)).view(rows, kv_heads, -1, dim)
+
+
+def _pad_group_mask(mask: torch.Tensor, groups: int, width: int) -> torch.Tensor:
+    """A mask [rows, 1, groups * width, columns] for ``_pad_groups``' queries: a padding
+    head sees column 0 (a row of nothing but masked columns would be NaN)."""
+    padding = (-groups) % QUERY_MULTIPLE
+    if not padding:
+        return mask
+    rows, _, _, columns = mask.shape
+    extra = torch.zeros(rows, 1, padding, width, columns, dtype=torch.bool, device=mask.device)
+    extra[..., 0] = True
+    return torch.cat([mask.view(rows, 1, groups, width, columns), extra], dim=2).view(rows, 1, -1, columns)
+
+
 def _pad_columns(mask: torch.Tensor, tile: int, capacity: int) -> tuple[torch.Tensor, int]:
     """A mask [..., columns] widened with hidden columns to a multiple of ``tile`` (at most
     ``capacity``), and its new width."""
@@ -569,45 +599,64 @@ def _pad_columns(mask: torch.Tensor, tile: int, capacity: int) -> tuple[torch.Te
     return F.pad(mask, (0, wanted - columns), value=False), wanted
 
 
-def _token_attention(queries, mask, keys, values, first: int, groups: int, widths: list[int], scale) -> torch.Tensor:
+def _token_attention(queries, mask, keys, values, first: int, groups: int, reads: list[list[int]], scale) -> torch.Tensor:
     """Decode attention with each token of each row a call entry of its own: its ``groups``
-    query heads against its row's cached keys, read in place, up to the columns its mask has
-    (``DecodeGroup.fixed_mask``). Every call then has the same query count per entry whatever
-    the row's width or the pass's rows. A call per query index where the rows outnumber the
-    width (entry r: row r's token, over the rows that have one, from the first to the last,
-    their slots as they lie), else a call per row (entry i: its token i, the row's slot a
-    stride-0 view): min(rows, width) calls. Padding queries (past a row's own ``widths``) are
-    not computed: their output is left unset. queries [rows, kv_heads, groups * width, dim]
-    (head-major, as folded), mask [rows, 1, groups * width, columns] -> [rows, kv_heads,
-    groups * width, dim]."""
-    rows, kv_heads, _, dim = queries.shape
-    width, columns = max(widths), mask.shape[-1]
+    query heads against its row's cached keys, read in place. ``reads[row][i]``: the columns
+    token i of the row reads, which depend on its own column alone (its write column + 1,
+    to a whole ``column_tile``): CPU flash attention sums a row's columns in blocks whose
+    bounds follow the columns a call reads, hidden ones too, so a token read with a wider
+    call can round apart. Every call has the same query count per entry whatever the row's
+    width or the pass's rows.
+
+    Calls: per query index i, the rows that have a token i and read as many columns, from
+    the first to the last of them, their slots as they lie (entries between them of
+    other rows are computed and dropped); or per row, its tokens that read as many
+    columns, the row's slot a stride-0 view; whichever makes fewer calls. Padding queries
+    (past a row's own tokens) are not computed: their output is left unset. queries
+    [rows, kv_heads, groups * width, dim] (head-major, as folded), mask [rows, 1, groups *
+    width, columns] -> [rows, kv_heads, groups * width, dim]."""
+    rows, kv_heads, folded, dim = queries.shape
+    width = folded // groups
     out = torch.empty_like(queries)
-    if rows > width:
-        for query in range(width):
-            having = [row for row in range(rows) if widths[row] > query]
-            low, high = having[0], having[-1] + 1
-            out[low:high, :, query::width] = F.scaled_dot_product_attention(
-                queries[low:high, :, query::width],
-                keys[first + low : first + high, :, :columns],
-                values[first + low : first + high, :, :columns],
-                attn_mask=mask[low:high, :, query::width],
-                scale=scale,
-            )  # [high - low, kv_heads, groups, dim]
+    by_query: list[dict[int, list[int]]] = [{} for _ in range(width)]  # query -> columns read -> rows
+    for row, row_reads in enumerate(reads):
+        for query, columns in enumerate(row_reads):
+            by_query[query].setdefault(columns, []).append(row)
+    per_row = sum(len(set(row_reads)) for row_reads in reads)
+    if sum(map(len, by_query)) <= per_row:
+        for query, calls in enumerate(by_query):
+            for columns, having in calls.items():
+                low, high = having[0], having[-1] + 1
+                attended = F.scaled_dot_product_attention(
+                    queries[low:high, :, query::width],
+                    keys[first + low : first + high, :, :columns],
+                    values[first + low : first + high, :, :columns],
+                    attn_mask=mask[low:high, :, query::width, :columns],
+                    scale=scale,
+                )  # [high - low, kv_heads, groups, dim]
+                if high - low == len(having):
+                    out[low:high, :, query::width] = attended
+                else:
+                    index = torch.tensor(having, device=queries.device)
+                    out[index, :, query::width] = attended[index - low]
         return out
-    for row in range(rows):
-        count = widths[row]
-        tokens = queries[row].view(kv_heads, groups, width, dim).permute(2, 0, 1, 3)[:count]  # [count, kv_heads, groups, dim]
-        visible = mask[row].view(1, groups, width, columns).permute(2, 0, 1, 3)[:count]  # [count, 1, groups, columns]
-        slot = first + row
-        attended = F.scaled_dot_product_attention(
-            tokens,
-            keys[slot : slot + 1, :, :columns].expand(count, -1, -1, -1),
-            values[slot : slot + 1, :, :columns].expand(count, -1, -1, -1),
-            attn_mask=visible,
-            scale=scale,
-        )  # [count, kv_heads, groups, dim]
-        out[row].view(kv_heads, groups, width, dim)[:, :, :count] = attended.permute(1, 2, 0, 3)
+    for row, row_reads in enumerate(reads):
+        tokens = queries[row].view(kv_heads, groups, width, dim).permute(2, 0, 1, 3)  # [width, kv_heads, groups, dim]
+        visible = mask[row].view(1, groups, width, -1).permute(2, 0, 1, 3)  # [width, 1, groups, columns]
+        placed = out[row].view(kv_heads, groups, width, dim)
+        slot, start = first + row, 0
+        while start < len(row_reads):
+            columns = row_reads[start]
+            stop = start + row_reads[start:].count(columns)  # reads grow along the row
+            attended = F.scaled_dot_product_attention(
+                tokens[start:stop],
+                keys[slot : slot + 1, :, :columns].expand(stop - start, -1, -1, -1),
+                values[slot : slot + 1, :, :columns].expand(stop - start, -1, -1, -1),
+                attn_mask=visible[start:stop, ..., :columns],
+                scale=scale,
+            )  # [stop - start, kv_heads, groups, dim]
+            placed[:, :, start:stop] = attended.permute(1, 2, 0, 3)
+            start = stop
     return out
 
 

@@ -105,7 +105,7 @@ class Proposers:
             parents.append(new_parent)
             depths.append(depth)
         evidence = [draft.evidence[node] if node < len(draft.evidence) else None for node in nodes]
-        return MergedDraft([draft.tokens[node] for node in nodes], parents, evidence, _leading_chain(parents))
+        return MergedDraft([draft.tokens[node] for node in nodes], parents, evidence, leading_chain(parents))
 
 
 def merge(base: MergedDraft, extra: MergedDraft, tree: bool, first: bool = False) -> MergedDraft:
@@ -133,6 +133,6 @@ def merge(base: MergedDraft, extra: MergedDraft, tree: bool, first: bool = False
     return MergedDraft(tokens, parents, evidence, extra.chain if first else base.chain)
 
 
-def _leading_chain(parents: Sequence[int]) -> int:
+def leading_chain(parents: Sequence[int]) -> int:
     """Nodes before the first whose parent is not the node before it."""
     return next((node for node, parent in enumerate(parents) if parent != node - 1), len(parents))

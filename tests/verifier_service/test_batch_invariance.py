@@ -263,7 +263,7 @@ def test_a_token_alone_in_its_attention_call_is_the_token_among_others_on_the_de
     token among others. Token attention pads an entry's query heads to an even count
     (``QUERY_MULTIPLE``), as ``slot_attention`` does here, and the token comes out the
     same however many rows its call has. Random inputs never showed the difference."""
-    case = torch.load(Path(__file__).parent / "data" / "token_attention_case.pt")
+    case = torch.load(Path(__file__).parent / "fixtures" / "token_attention_case.pt")
     queries, keys, values = case["queries"], case["keys"], case["values"]  # [kv, groups, dim], [kv, 67, dim] x 2
     kv_heads, groups, dim = queries.shape
     padded = _pad_groups(queries[None], groups, 1)

@@ -188,3 +188,32 @@ def test_the_default_model_with_int4_weights_speculates_plain_decodings_tokens_w
         torch.set_num_threads(before)
     assert adaptive == plain
     assert stats.accepted_tokens > 0
+
+
+@pytest.mark.slow  # the default model
+def test_the_default_models_prompt_logits_in_the_int4_form_do_not_depend_on_how_the_prompt_is_chunked():
+    """A 231-token code-edit prompt, prefilled whole and cut four other ways: its last
+    logits are bitwise the same. With prefill tiles placed from each chunk's start (reading
+    columns to the chunk's own end), cutting it at 7 tokens rounded them apart."""
+    from bench.workloads import workloads
+    from verifier_service.core.engine import SpeculativeEngine
+    from verifier_service.core.forms import Form, in_form
+    from verifier_service.core.model_loading import chat_prompt_ids, load_model
+
+    loaded = load_model(dtype="float32")
+    engine = SpeculativeEngine(in_form(loaded.model, Form("bfloat16", "int4", 2)), loaded.tokenizer)
+    ids = chat_prompt_ids(loaded.tokenizer, next(item for item in workloads() if item.name == "code_edit").prompts[0])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    last = []
+    try:
+        for cuts in ([len(ids)], [7, len(ids) - 7], [40, 50, len(ids) - 90], [100, len(ids) - 100], [33, 31, 64, len(ids) - 128]):
+            start = 0
+            with torch.inference_mode():
+                for length in cuts:
+                    logits = engine.target.forward([], [(0, start, ids[start : start + length])], keep=[length - 1])
+                    start += length
+            last.append(logits[0].clone())
+    finally:
+        torch.set_num_threads(before)
+    assert len(ids) > 200 and all(torch.equal(logits, last[0]) for logits in last[1:])

@@ -273,20 +273,19 @@ class StepLayout:
     invariance: Invariance | None = None
     _masks: dict = field(default_factory=dict)
 
-    def tile_mask(self, segment: Segment, start: int, window: int | None, capacity: int) -> torch.Tensor:
-        """[query_tile, columns] bool: the causal mask of a prefill tile of ``segment`` from
-        its query ``start`` (padding queries repeat the last one), columns to a multiple of
-        ``column_tile``, hidden past the tile's end; built once for every layer."""
+    def tile_mask(self, tile: int, window: int | None, capacity: int) -> torch.Tensor:
+        """[query_tile, columns] bool: the causal mask of prefill tile ``tile``, positions
+        [tile * query_tile, (tile + 1) * query_tile) (slots a chunk does not fill are padding,
+        each seeing as its position would), reading the columns up to the tile's end (at
+        most ``capacity``), whichever chunk fills it; built once for every layer."""
         assert self.invariance is not None
-        key = ("tile", segment.start, start, window)
+        key = ("tile", tile, window)
         mask = self._masks.get(key)
         if mask is None:
-            device, tile = self.position_ids.device, self.invariance.query_tile
-            count = min(tile, segment.length - start)
-            first = segment.first_position + start
-            positions = first + torch.arange(tile, device=device).clamp(max=count - 1)
-            visible = _visible(positions[:, None], torch.arange(first + count, device=device), window)
-            mask = self._masks[key] = _pad_columns(visible, self.invariance.column_tile, capacity)[0]
+            device, size = self.position_ids.device, self.invariance.query_tile
+            positions = tile * size + torch.arange(size, device=device)
+            columns = min(capacity, (tile + 1) * size)
+            mask = self._masks[key] = _visible(positions[:, None].clamp(max=columns - 1), torch.arange(columns, device=device), window)
         return mask
 
     def segment_mask(self, segment: Segment, window: int | None) -> torch.Tensor | None:
@@ -661,19 +660,23 @@ def _token_attention(queries, mask, keys, values, first: int, groups: int, reads
 
 
 def _tiled_segment(query, keys, values, output, step: StepLayout, segment: Segment, window: int | None, scale, groups: int) -> None:
-    """A prefill chunk's attention in tiles of ``tile`` queries, each a call of exactly that
-    many (the last padded), reading its slot's columns up to the tile's last position under
-    an explicit causal mask: a prompt token's output does not depend on how the prompt was
-    cut into chunks."""
+    """A prefill chunk's attention in tiles of ``query_tile`` positions aligned to the
+    prompt's (tile t holds positions [t * query_tile, (t + 1) * query_tile)), each a call
+    of exactly that many queries, a position always in the same place among them, reading
+    the slot's columns up to the tile's end under an explicit causal mask: a prompt token's
+    output does not depend on how the prompt was cut into chunks. (The kernel's blocks
+    follow the columns a call reads, so reading up to a chunk's own end rounded apart.)"""
     assert step.invariance is not None
-    tile = step.invariance.query_tile
-    for start in range(0, segment.length, tile):
-        count = min(tile, segment.length - start)
-        mask = step.tile_mask(segment, start, window, keys.shape[2])
+    size = step.invariance.query_tile
+    first, stop = segment.first_position, segment.first_position + segment.length
+    for tile in range(first // size, (stop - 1) // size + 1):
+        low, high = max(first, tile * size), min(stop, (tile + 1) * size)  # the positions this chunk fills
+        mask = step.tile_mask(tile, window, keys.shape[2])
         end = mask.shape[-1]
-        tokens = query[:, :, segment.start + start : segment.start + start + count]
-        if count < tile:
-            tokens = F.pad(tokens, (0, 0, 0, tile - count))
+        packed = segment.start + low - first
+        tokens = query[:, :, packed : packed + high - low]
+        if high - low < size:
+            tokens = F.pad(tokens, (0, 0, low - tile * size, (tile + 1) * size - high))
         attended = F.scaled_dot_product_attention(
             tokens,
             keys[segment.slot : segment.slot + 1, :, :end],
@@ -681,8 +684,8 @@ def _tiled_segment(query, keys, values, output, step: StepLayout, segment: Segme
             attn_mask=mask,
             scale=scale,
             enable_gqa=groups > 1,
-        )  # [1, heads, tile, dim]
-        output[segment.start + start : segment.start + start + count] = attended[0, :, :count].transpose(0, 1)
+        )  # [1, heads, size, dim]
+        output[packed : packed + high - low] = attended[0, :, low - tile * size : high - tile * size].transpose(0, 1)
 
 
 def use_slot_attention(model: PreTrainedModel) -> None:

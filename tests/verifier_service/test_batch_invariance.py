@@ -19,7 +19,15 @@ from tests.verifier_service.test_engine_adaptive import FrozenStepCost
 from tests.verifier_service.test_trees import FLAT, NO_EOS, TreeProposer, branch_tree, wrong
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.core.invariance import Invariance, invariant_linear, library_rows_invariant, tokens_attention_invariant
-from verifier_service.core.kv_cache import _pad_columns, _pad_group_mask, _pad_groups, _pad_queries, _pad_query_mask, _token_attention
+from verifier_service.core.kv_cache import (
+    _pad_columns,
+    _pad_group_mask,
+    _pad_groups,
+    _pad_queries,
+    _pad_query_mask,
+    _token_attention,
+    plan_token_calls,
+)
 from verifier_service.core.rejection import SamplingParams
 
 VOCAB = 64
@@ -282,7 +290,7 @@ def test_a_token_alone_in_its_attention_call_is_the_token_among_others_on_the_de
                 cached_values,
                 0,
                 padded.shape[2],
-                [[columns]] * rows,
+                plan_token_calls([[columns]] * rows, torch.device("cpu")),
                 case["scale"],
             )[0, :, :groups]
             for rows in (1, 2, 3, 4)

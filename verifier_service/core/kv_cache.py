@@ -234,6 +234,20 @@ class DecodeGroup:
             mask = self._masks[key] = _pad_columns(mask, invariance.column_tile, capacity)[0]
         return mask
 
+    def token_calls(self, column_tile: int, capacity: int) -> TokenCalls:
+        """The calls token attention makes for this group (``plan_token_calls``), built once
+        for every layer: token i of a row reads its write column + 1, to a whole
+        ``column_tile`` (at most ``capacity``)."""
+        key = ("token calls", column_tile, capacity)
+        calls = self._masks.get(key)
+        if calls is None:
+            reads = [
+                [min(capacity, column + (-column) % column_tile) for column in range(cached + 1, cached + 1 + count)]
+                for cached, count in zip(self.cached_rows, self.widths)
+            ]
+            calls = self._masks[key] = plan_token_calls(reads, self.query_positions.device)
+        return calls
+
     def _tree_mask(self, window: int | None) -> torch.Tensor:
         """[rows, width, columns]: each query sees its row's cached columns and its
         ancestors' (and its own) new column; under a window, only those whose
@@ -510,11 +524,8 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
             columns = mask.shape[-1]
             if invariance.token_attention:  # each token a call entry of its own
                 padded = _pad_groups(queries, groups, width)
-                reads = [
-                    [min(cache.capacity, column + (-column) % invariance.column_tile) for column in range(cached + 1, cached + 1 + count)]
-                    for cached, count in zip(group.cached_rows, group.widths)
-                ]
-                attended = _token_attention(padded, mask, keys, values, group.first, padded.shape[2] // width, reads, scale)
+                calls = group.token_calls(invariance.column_tile, cache.capacity)
+                attended = _token_attention(padded, mask, keys, values, group.first, padded.shape[2] // width, calls, scale)
                 attended = attended.view(rows, kv_heads, -1, width, dim)[:, :, :groups].reshape(rows, heads, width, dim)
                 output[group.start : group.start + group.tokens] = attended[group.scatter_rows, :, group.scatter_queries]
                 continue
@@ -598,64 +609,86 @@ def _pad_columns(mask: torch.Tensor, tile: int, capacity: int) -> tuple[torch.Te
     return F.pad(mask, (0, wanted - columns), value=False), wanted
 
 
-def _token_attention(queries, mask, keys, values, first: int, groups: int, reads: list[list[int]], scale) -> torch.Tensor:
-    """Decode attention with each token of each row a call entry of its own: its ``groups``
-    query heads against its row's cached keys, read in place. ``reads[row][i]``: the columns
-    token i of the row reads, which depend on its own column alone (its write column + 1,
-    to a whole ``column_tile``): CPU flash attention sums a row's columns in blocks whose
-    bounds follow the columns a call reads, hidden ones too, so a token read with a wider
-    call can round apart. Every call has the same query count per entry whatever the row's
-    width or the pass's rows.
+@dataclass(frozen=True)
+class TokenCalls:
+    """The attention calls of a decode group's tokens (``plan_token_calls``). ``by_query``:
+    one per (query index, columns read), as (query, columns, first row, stop row, the rows
+    that have that token among them or None when all do, the same less the first row);
+    else one per (row, columns read), as (row, first token, stop token, columns)."""
 
-    Calls: per query index i, the rows that have a token i and read as many columns, from
-    the first to the last of them, their slots as they lie (entries between them of
-    other rows are computed and dropped); or per row, its tokens that read as many
-    columns, the row's slot a stride-0 view; whichever makes fewer calls. Padding queries
-    (past a row's own tokens) are not computed: their output is left unset. queries
-    [rows, kv_heads, groups * width, dim] (head-major, as folded), mask [rows, 1, groups *
-    width, columns] -> [rows, kv_heads, groups * width, dim]."""
-    rows, kv_heads, folded, dim = queries.shape
-    width = folded // groups
-    out = torch.empty_like(queries)
-    by_query: list[dict[int, list[int]]] = [{} for _ in range(width)]  # query -> columns read -> rows
+    by_query: bool
+    calls: list[tuple]
+
+
+def plan_token_calls(reads: list[list[int]], device: torch.device) -> TokenCalls:
+    """``reads[row][i]``: the columns token i of the row reads. Per query index i, a call over
+    the rows that have a token i and read as many columns, from the first to the last of
+    them (entries between them of other rows are computed and dropped); or per row, a call
+    over its tokens that read as many columns (reads grow along a row); whichever makes
+    fewer calls.
+
+    reads [[16, 16], [32]]: per query (query 0 reads 16 and 32 columns, query 1 16: three
+    calls) against per row (two calls) -> per row, [(0, 0, 2, 16), (1, 0, 1, 32)]."""
+    by_query: list[dict[int, list[int]]] = [{} for _ in range(max(map(len, reads), default=0))]
     for row, row_reads in enumerate(reads):
         for query, columns in enumerate(row_reads):
             by_query[query].setdefault(columns, []).append(row)
-    per_row = sum(len(set(row_reads)) for row_reads in reads)
-    if sum(map(len, by_query)) <= per_row:
-        for query, calls in enumerate(by_query):
-            for columns, having in calls.items():
-                low, high = having[0], having[-1] + 1
-                attended = F.scaled_dot_product_attention(
-                    queries[low:high, :, query::width],
-                    keys[first + low : first + high, :, :columns],
-                    values[first + low : first + high, :, :columns],
-                    attn_mask=mask[low:high, :, query::width, :columns],
-                    scale=scale,
-                )  # [high - low, kv_heads, groups, dim]
-                if high - low == len(having):
-                    out[low:high, :, query::width] = attended
-                else:
-                    index = torch.tensor(having, device=queries.device)
-                    out[index, :, query::width] = attended[index - low]
+    per_row = [
+        (row, row_reads.index(columns), row_reads.index(columns) + row_reads.count(columns), columns)
+        for row, row_reads in enumerate(reads)
+        for columns in dict.fromkeys(row_reads)
+    ]
+    if sum(map(len, by_query)) > len(per_row):
+        return TokenCalls(False, per_row)
+    calls = []
+    for query, groups in enumerate(by_query):
+        for columns, having in groups.items():
+            low, high = having[0], having[-1] + 1
+            index = None if high - low == len(having) else torch.tensor(having, device=device)
+            calls.append((query, columns, low, high, index, None if index is None else index - low))
+    return TokenCalls(True, calls)
+
+
+def _token_attention(queries, mask, keys, values, first: int, groups: int, plan: TokenCalls, scale) -> torch.Tensor:
+    """Decode attention with each token of each row a call entry of its own: its ``groups``
+    query heads against its row's cached keys, read in place, each token reading the columns
+    its own column needs (``DecodeGroup.token_calls``): CPU flash attention sums a row's
+    columns in blocks whose bounds follow the columns a call reads, hidden ones too, so a
+    token read with a wider call can round apart. Every call has the same query count per
+    entry whatever the row's width or the pass's rows: per query index over the rows' slots
+    as they lie, or per row over its slot as a stride-0 view (``plan``). Padding queries
+    (past a row's own tokens) are not computed: their output is left unset. queries [rows,
+    kv_heads, groups * width, dim] (head-major, as folded), mask [rows, 1, groups * width,
+    columns] -> [rows, kv_heads, groups * width, dim]."""
+    rows, kv_heads, folded, dim = queries.shape
+    width = folded // groups
+    out = torch.empty_like(queries)
+    if plan.by_query:
+        for query, columns, low, high, index, local in plan.calls:
+            attended = F.scaled_dot_product_attention(
+                queries[low:high, :, query::width],
+                keys[first + low : first + high, :, :columns],
+                values[first + low : first + high, :, :columns],
+                attn_mask=mask[low:high, :, query::width, :columns],
+                scale=scale,
+            )  # [high - low, kv_heads, groups, dim]
+            if index is None:
+                out[low:high, :, query::width] = attended
+            else:
+                out[index, :, query::width] = attended[local]
         return out
-    for row, row_reads in enumerate(reads):
+    for row, start, stop, columns in plan.calls:
         tokens = queries[row].view(kv_heads, groups, width, dim).permute(2, 0, 1, 3)  # [width, kv_heads, groups, dim]
         visible = mask[row].view(1, groups, width, -1).permute(2, 0, 1, 3)  # [width, 1, groups, columns]
-        placed = out[row].view(kv_heads, groups, width, dim)
-        slot, start = first + row, 0
-        while start < len(row_reads):
-            columns = row_reads[start]
-            stop = start + row_reads[start:].count(columns)  # reads grow along the row
-            attended = F.scaled_dot_product_attention(
-                tokens[start:stop],
-                keys[slot : slot + 1, :, :columns].expand(stop - start, -1, -1, -1),
-                values[slot : slot + 1, :, :columns].expand(stop - start, -1, -1, -1),
-                attn_mask=visible[start:stop, ..., :columns],
-                scale=scale,
-            )  # [stop - start, kv_heads, groups, dim]
-            placed[:, :, start:stop] = attended.permute(1, 2, 0, 3)
-            start = stop
+        slot = first + row
+        attended = F.scaled_dot_product_attention(
+            tokens[start:stop],
+            keys[slot : slot + 1, :, :columns].expand(stop - start, -1, -1, -1),
+            values[slot : slot + 1, :, :columns].expand(stop - start, -1, -1, -1),
+            attn_mask=visible[start:stop, ..., :columns],
+            scale=scale,
+        )  # [stop - start, kv_heads, groups, dim]
+        out[row].view(kv_heads, groups, width, dim)[:, :, start:stop] = attended.permute(1, 2, 0, 3)
     return out
 
 

@@ -30,8 +30,9 @@ serve: $(STAMP)
 run: $(STAMP)
 	$(PY) -m verifier_service.local_run
 
+# The slowest tests' durations close the report: where a run's time went.
 test: $(STAMP) $(TOOLS_STAMP) check-protos lint
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 
 # The edit-test loop: unit tests on the tiny model only (no processes, validators,
 # real model or slow tests), well under a minute. make test still runs everything.

@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> None:
         drafter = create_server(config)
     except DirectoryLocked as locked:
         sys.exit(f"drafter: {locked}")
+    except (OSError, RuntimeError) as error:  # a port taken, a certificate unreadable: one line, exit 1
+        sys.exit(f"drafter: cannot start: {error}")
     announce("drafter", config.host, drafter.port, drafter.metrics_port, f"db {config.db}", drafter.health_port)
     if drafter.admin_port is not None:
         print(f"drafter admin on {config.admin_host}:{drafter.admin_port} (Stats, Backup)", flush=True)

@@ -772,7 +772,7 @@ def create_server(config: DrafterConfig) -> DrafterServer:
         if config.admin_port is not None:
             admin_server, _ = serving.grpc_server(config.connections, ADMIN_WORKERS, 4 * ADMIN_WORKERS, config.max_message_bytes)
             admin_port = serving.bind(
-                admin_server, config.admin_host, config.admin_port, config.tls_cert, config.tls_key, config.tls_client_ca
+                admin_server, config.admin_host, config.admin_port, config.tls_cert, config.tls_key, config.tls_client_ca, "--admin-port"
             )
     except BaseException:
         stores.close()
@@ -794,10 +794,17 @@ def create_server(config: DrafterConfig) -> DrafterServer:
     drafter = DrafterServer(
         server, port, servicer, health_servicer, stores, writer, admin_server=admin_server, admin_port=admin_port, guard=guard
     )
-    if config.health_port is not None:
-        drafter._health_server, drafter.health_port = serving.serve_health(health_servicer, config.host, config.health_port)
-    if config.metrics_port is not None:
-        drafter._metrics_server, drafter.metrics_port = telemetry.start_metrics_server(servicer.registry, config.host, config.metrics_port)
+    try:
+        if config.health_port is not None:
+            drafter._health_server, drafter.health_port = serving.serve_health(health_servicer, config.host, config.health_port)
+        if config.metrics_port is not None:
+            metrics_server = telemetry.start_metrics_server(servicer.registry, config.host, config.metrics_port)
+            drafter._metrics_server, drafter.metrics_port = metrics_server
+    except BaseException:  # a port taken: nothing serves yet, the tables close
+        if drafter._health_server is not None:
+            drafter._health_server.stop(0)
+        stores.close()
+        raise
     writer.start()
     server.start()
     if admin_server is not None:

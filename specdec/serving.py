@@ -4,6 +4,7 @@ port, opening a channel to a peer, and reading flags' defaults from environment 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -33,11 +34,17 @@ CHANNEL_OPTIONS = [
 
 
 def bind(
-    server: grpc.Server, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None
+    server: grpc.Server,
+    host: str,
+    port: int,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    tls_client_ca: str | None = None,
+    flag: str = "--port",
 ) -> int:
     """Add the listening port (TLS when a certificate and key are given; mutual TLS,
     requiring a client certificate that ``tls_client_ca`` signed, when that is given too);
-    returns the bound port."""
+    returns the bound port. RuntimeError naming ``flag`` where the port cannot be had."""
     address = f"{host}:{port}"
     check_tls(tls_cert, tls_key, tls_client_ca, ("tls_cert", "tls_key", "tls_client_ca"), client=False)
     if tls_cert and tls_key:
@@ -46,11 +53,15 @@ def bind(
             root_certificates=Path(tls_client_ca).read_bytes() if tls_client_ca else None,
             require_client_auth=bool(tls_client_ca),
         )
-        bound = server.add_secure_port(address, credentials)
+        add = functools.partial(server.add_secure_port, credentials=credentials)
     else:
-        bound = server.add_insecure_port(address)
+        add = server.add_insecure_port
+    try:
+        bound = add(address)
+    except RuntimeError:  # grpcio raises where older releases returned 0; its own message points at its debug log
+        bound = 0
     if bound == 0:
-        raise RuntimeError(f"could not bind {address}")
+        raise RuntimeError(f"cannot listen for gRPC on {address}: in use, or not an address of this host ({flag}: 0 takes a free port)")
     return bound
 
 
@@ -337,7 +348,7 @@ def serve_health(source: health.HealthServicer, host: str, port: int) -> tuple[g
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=HEALTH_WORKERS, thread_name_prefix="health"))
     health_pb2_grpc.add_HealthServicer_to_server(source, server)
-    bound = bind(server, host, port)
+    bound = bind(server, host, port, flag="--health-port")
     server.start()
     return server, bound
 

@@ -140,5 +140,10 @@ def incoming_context(grpc_context) -> Context:
 
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> tuple[object, int]:
     """Serve ``registry`` in Prometheus text format at http://host:port/metrics; returns (server, bound port)."""
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        flag = "--metrics-port: 0 takes a free port, -1 turns metrics off"
+        raise OSError(f"cannot listen for metrics on {host}:{port}: {reason} ({flag})") from error
     return server, server.server_port

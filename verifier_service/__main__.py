@@ -30,7 +30,10 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     stopping = stop_on_signals()
     logging.info("effective config (flags, SPECDEC_VERIFIER_* variables, defaults): %s", config)
-    verifier = create_server(config)
+    try:
+        verifier = create_server(config)
+    except (OSError, RuntimeError) as error:  # a port taken, a certificate unreadable: one line, exit 1
+        sys.exit(f"verifier: cannot start: {error}")
     # Health answers NOT_SERVING from here on while the model loads.
     announce("verifier", config.host, verifier.port, verifier.metrics_port, f"model {config.model}", verifier.health_port)
     if verifier.http_port is not None:

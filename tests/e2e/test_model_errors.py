@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.processes import ServiceProcess
+
 START_TIMEOUT_S = 120
+# No port but the gRPC one (free): several start at once.
+VERIFIER_ARGS = ("--port", "0", "--metrics-port", "-1", "--http-port", "-1", "--no-calibrate")
 
 
 def broken_copies(tiny_model_dir, root):
@@ -50,29 +56,41 @@ def watch_until_gone(port: int) -> list[int]:
     return statuses
 
 
+def last_line(process: ServiceProcess) -> str:
+    process.process.wait(timeout=START_TIMEOUT_S)
+    return process.log().strip().splitlines()[-1]
+
+
 def test_each_unservable_model_ends_the_process_with_one_clear_last_line(tiny_model_dir, tmp_path):
     cases = broken_copies(tiny_model_dir, tmp_path)
-    processes = [  # all at once: each spends most of its time importing
-        subprocess.Popen(
-            [sys.executable, "-m", "verifier_service", "--port", "0", "--metrics-port", "-1", "--no-calibrate", "--model", str(model)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _, model, _ in cases
-    ]
+    processes: list[ServiceProcess] = []
     try:
+        for _, model, _ in cases:  # each started before the last is read: most of a start is importing
+            processes.append(ServiceProcess("verifier_service", *VERIFIER_ARGS, "--model", str(model)))
         for (name, model, says), process in zip(cases, processes):
-            port = int(process.stdout.readline().rsplit(":", 1)[1].split()[0])  # "verifier listening on HOST:PORT (...)"
-            statuses = watch_until_gone(port)
-            _, stderr = process.communicate(timeout=START_TIMEOUT_S)
-            assert process.returncode == 1, (name, stderr)
+            statuses = watch_until_gone(process.port)
+            last = last_line(process)
+            assert process.process.returncode == 1, (name, process.log())
             assert health_pb2.HealthCheckResponse.SERVING not in statuses, name
-            last = stderr.strip().splitlines()[-1]
             assert last.startswith(f"verifier: cannot serve --model {model}: "), (name, last)
             assert says in last, (name, last)
     finally:
         for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+            process.kill()
+
+
+@pytest.mark.parametrize("flag", ["--port", "--http-port", "--metrics-port", "--health-port"])
+def test_a_port_already_taken_ends_the_process_with_one_line_naming_its_flag(tiny_model_dir, flag):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = {**dict(zip(VERIFIER_ARGS[::2], VERIFIER_ARGS[1::2])), "--http-port": "0", flag: str(port)}
+        flags = [item for pair in args.items() for item in pair]
+        command = [sys.executable, "-m", "verifier_service", "--model", str(tiny_model_dir), *flags]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert result.returncode == 1, result.stderr
+    assert "listening on" not in result.stdout
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("verifier: cannot start: cannot listen for "), last
+    assert f"127.0.0.1:{port}" in last and f"({flag}: 0 takes a free port" in last, last

@@ -1263,9 +1263,11 @@ class HttpServer:
         try:
             self.socket.bind(address)
             self.socket.listen(2048)  # connections queue from now on, before uvicorn's loop accepts them
-        except OSError:
+        except OSError as error:
             self.socket.close()
-            raise
+            reason = error.strerror or str(error)
+            flag = "--http-port: 0 takes a free port, -1 turns HTTP off"
+            raise OSError(f"cannot listen for HTTP on {host}:{port}: {reason} ({flag})") from error
         self.port = self.socket.getsockname()[1]
         protocol = type("LimitedH11", (_LimitedH11,), {"limits": limits})
         config = uvicorn.Config(

@@ -361,18 +361,23 @@ def create_server(config: VerifierConfig) -> VerifierServer:
     port = serving.bind(server, config.host, config.port, config.tls_cert, config.tls_key, config.tls_client_ca)
     server.start()
     verifier = VerifierServer(server, port, service, health_servicer, guard=guard)
-    metrics.watch("auxiliary_streams_refused", "Reflection and health Watch streams refused for want of a slot", lambda: guard.refused)
-    metrics.watch("auxiliary_streams_ended_idle", "Reflection and health Watch streams ended for silence", lambda: guard.ended_idle)
-    if config.health_port is not None:
-        verifier._health_server, verifier.health_port = serving.serve_health(health_servicer, config.host, config.health_port)
-    if config.metrics_port is not None:
-        verifier._metrics_server, verifier.metrics_port = telemetry.start_metrics_server(metrics.registry, config.host, config.metrics_port)
-    if config.http_port >= 0:
-        names = config.served_names()
-        api = OpenAIApi(service, names[0], names[1:])
-        limits = HttpLimits(config.max_http_connections, config.http_header_timeout_s, config.http_body_timeout_s)
-        verifier.http = HttpServer(api.app, config.host, config.http_port, limits, http_tls(config), config.grace_s)
-        verifier.http.start()
+    try:  # a port taken or refused: the gRPC port, already serving, is let go with the rest
+        metrics.watch("auxiliary_streams_refused", "Reflection and health Watch streams refused for want of a slot", lambda: guard.refused)
+        metrics.watch("auxiliary_streams_ended_idle", "Reflection and health Watch streams ended for silence", lambda: guard.ended_idle)
+        if config.health_port is not None:
+            verifier._health_server, verifier.health_port = serving.serve_health(health_servicer, config.host, config.health_port)
+        if config.metrics_port is not None:
+            metrics_server = telemetry.start_metrics_server(metrics.registry, config.host, config.metrics_port)
+            verifier._metrics_server, verifier.metrics_port = metrics_server
+        if config.http_port >= 0:
+            names = config.served_names()
+            api = OpenAIApi(service, names[0], names[1:])
+            limits = HttpLimits(config.max_http_connections, config.http_header_timeout_s, config.http_body_timeout_s)
+            verifier.http = HttpServer(api.app, config.host, config.http_port, limits, http_tls(config), config.grace_s)
+            verifier.http.start()
+    except BaseException:
+        verifier.stop(0)
+        raise
     if service.keys.required:
         log.info("API keys required (%d configured) on /v1 and gRPC Generate/GenerateStream", len(service.keys))
     else:

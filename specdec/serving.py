@@ -53,7 +53,7 @@ def bind(
             root_certificates=Path(tls_client_ca).read_bytes() if tls_client_ca else None,
             require_client_auth=bool(tls_client_ca),
         )
-        add = functools.partial(server.add_secure_port, credentials=credentials)
+        add = functools.partial(server.add_secure_port, server_credentials=credentials)
     else:
         add = server.add_insecure_port
     try:

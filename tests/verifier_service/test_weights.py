@@ -91,8 +91,25 @@ def test_int4_layers_run_rows_as_they_come_where_the_probe_finds_them_invariant(
         engine.target.forward([(0, [5])], [], [0])  # one decode row: not padded to two
         assert set(calls) == {1}
         calls.clear()
-        engine.target.forward([(0, [5, 6])], [(1, 0, list(range(2, 12)))], [0])  # decode and prefill rows: one call
-        assert set(calls) == {12}
+        engine.target.forward([(0, [5, 6, 7])], [(1, 0, list(range(2, 12)))], [0])  # the decode rows: one call
+        assert set(calls) == {3}
+
+
+def test_int4_layers_run_prompt_chunks_on_their_bfloat16_copy_and_decode_rows_on_the_kernel(tiny_tokenizer, monkeypatch):
+    engine = engine_for(int4_model(), tiny_tokenizer)
+    layer = next(module for module in engine.model.modules() if isinstance(module, Int4Linear))
+    kernel: list[int] = []
+    dense: list[int] = []
+    rows, prefill_rows = Int4Linear.rows, Int4Linear.prefill_rows
+    monkeypatch.setattr(Int4Linear, "rows", lambda self, flat: kernel.append(flat.shape[0]) or rows(self, flat))
+    monkeypatch.setattr(Int4Linear, "prefill_rows", lambda self, flat: dense.append(flat.shape[0]) or prefill_rows(self, flat))
+    with torch.inference_mode():
+        engine.target.forward([(0, [5, 6])], [(1, 0, list(range(2, 12)))], [0])
+    assert kernel and set(kernel) == {2}
+    assert dense and set(dense) == {10}
+    # The copy holds the weight the kernel computes with, rounded to bfloat16.
+    probe = torch.randn(3, layer.in_features).to(torch.bfloat16)
+    assert torch.allclose(layer.prefill_rows(probe).float(), layer.rows(probe).float(), rtol=0.02, atol=0.02)
 
 
 class LoneRowDiffers(nn.Module):

@@ -157,10 +157,10 @@ def library_rows_invariant(model: nn.Module, rows: tuple[int, ...] = PROBED_ROWS
         layers.append((f"{out_features} x {in_features} in {dtype}", in_features, dtype, device, partial(F.linear, weight=weight)))
     for module in {(module.out_features, module.in_features): module for module in other_layers(model)}.values():
         out_features, in_features = int(module.out_features), int(module.in_features)  # type: ignore[arg-type]
-        compute = cast(Rows, module.rows)
-        layers.append(
-            (f"{type(module).__name__} {out_features} x {in_features}", in_features, torch.bfloat16, torch.device("cpu"), compute)
-        )
+        for kind in ("rows", "prefill_rows"):  # its decode rows' computation, and its prefill rows' where it has one
+            if hasattr(module, kind):
+                name = f"{type(module).__name__} {out_features} x {in_features} ({kind})"
+                layers.append((name, in_features, torch.bfloat16, torch.device("cpu"), cast(Rows, getattr(module, kind))))
     checked = sorted({0, 1, *(count - 1 for count in rows)})  # first rows, and each call's last
     for name, in_features, dtype, device, compute in layers:
         inputs = torch.randn(max(rows), in_features, generator=generator).to(dtype=dtype, device=device)

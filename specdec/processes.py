@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +34,8 @@ LISTENING_LINE = re.compile(r"listening on [\d.]+:(\d+)")
 STARTUP_TIMEOUT_S = 120
 HEALTH_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60  # SIGTERM, then SIGKILL after this long
+STACKS_WAIT_S = 1.0  # after SIGUSR1, for a stuck service to print its threads' stacks
+LOG_TAIL_CHARS = 20_000  # of a stuck service's log, in the error: its stacks and what led there
 
 
 def free_port() -> int:
@@ -143,23 +146,28 @@ class ServiceProcess:
         self._close()
 
     def terminate(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
-        """SIGTERM and wait for the exit code; SIGKILL (and raise) if it does not exit in time."""
+        """SIGTERM and wait for the exit code. If it does not exit in time: SIGUSR1 (a
+        service prints every thread's stack), SIGKILL, and a RuntimeError with its log."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
+                self.process.send_signal(signal.SIGUSR1)
+                time.sleep(STACKS_WAIT_S)
                 self.kill()
-                raise
+                log = self.log()[-LOG_TAIL_CHARS:]
+                raise RuntimeError(f"{self.command} did not exit within {timeout_s} s of SIGTERM; the end of its log:\n{log}") from None
         self._close()
         return self.process.returncode
 
     def stop(self) -> None:
-        """Make sure the process is gone, however the caller ended."""
+        """Make sure the process is gone, however the caller ended. One that outlived its
+        SIGTERM is killed, and a warning carries its log (with its threads' stacks)."""
         try:
             self.terminate()
-        except subprocess.TimeoutExpired:
-            pass
+        except RuntimeError as error:
+            warnings.warn(str(error), RuntimeWarning, stacklevel=2)
         finally:
             if self.process.poll() is None:
                 self.kill()

@@ -4,6 +4,7 @@ port, opening a channel to a peer, and reading flags' defaults from environment 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import logging
 import os
@@ -396,8 +397,9 @@ def parse_service_config(
 
 
 def stop_on_signals() -> threading.Event:
-    """Logging set up, and an event that SIGTERM or SIGINT sets. Call it before
-    announcing the port: a supervisor may signal as soon as it reads it."""
+    """Logging set up, and an event that SIGTERM or SIGINT sets; SIGUSR1 prints every
+    thread's stack. Call it before announcing the port: a supervisor may signal as soon
+    as it reads it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stopping = threading.Event()
 
@@ -407,6 +409,8 @@ def stop_on_signals() -> threading.Event:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # kill -USR1 prints every thread's stack to stderr and goes on: what a stuck process is doing.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     return stopping
 
 

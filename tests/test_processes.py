@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import os
+import signal
+import sys
 import threading
 
 import grpc
+import pytest
 
 from specdec import serving
 from specdec.limits import ConnectionLimits
@@ -39,3 +44,32 @@ def test_waiting_for_serving_watches_again_when_the_service_cuts_a_silent_watch(
         waiting.channel.close()
         guard.stop()
         server.stop(0).wait()
+
+
+STUCK_SERVICE = """
+import signal, time
+from specdec.serving import stop_on_signals
+stop_on_signals()
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a service stuck in its shutdown, as far as its supervisor sees
+print("stuck listening on 127.0.0.1:1 (never stops)", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_service_that_outlives_its_sigterm_is_killed_and_its_threads_stacks_reported(tmp_path):
+    (tmp_path / "stuck_service.py").write_text(STUCK_SERVICE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    process = ServiceProcess("stuck_service", env=env)
+    try:
+        with pytest.raises(RuntimeError, match="did not exit within 1 s of SIGTERM") as raised:
+            process.terminate(timeout_s=1)
+        assert process.process.returncode == -signal.SIGKILL
+        assert "(most recent call first)" in str(raised.value) and "stuck_service.py" in str(raised.value)  # SIGUSR1's stacks
+    finally:
+        process.kill()
+    process = ServiceProcess("stuck_service", env=env)
+    with pytest.warns(RuntimeWarning, match="did not exit"):
+        process.terminate = functools.partial(ServiceProcess.terminate, process, timeout_s=1)  # type: ignore[method-assign]
+        process.stop()
+    assert process.process.returncode == -signal.SIGKILL

@@ -15,7 +15,8 @@ Over every next-token position of every text it reports
   absolute value, which does not let positions of opposite sign cancel.
 
 The forms are computed by a plain transformers forward in their dtype and weights; the
-service's batch-invariant passes round differently in detail, at the same precision. The
+service's batch-invariant passes round differently in detail, at the same precision (with
+int4 weights they read prompts through a bfloat16 copy of the weights, ``core/weights``). The
 default model's weights come from a 4-bit GGUF, so its float32 already holds the integers
 the int4 form keeps (``verifier_service.core.weights``): int4 moves it little further than
 bfloat16 does.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ import pytest
 from drafter_service.__main__ import parse_config
 from drafter_service.config import DrafterConfig
 from specdec.flags import flags
+from tests.taken_ports import start_on_a_taken_port
 
 SETTINGS = {  # flag -> (config field path, a value other than its default)
     "--max-sessions": ("max_sessions", 5),
@@ -105,15 +105,6 @@ def test_the_offline_check_imports_neither_grpc_nor_the_server():
 
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port", "--health-port", "--admin-port"])
 def test_a_port_already_taken_ends_the_drafter_with_one_line_naming_its_flag(flag, tmp_path):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        args = {"--port": "0", "--metrics-port": "-1", "--db": str(tmp_path / "db"), flag: str(port)}
-        command = [sys.executable, "-m", "drafter_service", *(item for pair in args.items() for item in pair)]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1, result.stderr
-    assert "listening on" not in result.stdout
-    last = result.stderr.strip().splitlines()[-1]
+    last, port = start_on_a_taken_port("drafter_service", {"--port": "0", "--metrics-port": "-1", "--db": str(tmp_path / "db")}, flag)
     assert last.startswith("drafter: cannot start: cannot listen for "), last
     assert f"127.0.0.1:{port}" in last and f"({flag}: 0 takes a free port" in last, last

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
-import sys
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.processes import ServiceProcess
+from tests.taken_ports import start_on_a_taken_port
 
 START_TIMEOUT_S = 120
 # No port but the gRPC one (free): several start at once.
@@ -81,16 +79,7 @@ def test_each_unservable_model_ends_the_process_with_one_clear_last_line(tiny_mo
 
 @pytest.mark.parametrize("flag", ["--port", "--http-port", "--metrics-port", "--health-port"])
 def test_a_port_already_taken_ends_the_process_with_one_line_naming_its_flag(tiny_model_dir, flag):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        args = {**dict(zip(VERIFIER_ARGS[::2], VERIFIER_ARGS[1::2])), "--http-port": "0", flag: str(port)}
-        flags = [item for pair in args.items() for item in pair]
-        command = [sys.executable, "-m", "verifier_service", "--model", str(tiny_model_dir), *flags]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=START_TIMEOUT_S)
-    assert result.returncode == 1, result.stderr
-    assert "listening on" not in result.stdout
-    last = result.stderr.strip().splitlines()[-1]
+    flags = {**dict(zip(VERIFIER_ARGS[::2], VERIFIER_ARGS[1::2])), "--http-port": "0", "--model": str(tiny_model_dir)}
+    last, port = start_on_a_taken_port("verifier_service", flags, flag, START_TIMEOUT_S)
     assert last.startswith("verifier: cannot start: cannot listen for "), last
     assert f"127.0.0.1:{port}" in last and f"({flag}: 0 takes a free port" in last, last

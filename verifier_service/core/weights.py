@@ -17,8 +17,8 @@ kernel does not take (inputs a multiple of 32, outputs of 16).
 
 The kernel is fast for a few rows and slow for many (it unpacks the weight again for every
 four), so in the engine's batch-invariant passes prompt chunks run on a bfloat16 copy of
-each weight instead (``Int4Linear``): twice bfloat16's weight bytes again in memory (212 MB
-for the default model), for prompts read 1.5-1.9 times as fast at 256 tokens.
+each weight instead (``Int4Linear``): bfloat16's weight bytes beside the int4 ones in memory
+(212 MB for the default model), for prompts read 1.5-1.9 times as fast at 256 tokens.
 """
 
 from __future__ import annotations

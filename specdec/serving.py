@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec.flags import add_flags, from_args, warn_unknown_variables
 from specdec.limits import ConnectionLimits
-from specdec.settings import check_tls
+from specdec.settings import cannot_listen, check_tls
 
 # Both services cap messages alike: a long prompt plus its output as uint32
 # ids is well under 1 MB; 8 MB leaves room and still bounds a hostile client.
@@ -62,7 +62,7 @@ def bind(
     except RuntimeError:  # grpcio raises where older releases returned 0; its own message points at its debug log
         bound = 0
     if bound == 0:
-        raise RuntimeError(f"cannot listen for gRPC on {address}: in use, or not an address of this host ({flag}: 0 takes a free port)")
+        raise RuntimeError(cannot_listen("gRPC", address, "in use, or not an address of this host", flag))
     return bound
 
 

@@ -17,6 +17,13 @@ def metrics_port_setting(default: int) -> Any:
     return setting(default, minimum=0, off=-1, group="server", help="Prometheus /metrics port (0: a free one; -1 or none: off)")
 
 
+def cannot_listen(protocol: str, address: str, reason: str, flag: str, off: str | None = None) -> str:
+    """The line a service stops with when one of its ports cannot be had: which, why, and
+    the flag that moves it (``off``: what turns that port off, where something does)."""
+    advice = f"{flag}: 0 takes a free port" + (f", {off}" if off else "")
+    return f"cannot listen for {protocol} on {address}: {reason} ({advice})"
+
+
 def health_port_setting() -> Any:
     return setting(
         None,

@@ -33,6 +33,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from prometheus_client import CollectorRegistry, start_http_server
 
+from specdec.settings import cannot_listen
+
 log = logging.getLogger(__name__)
 
 # Shutdown never waits longer than this for the collector: a SIGTERM'd
@@ -144,6 +146,5 @@ def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> t
         server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as error:
         reason = error.strerror or str(error)
-        flag = "--metrics-port: 0 takes a free port, -1 turns metrics off"
-        raise OSError(f"cannot listen for metrics on {host}:{port}: {reason} ({flag})") from error
+        raise OSError(cannot_listen("metrics", f"{host}:{port}", reason, "--metrics-port", "-1 turns metrics off")) from error
     return server, server.server_port

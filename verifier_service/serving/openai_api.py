@@ -97,6 +97,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specdec.serving import CERTIFICATE_CALLER, bearer
+from specdec.settings import cannot_listen
 from verifier_service.core.errors import InvalidRequest
 from verifier_service.core.generation import FINISH_LENGTH, GenerationRequest
 from verifier_service.core.model_loading import chat_ids
@@ -1266,8 +1267,7 @@ class HttpServer:
         except OSError as error:
             self.socket.close()
             reason = error.strerror or str(error)
-            flag = "--http-port: 0 takes a free port, -1 turns HTTP off"
-            raise OSError(f"cannot listen for HTTP on {host}:{port}: {reason} ({flag})") from error
+            raise OSError(cannot_listen("HTTP", f"{host}:{port}", reason, "--http-port", "-1 turns HTTP off")) from error
         self.port = self.socket.getsockname()[1]
         protocol = type("LimitedH11", (_LimitedH11,), {"limits": limits})
         config = uvicorn.Config(

@@ -30,26 +30,26 @@ IN_PREFILL, IN_DECODE = 15, 23  # inside the victim's prompt; past it, at its 4t
 
 
 class FaultAtPosition:
-    """Makes the model's forward raise whenever a pass carries ``position`` (like a kernel
+    """Makes the engine's model raise whenever a pass carries ``position`` (like a kernel
     fault tied to one sequence's data). Restores the model on exit."""
 
-    def __init__(self, model, position: int) -> None:
-        self.model, self.position, self.strikes = model, position, 0
+    def __init__(self, engine: SpeculativeEngine, position: int) -> None:
+        self.target, self.position, self.strikes = engine.target, position, 0
 
     def __enter__(self):
-        real = self.model.forward
+        real = self.target.run
 
-        def forward(*args, **kwargs):
-            if (kwargs["position_ids"] == self.position).any():
+        def run(input_ids, layout, kept):
+            if (layout.position_ids == self.position).any():
                 self.strikes += 1
                 raise RuntimeError(f"simulated fault at position {self.position}")
-            return real(*args, **kwargs)
+            return real(input_ids, layout, kept)
 
-        self.model.forward = forward
+        self.target.run = run
         return self
 
     def __exit__(self, *exc):
-        del self.model.forward  # the instance attribute; the class's forward shows again
+        del self.target.run  # the instance attribute; the class's method shows again
 
 
 def make_engine(model, tokenizer, drafter=None, seconds_per_token: float = 0.1) -> SpeculativeEngine:
@@ -79,7 +79,7 @@ def run(engine, requests):
 def test_a_forward_fault_in_one_sequence_fails_only_that_sequence(tiny_model, tiny_tokenizer, position):
     engine = make_engine(tiny_model, tiny_tokenizer)
     victim = GenerationRequest(VICTIM_PROMPT, 10, num_speculative_tokens=4)
-    with FaultAtPosition(tiny_model, position) as fault:
+    with FaultAtPosition(engine, position) as fault:
         outcomes = run(engine, [victim, *OTHERS])
     assert fault.strikes >= 2  # the packed pass, then the victim's own
     (streamed, error), *others = outcomes
@@ -151,7 +151,7 @@ def test_the_scheduler_fails_only_the_faulting_request(tiny_model, tiny_tokenize
     scheduler = Scheduler(engine, SchedulerConfig(max_queued=8))
     scheduler.start()
     try:
-        with FaultAtPosition(tiny_model, IN_DECODE):
+        with FaultAtPosition(engine, IN_DECODE):
             victim = scheduler.submit(GenerationRequest(VICTIM_PROMPT, 10, num_speculative_tokens=4))
             others = [scheduler.submit(request) for request in OTHERS]
             with pytest.raises(RuntimeError, match=f"^simulated fault at position {IN_DECODE}$"):

@@ -20,8 +20,9 @@ import torch
 from transformers import PreTrainedModel
 
 from verifier_service.core.invariance import Invariance, invariant_pass
-from verifier_service.core.kv_cache import STEP_KWARG, SlotKVCache, plan_step, use_slot_attention
+from verifier_service.core.kv_cache import STEP_KWARG, SlotKVCache, StepLayout, plan_step, use_slot_attention
 from verifier_service.core.linear_kernels import engaged
+from verifier_service.core.llama_pass import LlamaPass
 from verifier_service.core.step import PrefillChunk, Row, kept_chunk_positions
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class PackedModel:
         # Fixed shapes for every pass, so that a token's logits do not depend on its
         # batch-mates (``invariance``); None: each pass as its kernels find fastest.
         self.invariance: Invariance | None = None
+        # The model's forward in one function where it is a Llama (``llama_pass``), else transformers'.
+        self.lean = LlamaPass.of(model, cache.capacity)
 
     def capture_features(self) -> None:
         """Keep every pass's features from now on (``Scored.features``)."""
@@ -187,20 +190,28 @@ class PackedModel:
         for slot in range(len(counts)):
             self.cache.ensure_finite(slot, columns)
         layout = plan_step(self.cache, counts, placed, self.device, trees, invariance=invariance)
-        extra = {"logits_to_keep": torch.tensor(keep, dtype=torch.long, device=self.device)} if self.keeps_logits else {}
+        kept = torch.tensor(keep, dtype=torch.long, device=self.device) if self.keeps_logits else None
         decode_tokens = sum(count for _, count in counts)
         with engaged(), invariant_pass(invariance, decode_tokens) if invariance else contextlib.nullcontext():
-            output = self.model(
-                input_ids=torch.tensor([input_ids], device=self.device),
-                position_ids=layout.position_ids,
-                attention_mask=_NO_MASK,
-                use_cache=False,
-                **{STEP_KWARG: layout},
-                **extra,
-            )
+            logits = self.run(torch.tensor([input_ids], device=self.device), layout, kept)
         for slot, (cached, count) in enumerate(counts):
             self.cache.wrote(slot, cached + count)
         for slot, first, length in placed:
             self.cache.wrote(slot, first + length)
-        logits = output.logits[0]  # [kept (or every token), vocab]
         return logits if self.keeps_logits else logits[keep]
+
+    def run(self, input_ids: torch.Tensor, layout: StepLayout, kept: torch.Tensor | None) -> torch.Tensor:
+        """The model over ``input_ids`` [1, tokens] laid out by ``layout``: logits [kept (or
+        every token), vocab]. ``llama_pass`` where it takes the model, else transformers' forward."""
+        if self.lean is not None:
+            return self.lean(input_ids, layout, kept)
+        extra = {} if kept is None else {"logits_to_keep": kept}
+        output = self.model(
+            input_ids=input_ids,
+            position_ids=layout.position_ids,
+            attention_mask=_NO_MASK,
+            use_cache=False,
+            **{STEP_KWARG: layout},
+            **extra,
+        )
+        return output.logits[0]

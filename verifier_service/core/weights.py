@@ -23,16 +23,31 @@ each weight instead (``Int4Linear``): bfloat16's weight bytes beside the int4 on
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Sequence
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from verifier_service.core.invariance import current_pass, invariant_rows
+from verifier_service.core.invariance import PROBED_ROWS, current_pass, invariant_rows
+
+log = logging.getLogger(__name__)
 
 GROUP = 32  # inputs per scale and zero
 LEVELS = 15  # the largest integer of 4 bits
 OUTPUTS_MULTIPLE = 16  # the kernel packs outputs in blocks of this many
+
+
+def _no_kernel(*args: object) -> torch.Tensor:
+    raise RuntimeError("this torch build has no int4 CPU kernel (aten._weight_int4pack_mm_for_cpu)")
+
+
+# The kernel's overload, looked up once: a lookup per call costs a tenth of a small layer's product.
+_KERNEL = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+_int4_mm: Callable[..., torch.Tensor] = _KERNEL.default if _KERNEL is not None else _no_kernel
 
 
 class Int4Linear(nn.Module):
@@ -51,6 +66,9 @@ class Int4Linear(nn.Module):
     # A row comes out the same at any row count, alone included, so a batch-invariant pass
     # calls it as it comes: set by the start-up probe (``invariance.lone_row_invariant``).
     any_rows = False
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    dense: torch.Tensor
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -62,12 +80,13 @@ class Int4Linear(nn.Module):
         self.bias: torch.Tensor | None = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
         # The weight the kernel computes with, rounded to bfloat16, for prompt chunks.
         dense = rebuilt(integers, scales.to(torch.bfloat16), zeros.to(torch.bfloat16)).to(torch.bfloat16)
-        self.dense: torch.Tensor
         self.register_buffer("dense", dense, persistent=False)
 
     def rows(self, flat: torch.Tensor) -> torch.Tensor:
         """[rows, in_features] -> [rows, out_features], in bfloat16, by the int4 kernel."""
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(torch.bfloat16).contiguous(), self.packed, GROUP, self.scales_and_zeros)
+        if flat.dtype != torch.bfloat16:
+            flat = flat.to(torch.bfloat16)
+        out = _int4_mm(flat.contiguous(), self.packed, GROUP, self.scales_and_zeros)
         return out if self.bias is None else out + self.bias
 
     def prefill_rows(self, flat: torch.Tensor) -> torch.Tensor:
@@ -77,8 +96,8 @@ class Int4Linear(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, self.in_features)
         invariant = current_pass()
-        if invariant is None:  # outside the engine's passes (transformers' generate): the kernel throughout
-            out = self.rows(flat)
+        if invariant is None or (self.any_rows and invariant[1] >= flat.shape[0]):
+            out = self.rows(flat)  # outside the engine's passes, or decode rows only that need no fixed shape
         else:
             invariance, decode = invariant
             decode = min(decode, flat.shape[0])
@@ -93,6 +112,73 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
+
+
+class JoinedInt4Linear(Int4Linear):
+    """Int4 layers that read the same input computed as one (``join``): their outputs side
+    by side, from one kernel call instead of one each. The parts' weights become views of
+    the joined ones, so joining costs no memory."""
+
+    def __init__(self, parts: Sequence[Int4Linear]) -> None:
+        nn.Module.__init__(self)  # not Int4Linear's: the parts' integers as they are, not quantized again
+        self.in_features, self.out_features = parts[0].in_features, sum(part.out_features for part in parts)
+        self.splits = [part.out_features for part in parts]
+        self.parts = list(parts)  # a list, not submodules: the model holds them
+        self.register_buffer("packed", torch.cat([part.packed for part in parts]))
+        self.register_buffer("scales_and_zeros", torch.cat([part.scales_and_zeros for part in parts], dim=1))
+        biases = [part.bias for part in parts]
+        self.bias = None if biases[0] is None else torch.cat(cast(list[torch.Tensor], biases))
+        self.register_buffer("dense", torch.cat([part.dense for part in parts]), persistent=False)
+
+    @property  # type: ignore[override]
+    def any_rows(self) -> bool:  # set on the parts by the start-up probe
+        return all(part.any_rows for part in self.parts)
+
+    def share(self) -> None:
+        """Make the parts' integers and bfloat16 copies views of the joined ones."""
+        start = 0
+        for part in self.parts:
+            stop = start + part.out_features
+            part.packed, part.dense = self.packed[start:stop], self.dense[start:stop]
+            start = stop
+
+
+def join(parts: Sequence[nn.Module]) -> JoinedInt4Linear | None:
+    """``parts`` (linear layers of one input) as one ``JoinedInt4Linear``, or None unless they
+    are all ``Int4Linear`` with biases alike and the joined layer computes each part's
+    outputs bitwise as the part does, for both its computations at every row count a pass
+    may give it (``invariance.PROBED_ROWS``; checked once for each set of sizes)."""
+    if len(parts) < 2 or any(type(part) is not Int4Linear for part in parts):
+        return None
+    layers = cast(list[Int4Linear], list(parts))
+    if len({layer.in_features for layer in layers}) > 1 or len({layer.bias is None for layer in layers}) > 1:
+        return None
+    joined = JoinedInt4Linear(layers)
+    key = (joined.in_features, tuple(joined.splits), layers[0].bias is None, torch.get_num_threads())
+    if key not in _joins_exact:
+        _joins_exact[key] = _computes_as_parts(joined)
+        if not _joins_exact[key]:
+            log.info("int4 layers of %s outputs are computed apart: joined, they round differently", joined.splits)
+    if not _joins_exact[key]:
+        return None
+    joined.share()
+    return joined
+
+
+_joins_exact: dict[tuple, bool] = {}
+
+
+@torch.inference_mode()
+def _computes_as_parts(joined: JoinedInt4Linear) -> bool:
+    generator = torch.Generator().manual_seed(3)
+    inputs = torch.randn(max(PROBED_ROWS), joined.in_features, generator=generator).to(torch.bfloat16)
+    for count in (1, 2, *PROBED_ROWS):
+        rows = inputs[:count]
+        for kind in ("rows", "prefill_rows"):
+            apart = torch.cat([getattr(part, kind)(rows) for part in joined.parts], dim=-1)
+            if not torch.equal(getattr(joined, kind)(rows), apart):
+                return False
+    return True
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -399,6 +399,16 @@ def test_free_and_batch_invariant_passes_keep_separate_calibrations(tiny_model, 
     for mode in ("off", "on"):
         engine = SpeculativeEngine(tiny_model, tiny_tokenizer, None, EngineConfig(batch_invariant=mode), step_cost=StepCostModel({1: 1.0}))
         keys[mode] = calibration.calibration_key(engine)
-    assert keys["off"]["passes"] == "free shapes" and keys["on"]["passes"].startswith("batch-invariant: ")
+    assert keys["off"]["passes"] == "free shapes; computed by llama_pass" and keys["on"]["passes"].startswith("batch-invariant: ")
     differing = {name for name in keys["off"] if keys["off"][name] != keys["on"][name]}
     assert "passes" in differing and differing <= {"passes", "cache_reads"}  # per-token reads go with per-token attention
+
+
+def test_passes_computed_by_transformers_keep_a_calibration_of_their_own(tiny_model, tiny_tokenizer):
+    """The Llama pass costs less than transformers' modules do, in other proportions."""
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, None, EngineConfig(), step_cost=StepCostModel({1: 1.0}))
+    lean = calibration.calibration_key(engine)
+    engine.target.lean = None
+    modules = calibration.calibration_key(engine)
+    assert lean["passes"].endswith("computed by llama_pass") and modules["passes"].endswith("computed by transformers")
+    assert {name for name in lean if lean[name] != modules[name]} == {"passes"}

@@ -129,6 +129,9 @@ def test_a_stored_choice_under_another_key_or_unreadable_is_measured_again(monke
     other = EngineConfig(max_batch_size=2)  # other passes timed: another key, another file
     choose_form(build(torch.float32), tiny_tokenizer, FOUR, other, tmp_path)
     assert len(list(tmp_path.glob("form-*.json"))) == 2
+    monkeypatch.setattr(forms, "forward_name", lambda model: "transformers")  # passes computed otherwise: another key
+    assert not choose_form(build(torch.float32), tiny_tokenizer, FOUR, CONFIG, tmp_path).stored
+    assert len(list(tmp_path.glob("form-*.json"))) == 3
 
 
 def test_a_bfloat16_form_whose_passes_would_not_be_invariant_is_left_out(monkeypatch, tiny_tokenizer):

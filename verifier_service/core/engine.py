@@ -170,9 +170,11 @@ class SpeculativeEngine:
 
     @property
     def passes(self) -> str:
-        """How every pass is shaped: fixed shapes (``invariance``) or as each pass's kernels find fastest."""
+        """How every pass is shaped (fixed shapes, ``invariance``, or as each pass's kernels find
+        fastest) and what computes it (``llama_pass`` or transformers' modules)."""
         invariance = self.target.invariance
-        return f"batch-invariant: {invariance.describe()}" if invariance else "free shapes"
+        shapes = f"batch-invariant: {invariance.describe()}" if invariance else "free shapes"
+        return f"{shapes}; computed by {'llama_pass' if self.target.lean is not None else 'transformers'}"
 
     @property
     def reads_per_token(self) -> bool:

@@ -37,6 +37,7 @@ from verifier_service.core.calibration import StepCostModel, cpu_name, time_pass
 from verifier_service.core.engine import SpeculativeEngine
 from verifier_service.core.engine_config import EngineConfig
 from verifier_service.core.keyed_file import KeyedFile
+from verifier_service.core.llama_pass import forward_name
 from verifier_service.core.model_loading import LoadedModel, has_fast_bfloat16, load_model
 from verifier_service.core.weights import int4_supported, use_int4_weights
 
@@ -248,6 +249,7 @@ def form_key(model: PreTrainedModel, forms: list[Form], config: EngineConfig) ->
         "candidates": [asdict(form) for form in forms],
         "shapes": pass_shapes(config),
         "batch_invariant": config.batch_invariant,
+        "forward": forward_name(model),
     }
     return json.loads(json.dumps(key))  # as it reads back from a file: tuples as lists
 

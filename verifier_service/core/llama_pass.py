@@ -16,6 +16,8 @@ through transformers (``PackedModel``).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from transformers import LlamaForCausalLM
@@ -53,18 +55,7 @@ class LlamaPass:
 
     @classmethod
     def of(cls, model: nn.Module, capacity: int) -> LlamaPass | None:
-        if type(model) is not LlamaForCausalLM:
-            return None
-        inner = model.model
-        if getattr(inner.rotary_emb, "rope_type", None) not in STATIC_ROPE:
-            return None
-        for layer in inner.layers:
-            parts = (layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
-            if tuple(map(type, parts)) != (LlamaDecoderLayer, LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRMSNorm):
-                return None
-        if type(inner.norm) is not LlamaRMSNorm:
-            return None
-        return cls(model, capacity)
+        return cls(cast(LlamaForCausalLM, model), capacity) if takes(model) else None
 
     def __call__(self, input_ids: torch.Tensor, layout: StepLayout, keep: torch.Tensor | None) -> torch.Tensor:
         """Logits [kept (or every token), vocab] of ``input_ids`` [1, tokens] laid out by ``layout``."""
@@ -85,6 +76,26 @@ class LlamaPass:
         if keep is not None:
             hidden = hidden[:, keep]
         return self.head(hidden)[0]
+
+
+def takes(model: nn.Module) -> bool:
+    """Whether ``LlamaPass`` computes ``model``: a ``LlamaForCausalLM`` of transformers' own
+    layers with a static rotary embedding."""
+    if type(model) is not LlamaForCausalLM:
+        return False
+    inner = model.model
+    if getattr(inner.rotary_emb, "rope_type", None) not in STATIC_ROPE or type(inner.norm) is not LlamaRMSNorm:
+        return False
+    expected = (LlamaDecoderLayer, LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRMSNorm)
+    return all(
+        tuple(map(type, (layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm))) == expected
+        for layer in inner.layers
+    )
+
+
+def forward_name(model: nn.Module) -> str:
+    """What computes ``model``'s packed passes, for the keys of stored measurements: their costs depend on it."""
+    return "llama_pass" if takes(model) else "transformers"
 
 
 def _rms_norm(norm: LlamaRMSNorm, hidden: torch.Tensor) -> torch.Tensor:

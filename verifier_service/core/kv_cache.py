@@ -514,8 +514,11 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
     output = query.new_empty(step.tokens, heads, dim)
     for group in step.groups:
         rows, width = group.rows, group.width
-        queries = query[0][:, group.gather]  # [heads, rows, width, dim]
-        queries = queries.permute(1, 0, 2, 3).reshape(rows, kv_heads, groups * width, dim)
+        if width == 1:  # a token a row: the rows' tokens lie packed in row order
+            queries = query[0, :, group.start : group.start + rows].transpose(0, 1).reshape(rows, kv_heads, groups, dim)
+        else:
+            queries = query[0][:, group.gather]  # [heads, rows, width, dim]
+            queries = queries.permute(1, 0, 2, 3).reshape(rows, kv_heads, groups * width, dim)
         stop = group.first + rows
         mask, columns = group.mask(groups, window), group.columns
         invariance = step.invariance
@@ -526,8 +529,12 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
                 padded = _pad_groups(queries, groups, width)
                 calls = group.token_calls(invariance.column_tile, cache.capacity)
                 attended = _token_attention(padded, mask, keys, values, group.first, padded.shape[2] // width, calls, scale)
-                attended = attended.view(rows, kv_heads, -1, width, dim)[:, :, :groups].reshape(rows, heads, width, dim)
-                output[group.start : group.start + group.tokens] = attended[group.scatter_rows, :, group.scatter_queries]
+                attended = attended.view(rows, kv_heads, -1, width, dim)[:, :, :groups]
+                if width == 1:
+                    output[group.start : group.start + rows].view(rows, kv_heads, groups, dim).copy_(attended[..., 0, :])
+                else:
+                    attended = attended.reshape(rows, heads, width, dim)
+                    output[group.start : group.start + group.tokens] = attended[group.scatter_rows, :, group.scatter_queries]
                 continue
             queries = _pad_queries(queries, invariance.query_tile)
         attended = F.scaled_dot_product_attention(

@@ -119,10 +119,15 @@ def _attention(
     shape = (*hidden.shape[:-1], -1, attention.head_dim)
     if qkv is None:
         projected = attention.q_proj(hidden), attention.k_proj(hidden), attention.v_proj(hidden)
-    else:
-        projected = qkv(hidden).split(qkv.splits, dim=-1)
-    query, key, value = (part.view(shape).transpose(1, 2) for part in projected)
-    query = (query * cos) + (_rotate_half(query) * sin)
-    key = (key * cos) + (_rotate_half(key) * sin)
+        query, key, value = (part.view(shape).transpose(1, 2) for part in projected)
+        query = (query * cos) + (_rotate_half(query) * sin)
+        key = (key * cos) + (_rotate_half(key) * sin)
+    else:  # the query and key heads side by side, turned in one go: the same products, element by element
+        heads = qkv(hidden).view(shape)  # [1, tokens, query + key + value heads, head_dim]
+        queries, keys = qkv.splits[0] // attention.head_dim, qkv.splits[1] // attention.head_dim
+        turned = heads[:, :, : queries + keys]
+        turned = (turned * cos.transpose(1, 2)) + (_rotate_half(turned) * sin.transpose(1, 2))
+        query, key = turned[:, :, :queries].transpose(1, 2), turned[:, :, queries:].transpose(1, 2)
+        value = heads[:, :, queries + keys :].transpose(1, 2)
     output, _ = slot_attention(attention, query, key, value, None, dropout=0.0, scaling=attention.scaling, **step)
     return attention.o_proj(output.reshape(*hidden.shape[:-1], -1).contiguous())

@@ -12,7 +12,7 @@ import sys
 from drafter_service.config import DrafterConfig
 from drafter_service.server import create_server
 from drafter_service.storage import DirectoryLocked
-from specdec.serving import announce, parse_service_config, stop_on_signals
+from specdec.serving import announce, parse_service_config, stop_on_signals, wait_for_stop
 
 ENV_PREFIX = "SPECDEC_DRAFTER_"
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     announce("drafter", config.host, drafter.port, drafter.metrics_port, f"db {config.db}", drafter.health_port)
     if drafter.admin_port is not None:
         print(f"drafter admin on {config.admin_host}:{drafter.admin_port} (Stats, Backup)", flush=True)
-    stopping.wait()
+    wait_for_stop(stopping)
     drafter.stop()
     logging.info("stopped cleanly")
     sys.exit(0)

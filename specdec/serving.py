@@ -414,6 +414,19 @@ def stop_on_signals() -> threading.Event:
     return stopping
 
 
+# How often a service's main thread wakes while it waits for SIGTERM or SIGINT. The kernel may
+# hand a signal sent to the process to any of its threads; Python's handler then runs only when
+# the main thread next runs bytecode, which a wait without a timeout never lets it do, so such a
+# service slept through its SIGTERM.
+SIGNAL_POLL_S = 0.5
+
+
+def wait_for_stop(stopping: threading.Event) -> None:
+    """Return once ``stopping`` (``stop_on_signals``) is set, on the main thread, in short waits."""
+    while not stopping.wait(SIGNAL_POLL_S):
+        pass
+
+
 def announce(name: str, host: str, port: int, metrics_port: int | None, detail: str, health_port: int | None = None) -> None:
     """The lines supervisors and tests read: the gRPC port first, then the metrics and health ports."""
     print(f"{name} listening on {host}:{port} ({detail})", flush=True)

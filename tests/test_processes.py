@@ -1,10 +1,12 @@
-"""specdec.processes: waiting for a service to serve outlives the service cutting a silent health Watch."""
+"""specdec.processes: waiting for a service to serve outlives the service cutting a silent health Watch;
+a service that outlives its SIGTERM is killed with its stacks shown; a SIGTERM any thread takes stops it."""
 
 from __future__ import annotations
 
 import functools
 import os
 import signal
+import subprocess
 import sys
 import threading
 
@@ -73,3 +75,29 @@ def test_a_service_that_outlives_its_sigterm_is_killed_and_its_threads_stacks_re
         process.terminate = functools.partial(ServiceProcess.terminate, process, timeout_s=1)  # type: ignore[method-assign]
         process.stop()
     assert process.process.returncode == -signal.SIGKILL
+
+
+# A service's main thread waiting for SIGTERM while another thread takes the signal (the
+# kernel may hand a signal sent to a process to any of its threads).
+SIGNALLED_ELSEWHERE = """
+import signal, threading, time
+from specdec.serving import stop_on_signals, wait_for_stop
+
+stopping = stop_on_signals()
+
+def take_the_signal():
+    time.sleep(0.2)
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # this thread, not the main one
+    time.sleep(120)
+
+threading.Thread(target=take_the_signal, daemon=True).start()
+wait_for_stop(stopping)
+print("stopped", flush=True)
+"""
+
+
+def test_a_service_stops_on_a_sigterm_that_another_of_its_threads_took():
+    """With a plain ``Event.wait()`` the main thread slept on until some later signal reached it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    finished = subprocess.run([sys.executable, "-c", SIGNALLED_ELSEWHERE], env=env, capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 0 and finished.stdout == "stopped\n", finished.stderr

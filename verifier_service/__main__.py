@@ -11,7 +11,7 @@ import logging
 import sys
 import threading
 
-from specdec.serving import announce, parse_service_config, stop_on_signals
+from specdec.serving import announce, parse_service_config, stop_on_signals, wait_for_stop
 from verifier_service.serving.config import VerifierConfig
 from verifier_service.serving.server import create_server
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
             stopping.set()
 
     threading.Thread(target=load, name="verifier-load", daemon=True).start()
-    stopping.wait()
+    wait_for_stop(stopping)
     drained = verifier.stop()
     if failures:  # the last line, for whoever reads a failed start: exit 1
         reason = " ".join(str(failures[0]).split()) or type(failures[0]).__name__

@@ -22,6 +22,7 @@ from verifier_service.core.rejection import (
     accept_sampled,
     accept_tree_greedy,
     accept_tree_sampled,
+    greedy_choices,
     position_generator,
     rejection_sample,
     warp_probs,
@@ -139,6 +140,20 @@ def test_accept_greedy_needs_one_choice_past_the_draft():
 
 
 # --- warp_probs ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_choices_are_argmax_on_ties_and_nan(dtype):
+    """The first of equal maxima, as argmax and transformers' greedy search take it; a NaN first."""
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(33, 4096, generator=generator) * 0.3).round().to(dtype)  # few values: many ties
+    logits[5] = 1.0  # a row of nothing but ties
+    logits[7, [900, 3000]] = float("nan")
+    logits[9, [4095, 17]] = 100.0  # the later index first in memory order of assignment
+    choices = greedy_choices(logits)
+    assert choices == logits.argmax(dim=-1).tolist()
+    assert choices[5] == 0 and choices[7] == 900 and choices[9] == 17
+    assert greedy_choices(logits[:1]) == [logits[0].argmax().item()]
 
 
 def test_warp_probs_temperature_is_softmax_of_scaled_logits():

@@ -11,7 +11,14 @@ from collections.abc import Sequence
 import torch
 
 from verifier_service.core.processing import Prefixes, chain_paths, shape_logits, tree_paths
-from verifier_service.core.rejection import accept_greedy, accept_sampled, accept_tree_greedy, accept_tree_sampled, warp_probs
+from verifier_service.core.rejection import (
+    accept_greedy,
+    accept_sampled,
+    accept_tree_greedy,
+    accept_tree_sampled,
+    greedy_choices,
+    warp_probs,
+)
 from verifier_service.core.step import Row, SequenceState
 
 
@@ -19,7 +26,7 @@ def pass_choices(rows: Sequence[Row], logits: torch.Tensor) -> list[int]:
     """The argmax of every position of the pass, in one call, when some row decides greedily
     from unshaped logits (else nothing: no row reads it)."""
     plain = any(row.sequence.request.sampling.greedy and not row.sequence.request.sampling.shapes_logits for row in rows)
-    return logits.argmax(dim=-1).tolist() if plain else []
+    return greedy_choices(logits) if plain else []
 
 
 def decide(row: Row, logits: torch.Tensor, choices: list[int], eos_token_ids: frozenset[int]) -> tuple[list[int], int]:
@@ -28,7 +35,7 @@ def decide(row: Row, logits: torch.Tensor, choices: list[int], eos_token_ids: fr
     draft, sampling = row.draft[: row.verify], row.sequence.request.sampling
     if sampling.shapes_logits:
         logits = shape(row, logits, eos_token_ids)
-        choices = logits.argmax(dim=-1).tolist() if sampling.greedy else []
+        choices = greedy_choices(logits) if sampling.greedy else []
     if not sampling.greedy:
         return sample(row, logits)
     if row.tree:
@@ -61,5 +68,5 @@ def first_token(sequence: SequenceState, logits: torch.Tensor, eos_token_ids: fr
     sampling = sequence.request.sampling
     logits = shape_logits(logits, sampling, Prefixes(sequence.request.prompt_ids, [], [[]], sequence.history), eos_token_ids)
     if sampling.greedy:
-        return int(logits[0].argmax())
+        return greedy_choices(logits)[0]
     return accept_sampled(warp_probs(logits, sampling), [], sequence.seed, first_position=len(sequence.generated))[1]

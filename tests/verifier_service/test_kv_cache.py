@@ -6,12 +6,14 @@ expected cache contents can be written out.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from verifier_service.core.invariance import Invariance
 from verifier_service.core.kv_cache import STEP_KWARG, SlotKVCache, _visible, partition_rows, plan_step, slot_attention
 
 CPU = torch.device("cpu")
@@ -228,3 +230,42 @@ def test_split_decode_groups_attend_exactly_as_one_padded_call():
         output, _ = slot_attention(attention_module(), query, new_keys, 2 * new_keys, None, **{STEP_KWARG: layout})
         outputs.append(output)
     torch.testing.assert_close(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize(
+    "invariance", [None, Invariance(token_attention=False), Invariance(token_attention=True)], ids=["free", "query tiles", "token calls"]
+)
+def test_groups_of_equal_widths_read_and_write_their_tokens_as_gathering_them_would(invariance):
+    """Rows all as wide as their group lie as [rows, width] in the packed order: reshaping
+    them gives the bits that gathering and scattering them by index gives."""
+    torch.manual_seed(4)
+    heads, kv_heads, dim = 6, 2, 8
+    rows = [(40, 3), (17, 3), (60, 3)]
+    new_keys, query = torch.randn(1, kv_heads, 9, dim), torch.randn(1, heads, 9, dim)
+    outputs = []
+    for uniform in (True, False):
+        cache = SlotKVCache(slots=3, capacity=80)
+        keys, values = cache.layer(0, torch.zeros(1, kv_heads, 1, dim))
+        torch.manual_seed(5)
+        keys.copy_(torch.randn_like(keys)), values.copy_(torch.randn_like(values))
+        layout = plan_step(cache, rows, [], CPU, split=False, invariance=invariance)
+        assert [group.uniform for group in layout.groups] == [True]
+        layout.groups[:] = [dataclasses.replace(group, uniform=uniform) for group in layout.groups]
+        output, _ = slot_attention(attention_module(), query, new_keys, 2 * new_keys, None, **{STEP_KWARG: layout})
+        outputs.append(output)
+    assert torch.equal(outputs[0], outputs[1])
+    # and each row is its own attention
+    start = 0
+    for slot, (cached, width) in enumerate(rows):
+        row_keys = torch.cat([keys[slot, :, :cached].transpose(0, 1), new_keys[0, :, start : start + width].transpose(0, 1)])
+        row_values = torch.cat([values[slot, :, :cached].transpose(0, 1), 2 * new_keys[0, :, start : start + width].transpose(0, 1)])
+        expected = reference_attention(
+            query[0, :, start : start + width].transpose(0, 1), row_keys.repeat_interleave(3, dim=1), row_values.repeat_interleave(3, dim=1)
+        )
+        torch.testing.assert_close(outputs[0][0, start : start + width], expected)
+        start += width
+
+
+def test_a_group_with_a_narrower_row_is_not_uniform():
+    layout = plan_step(SlotKVCache(2, 8), [(3, 2), (5, 1)], [], CPU, split=False)
+    assert [(group.width, group.uniform) for group in layout.groups] == [(2, False)]

@@ -205,6 +205,9 @@ class DecodeGroup:
     # sees query j's column (j is i or an ancestor), and each row's cached length [rows].
     ancestors: torch.Tensor | None = None
     cached: torch.Tensor | None = None
+    # Every row as wide as ``width``: its tokens lie as [rows, width] in the packed order, so
+    # reshapes take the place of ``gather`` and the scatter.
+    uniform: bool = False
     _masks: dict = field(default_factory=dict)
 
     def mask(self, groups: int, window: int | None) -> torch.Tensor:
@@ -474,6 +477,7 @@ def _decode_group(decode_rows, parents_of, positions: list[int], starts: list[in
         cached_rows=[length for length, _ in counts],
         ancestors=ancestors,
         cached=cached,
+        uniform=all(count == width for _, count in counts),
     )
 
 
@@ -517,7 +521,10 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
         if width == 1:  # a token a row: the rows' tokens lie packed in row order
             queries = query[0, :, group.start : group.start + rows].transpose(0, 1).reshape(rows, kv_heads, groups, dim)
         else:
-            queries = query[0][:, group.gather]  # [heads, rows, width, dim]
+            if group.uniform:
+                queries = query[0, :, group.start : group.start + group.tokens].reshape(heads, rows, width, dim)
+            else:
+                queries = query[0][:, group.gather]  # [heads, rows, width, dim]
             queries = queries.permute(1, 0, 2, 3).reshape(rows, kv_heads, groups * width, dim)
         stop = group.first + rows
         mask, columns = group.mask(groups, window), group.columns
@@ -533,8 +540,7 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
                 if width == 1:
                     output[group.start : group.start + rows].view(rows, kv_heads, groups, dim).copy_(attended[..., 0, :])
                 else:
-                    attended = attended.reshape(rows, heads, width, dim)
-                    output[group.start : group.start + group.tokens] = attended[group.scatter_rows, :, group.scatter_queries]
+                    _scatter(output, group, attended.reshape(rows, heads, width, dim))
                 continue
             queries = _pad_queries(queries, invariance.query_tile)
         attended = F.scaled_dot_product_attention(
@@ -544,8 +550,7 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
             attn_mask=mask,
             scale=scale,
         )[:, :, : groups * width]  # [rows, kv_heads, groups * width, dim]
-        attended = attended.reshape(rows, heads, width, dim)
-        output[group.start : group.start + group.tokens] = attended[group.scatter_rows, :, group.scatter_queries]
+        _scatter(output, group, attended.reshape(rows, heads, width, dim))
     for segment in step.segments:
         if step.invariance is not None:
             _tiled_segment(query, keys, values, output, step, segment, window, scale, groups)
@@ -563,6 +568,16 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
         )  # [1, heads, length, dim]
         output[segment.start : segment.start + segment.length] = attended[0].transpose(0, 1)
     return output[None], None
+
+
+def _scatter(output: torch.Tensor, group: DecodeGroup, attended: torch.Tensor) -> None:
+    """A group's attention [rows, heads, width, dim] into ``output`` [tokens, heads, dim] at
+    its packed tokens (a padding query's dropped)."""
+    if group.uniform:
+        rows, heads, width, dim = attended.shape
+        output[group.start : group.start + group.tokens].view(rows, width, heads, dim).copy_(attended.transpose(1, 2))
+    else:
+        output[group.start : group.start + group.tokens] = attended[group.scatter_rows, :, group.scatter_queries]
 
 
 def _pad_queries(queries: torch.Tensor, tile: int) -> torch.Tensor:

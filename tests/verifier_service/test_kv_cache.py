@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from verifier_service.core.invariance import Invariance
-from verifier_service.core.kv_cache import STEP_KWARG, SlotKVCache, _visible, partition_rows, plan_step, slot_attention
+from verifier_service.core.kv_cache import STEP_KWARG, SlotKVCache, _token_attention, _visible, partition_rows, plan_step, slot_attention
 
 CPU = torch.device("cpu")
 
@@ -269,3 +269,26 @@ def test_groups_of_equal_widths_read_and_write_their_tokens_as_gathering_them_wo
 def test_a_group_with_a_narrower_row_is_not_uniform():
     layout = plan_step(SlotKVCache(2, 8), [(3, 2), (5, 1)], [], CPU, split=False)
     assert [(group.width, group.uniform) for group in layout.groups] == [(2, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_token_attention_with_the_additive_mask_is_bitwise_the_bool_masks(dtype):
+    """The mask built once a step as the kernel adds it gives every token the bits that
+    attention's own conversion of the bool mask gives in each call."""
+    torch.manual_seed(6)
+    kv_heads, dim = 2, 16
+    rows = [(40, 1), (17, 1), (100, 1), (63, 1)]
+    invariance = Invariance(token_attention=True)
+    cache = SlotKVCache(slots=4, capacity=256)
+    keys, values = cache.layer(0, torch.zeros(1, kv_heads, 1, dim, dtype=dtype))
+    keys.copy_(torch.randn_like(keys)), values.copy_(torch.randn_like(values))
+    layout = plan_step(cache, rows, [], CPU, invariance=invariance)
+    [group] = layout.groups
+    queries = torch.randn(4, kv_heads, 4, dim, dtype=dtype)  # 3 query heads a key head, padded to 4
+    visible = group.fixed_mask(3, None, invariance, 256)
+    additive = group.additive_mask(3, None, invariance, 256, dtype)
+    assert additive.dtype == dtype and torch.equal(additive == 0, visible)
+    calls = group.token_calls(invariance.column_tile, 256)
+    with_bool = _token_attention(queries, visible, keys, values, 0, 4, calls, None)
+    with_additive = _token_attention(queries, additive, keys, values, 0, 4, calls, None)
+    assert torch.equal(with_bool, with_additive)

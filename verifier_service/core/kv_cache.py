@@ -237,6 +237,17 @@ class DecodeGroup:
             mask = self._masks[key] = _pad_columns(mask, invariance.column_tile, capacity)[0]
         return mask
 
+    def additive_mask(self, groups: int, window: int | None, invariance: Invariance, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+        """``fixed_mask`` as the kernel adds it to the scores (0 where a query attends, -inf
+        elsewhere), in ``dtype``, built once for every layer: what attention makes of a bool
+        mask in each call, the same bits."""
+        key = ("additive", groups, window, invariance, capacity, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            visible = self.fixed_mask(groups, window, invariance, capacity)
+            mask = self._masks[key] = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+        return mask
+
     def token_calls(self, column_tile: int, capacity: int) -> TokenCalls:
         """The calls token attention makes for this group (``plan_token_calls``), built once
         for every layer: token i of a row reads its write column + 1, to a whole
@@ -533,6 +544,7 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
             mask = group.fixed_mask(groups, window, invariance, cache.capacity)
             columns = mask.shape[-1]
             if invariance.token_attention:  # each token a call entry of its own
+                mask = group.additive_mask(groups, window, invariance, cache.capacity, query.dtype)
                 padded = _pad_groups(queries, groups, width)
                 calls = group.token_calls(invariance.column_tile, cache.capacity)
                 attended = _token_attention(padded, mask, keys, values, group.first, padded.shape[2] // width, calls, scale)
@@ -680,7 +692,8 @@ def _token_attention(queries, mask, keys, values, first: int, groups: int, plan:
     entry whatever the row's width or the pass's rows: per query index over the rows' slots
     as they lie, or per row over its slot as a stride-0 view (``plan``). Padding queries
     (past a row's own tokens) are not computed: their output is left unset. queries [rows,
-    kv_heads, groups * width, dim] (head-major, as folded), mask [rows, 1, groups * width,
+    kv_heads, groups * width, dim] (head-major, as folded), mask (bool, or added to the
+    scores: ``DecodeGroup.additive_mask``) [rows, 1, groups * width,
     columns] -> [rows, kv_heads, groups * width, dim]."""
     rows, kv_heads, folded, dim = queries.shape
     width = folded // groups

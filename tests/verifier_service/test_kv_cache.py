@@ -210,6 +210,15 @@ def test_slot_attention_refuses_soft_capping():
         slot_attention(attention_module(), x, x, x, None, softcap=30.0, **{STEP_KWARG: layout})
 
 
+def random_cache(slots: int, capacity: int, kv_heads: int, dim: int, seed: int, dtype: torch.dtype = torch.float32):
+    """A one-layer cache of random keys and values in every column: (cache, keys, values)."""
+    cache = SlotKVCache(slots=slots, capacity=capacity)
+    keys, values = cache.layer(0, torch.zeros(1, kv_heads, 1, dim, dtype=dtype))
+    generator = torch.Generator().manual_seed(seed)
+    keys.copy_(torch.randn(keys.shape, generator=generator)), values.copy_(torch.randn(values.shape, generator=generator))
+    return cache, keys, values
+
+
 def test_split_decode_groups_attend_exactly_as_one_padded_call():
     """Rows of different lengths and widths, a tree among them: cut into several calls
     (the CPU's default here) or attended in one padded call, every token's output is the same."""
@@ -221,10 +230,7 @@ def test_split_decode_groups_attend_exactly_as_one_padded_call():
     query = torch.randn(1, heads, 13, dim)
     outputs = []
     for split in (True, False):
-        cache = SlotKVCache(slots=4, capacity=320)
-        keys, values = cache.layer(0, torch.zeros(1, kv_heads, 1, dim))
-        torch.manual_seed(3)
-        keys.copy_(torch.randn_like(keys)), values.copy_(torch.randn_like(values))
+        cache, _, _ = random_cache(4, 320, kv_heads, dim, seed=3)
         layout = plan_step(cache, rows, [], CPU, trees, split=split)
         assert len(layout.groups) == (3 if split else 1)
         output, _ = slot_attention(attention_module(), query, new_keys, 2 * new_keys, None, **{STEP_KWARG: layout})
@@ -244,10 +250,7 @@ def test_groups_of_equal_widths_read_and_write_their_tokens_as_gathering_them_wo
     new_keys, query = torch.randn(1, kv_heads, 9, dim), torch.randn(1, heads, 9, dim)
     outputs = []
     for uniform in (True, False):
-        cache = SlotKVCache(slots=3, capacity=80)
-        keys, values = cache.layer(0, torch.zeros(1, kv_heads, 1, dim))
-        torch.manual_seed(5)
-        keys.copy_(torch.randn_like(keys)), values.copy_(torch.randn_like(values))
+        cache, keys, values = random_cache(3, 80, kv_heads, dim, seed=5)
         layout = plan_step(cache, rows, [], CPU, split=False, invariance=invariance)
         assert [group.uniform for group in layout.groups] == [True]
         layout.groups[:] = [dataclasses.replace(group, uniform=uniform) for group in layout.groups]
@@ -279,9 +282,7 @@ def test_token_attention_with_the_additive_mask_is_bitwise_the_bool_masks(dtype)
     kv_heads, dim = 2, 16
     rows = [(40, 1), (17, 1), (100, 1), (63, 1)]
     invariance = Invariance(token_attention=True)
-    cache = SlotKVCache(slots=4, capacity=256)
-    keys, values = cache.layer(0, torch.zeros(1, kv_heads, 1, dim, dtype=dtype))
-    keys.copy_(torch.randn_like(keys)), values.copy_(torch.randn_like(values))
+    cache, keys, values = random_cache(4, 256, kv_heads, dim, seed=7, dtype=dtype)
     layout = plan_step(cache, rows, [], CPU, invariance=invariance)
     [group] = layout.groups
     queries = torch.randn(4, kv_heads, 4, dim, dtype=dtype)  # 3 query heads a key head, padded to 4

@@ -6,7 +6,6 @@ expected cache contents can be written out.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -253,7 +252,8 @@ def test_groups_of_equal_widths_read_and_write_their_tokens_as_gathering_them_wo
         cache, keys, values = random_cache(3, 80, kv_heads, dim, seed=5)
         layout = plan_step(cache, rows, [], CPU, split=False, invariance=invariance)
         assert [group.uniform for group in layout.groups] == [True]
-        layout.groups[:] = [dataclasses.replace(group, uniform=uniform) for group in layout.groups]
+        for group in layout.groups:
+            group.uniform = uniform  # False: the gather and scatter every group can take
         output, _ = slot_attention(attention_module(), query, new_keys, 2 * new_keys, None, **{STEP_KWARG: layout})
         outputs.append(output)
     assert torch.equal(outputs[0], outputs[1])

@@ -149,7 +149,7 @@ def test_greedy_choices_are_argmax_on_ties_and_nan(dtype):
     logits = (torch.randn(33, 4096, generator=generator) * 0.3).round().to(dtype)  # few values: many ties
     logits[5] = 1.0  # a row of nothing but ties
     logits[7, [900, 3000]] = float("nan")
-    logits[9, [4095, 17]] = 100.0  # the later index first in memory order of assignment
+    logits[9, [4095, 17]] = 100.0  # two equal maxima: the lower index is the choice
     choices = greedy_choices(logits)
     assert choices == logits.argmax(dim=-1).tolist()
     assert choices[5] == 0 and choices[7] == 900 and choices[9] == 17

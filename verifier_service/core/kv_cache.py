@@ -205,10 +205,13 @@ class DecodeGroup:
     # sees query j's column (j is i or an ancestor), and each row's cached length [rows].
     ancestors: torch.Tensor | None = None
     cached: torch.Tensor | None = None
-    # Every row as wide as ``width``: its tokens lie as [rows, width] in the packed order, so
-    # reshapes take the place of ``gather`` and the scatter.
-    uniform: bool = False
+    # Every row as wide as ``width`` (from ``widths``): its tokens lie as [rows, width] in the
+    # packed order, so reshapes take the place of ``gather`` and the scatter.
+    uniform: bool = field(init=False)
     _masks: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.uniform = all(count == self.width for count in self.widths)
 
     def mask(self, groups: int, window: int | None) -> torch.Tensor:
         """[rows, 1, groups * width, columns] bool, True = attend; one per (groups, window)."""
@@ -488,7 +491,6 @@ def _decode_group(decode_rows, parents_of, positions: list[int], starts: list[in
         cached_rows=[length for length, _ in counts],
         ancestors=ancestors,
         cached=cached,
-        uniform=all(count == width for _, count in counts),
     )
 
 

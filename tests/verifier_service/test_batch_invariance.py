@@ -17,8 +17,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.verifier_service.test_engine_adaptive import FrozenStepCost
 from tests.verifier_service.test_trees import FLAT, NO_EOS, TreeProposer, branch_tree, wrong
+from verifier_service.core import invariance as invariance_module
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.core.invariance import Invariance, invariant_linear, library_rows_invariant, tokens_attention_invariant
+from verifier_service.core.invariance import Invariance, invariant_linear, library_row_limit, tokens_attention_invariant
 from verifier_service.core.kv_cache import (
     _pad_columns,
     _pad_group_mask,
@@ -180,11 +181,58 @@ def test_the_linear_layers_tiles_give_each_row_what_a_call_of_its_own_tile_gives
     assert torch.equal(lone[0, 0], torch.nn.functional.linear(hidden[0, [0, 0]], weight, bias)[0])
 
 
-def test_the_probe_catches_a_library_whose_rows_depend_on_their_count(monkeypatch):
-    assert isinstance(library_rows_invariant(torch.nn.Linear(8, 8), rows=(3, 4)), bool)  # this machine's library decides
+def switching_at(rows: int, original=torch.nn.functional.linear):
+    """F.linear as a library computes it that switches kernels past ``rows`` rows a call (as
+    oneDNN does at 33 on a CPU with AMX): its rows then come out a rounding apart."""
+    return lambda x, weight, bias=None: original(x, weight, bias) + (x.reshape(-1, x.shape[-1]).shape[0] > rows) * 1e-2
+
+
+def row_by_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear layer whose rows never depend on the call: each summed on its own."""
+    out = (x.unsqueeze(-2).double() * weight.double()).sum(-1)
+    return (out if bias is None else out + bias.double()).to(x.dtype)
+
+
+def test_the_probe_finds_how_many_rows_a_call_may_have(monkeypatch):
+    limit = library_row_limit(torch.nn.Linear(8, 8), most_rows=100)  # this machine's library decides
+    assert 2 <= limit <= 100
+    monkeypatch.setattr(torch.nn.functional, "linear", row_by_row)
+    assert library_row_limit(torch.nn.Linear(8, 8), most_rows=100) == 100
+    monkeypatch.setattr(torch.nn.functional, "linear", switching_at(2, row_by_row))
+    assert library_row_limit(torch.nn.Linear(8, 8), most_rows=100) == 2
+    monkeypatch.setattr(torch.nn.functional, "linear", switching_at(32, row_by_row))
+    assert library_row_limit(torch.nn.Linear(8, 8), most_rows=100) == 32
+    monkeypatch.setattr(torch.nn.functional, "linear", switching_at(80, row_by_row))  # past the counts probed one by one
+    assert library_row_limit(torch.nn.Linear(8, 8), most_rows=100) == invariance_module.DENSE_ROWS
+
+
+def test_calls_of_limited_rows_give_each_row_what_a_call_of_its_own_part_gives(monkeypatch):
+    torch.manual_seed(0)
+    weight, hidden = torch.randn(48, 32), torch.randn(1, 21, 32)
+    calls: list[int] = []
     original = torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, weight, bias=None: original(x, weight, bias) + (x.shape[0] > 2) * 1e-3)
-    assert not library_rows_invariant(torch.nn.Linear(8, 8), rows=(3,))
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or original(x, w, b))
+    out = invariant_linear(hidden, weight, None, Invariance(linear_tile=0, linear_rows=4), decode=9)
+    assert calls == [4, 4, 2, 4, 4, 4]  # decode rows 4, 4 and a lone one as two; prefill rows 4 at a time
+    parts = [hidden[0, :4], hidden[0, 4:8], hidden[0, [8, 8]], *(hidden[0, start : start + 4] for start in range(9, 21, 4))]
+    assert torch.equal(out[0], torch.cat([original(part, weight) for part in parts])[torch.arange(22) != 9])
+
+
+def test_a_library_that_switches_kernels_past_some_rows_keeps_a_tokens_logits(tiny_tokenizer, monkeypatch):
+    """A pass of more rows than the library keeps invariant (here 56 decode rows and a prompt
+    chunk of 40 tokens) computes each token as a pass of its own does."""
+    monkeypatch.setattr(invariance_module, "_probed", {})
+    monkeypatch.setattr(torch.nn.functional, "linear", switching_at(32))
+    engine = engine_for(build(torch.bfloat16), tiny_tokenizer)
+    assert engine.target.invariance is not None and engine.target.invariance.linear_rows == 32
+    texts = prompts(ROWS)
+    filled(engine, texts)
+    keep = list(range(1 + 3 * (ROWS - 1)))
+    with torch.inference_mode():
+        alone = engine.target.forward([(len(texts[0]), [5])], [], [0])[0].clone()
+        others = [(len(text), [10 + index, 3, 4]) for index, text in enumerate(texts[1:])]
+        beside = engine.target.forward([(len(texts[0]), [5]), *others], [(ROWS, 0, list(range(2, 42)))], keep)[0]
+    assert torch.equal(alone, beside)
 
 
 def test_padding_queries_and_columns_hides_what_was_added():

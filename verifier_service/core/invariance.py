@@ -8,8 +8,9 @@ bfloat16 to flip a greedy choice, and so to make speculative output differ from 
 Measured on a CPU (torch's oneDNN and MKL kernels):
 
 * a GEMM's row depends on how many rows the call has (float32 at every count; bfloat16
-  only between one row and more), but not on the other rows' values or on its own place
-  among them, when the count is fixed;
+  only between one row and more, or, on a CPU with AMX, from 33 rows on, where oneDNN
+  switches to a kernel whose rows also depend on their place among the others), but not
+  on the other rows' values or on its own place among them, when the count is fixed;
 * scaled-dot-product attention's output for a query depends on how many queries the call
   has (its kernel cuts them into blocks of 32) and on whether the columns it reads end in
   a whole 16-wide vector; not on hidden columns past that, nor on the other batch entries
@@ -21,8 +22,8 @@ batch size, a batch-invariant pass fixes the shapes (``Invariance``):
 
 * linear layers run the decode rows in tiles of ``linear_tile`` rows, and the prefill
   rows in tiles of ``prefill_tile`` (padding the last), or, where a start-up probe finds
-  the library's GEMM invariant from two rows on (``library_rows_invariant``), as one call
-  with a lone row padded to two;
+  the library's GEMM invariant from two rows on (``library_row_limit``), in calls of as
+  many rows as it keeps so (all of them, or ``linear_rows``), a lone row padded to two;
 * decode attention gives each token a call entry of its own, where a start-up probe finds
   that invariant (``token_attention``: the same query count in every call, whatever the
   row's width), else pads each row's queries to a multiple of ``query_tile``; either way
@@ -74,25 +75,33 @@ QUERY_MULTIPLE = 2
 # the weights once per 64 prompt tokens keeps their cost near a single call's.
 DECODE_LINEAR_TILE = 8
 PREFILL_LINEAR_TILE = 64
-# Row counts the start-up probe compares against two rows.
+# Row counts the start-up probes compare against two rows.
 PROBED_ROWS = (3, 4, 5, 7, 8, 9, 13, 16, 17, 31, 33, 64, 100, 256)
+# The library's GEMM is probed at every row count up to this many (a kernel may change at
+# any count: oneDNN's on an AMX CPU at 33 rows), then at the PROBED_ROWS above it.
+DENSE_ROWS = 64
 
 
 @dataclass(frozen=True)
 class Invariance:
     """The fixed shapes of a batch-invariant pass. ``linear_tile`` 0: the library's GEMM
     rows are invariant from two rows on, so a pass's rows go in one call (a lone row
-    padded to two); else decode rows go in tiles of ``linear_tile`` and prefill rows in
-    tiles of ``prefill_tile``."""
+    padded to two), or in calls of at most ``linear_rows`` where they are so only up to
+    that many (0: any); else decode rows go in tiles of ``linear_tile`` and prefill rows
+    in tiles of ``prefill_tile``."""
 
     linear_tile: int = DECODE_LINEAR_TILE
     prefill_tile: int = PREFILL_LINEAR_TILE
     query_tile: int = QUERY_TILE
     column_tile: int = COLUMN_TILE
     token_attention: bool = False  # decode attention one token per call entry (else query tiles)
+    linear_rows: int = 0
 
     def describe(self) -> str:
-        rows = "one call, from two rows" if not self.linear_tile else f"tiles of {self.linear_tile} (prefill {self.prefill_tile})"
+        if self.linear_tile:
+            rows = f"tiles of {self.linear_tile} (prefill {self.prefill_tile})"
+        else:
+            rows = f"calls of 2 to {self.linear_rows} rows" if self.linear_rows else "one call, from two rows"
         decode = "a call entry per token" if self.token_attention else f"queries in tiles of {self.query_tile}"
         return (
             f"linear layers {rows}; decode attention {decode}, columns in tiles of {self.column_tile}; "
@@ -138,16 +147,18 @@ def invariant_rows(flat: torch.Tensor, compute: Rows, invariance: Invariance, de
     decode = min(decode, flat.shape[0])
     prefill_tile = invariance.prefill_tile if invariance.linear_tile else 0
     parts = [
-        _rows(part, compute, tile)
+        _rows(part, compute, tile, invariance.linear_rows)
         for part, tile in ((flat[:decode], invariance.linear_tile), (flat[decode:], prefill_tile))
         if part.shape[0]
     ]
     return torch.cat(parts) if len(parts) > 1 else parts[0] if parts else compute(flat)
 
 
-def _rows(rows: torch.Tensor, compute: Rows, tile: int) -> torch.Tensor:
+def _rows(rows: torch.Tensor, compute: Rows, tile: int, most: int = 0) -> torch.Tensor:
     count = rows.shape[0]
-    if not tile:  # the library's rows are invariant from two on
+    if not tile:  # the library's rows are invariant from two on (up to ``most``, if not 0)
+        if most and count > most:
+            return torch.cat([_rows(rows[start : start + most], compute, 0) for start in range(0, count, most)])
         return compute(torch.cat([rows, rows]))[:1] if count == 1 else compute(rows)
     padding = (-count) % tile
     if padding:
@@ -156,11 +167,14 @@ def _rows(rows: torch.Tensor, compute: Rows, tile: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def library_rows_invariant(model: nn.Module, rows: tuple[int, ...] = PROBED_ROWS) -> bool:
-    """Whether every linear layer shape of ``model`` gives each row bitwise the same
-    result at every row count of ``rows`` as in a call of two rows, on random inputs in
-    the model's dtype and device (the library, the CPU and the thread count decide).
-    Layers of another form (int4: ``row_probe``) are probed through themselves."""
+def library_row_limit(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> int:
+    """The most rows a call may have with every linear layer shape of ``model`` giving each
+    of them bitwise what a call of two rows gives it, at every count from two up (probed
+    at each count up to DENSE_ROWS, then at the PROBED_ROWS and ``most_rows`` above it):
+    ``most_rows`` where every probed count keeps them, else the last count before the first
+    that does not (2 where three rows do not). On random inputs in the model's dtype and device (the
+    library, the CPU and the thread count decide). Layers of another form (int4:
+    ``row_probe``) are probed through themselves."""
     generator = torch.Generator().manual_seed(0)
     layers: list[tuple[str, int, torch.dtype, torch.device, Rows]] = []
     for (out_features, in_features), dtype, device in linear_shapes(model):
@@ -172,16 +186,28 @@ def library_rows_invariant(model: nn.Module, rows: tuple[int, ...] = PROBED_ROWS
             if hasattr(module, kind):
                 name = f"{type(module).__name__} {out_features} x {in_features} ({kind})"
                 layers.append((name, in_features, torch.bfloat16, torch.device("cpu"), cast(Rows, getattr(module, kind))))
-    checked = sorted({0, 1, *(count - 1 for count in rows)})  # first rows, and each call's last
+    dense = range(3, min(DENSE_ROWS, most_rows) + 1)
+    counts = [*dense, *sorted({count for count in (*PROBED_ROWS, most_rows) if DENSE_ROWS < count <= most_rows})]
+    limit = most_rows
     for name, in_features, dtype, device, compute in layers:
-        inputs = torch.randn(max(rows), in_features, generator=generator).to(dtype=dtype, device=device)
-        alone = {row: compute(inputs[[row, (row + 1) % len(inputs)]])[0] for row in checked}
-        for count in rows:
+        inputs = torch.randn(max(counts, default=2), in_features, generator=generator).to(dtype=dtype, device=device)
+        alone: dict[int, torch.Tensor] = {}
+
+        def same(result: torch.Tensor, row: int) -> bool:
+            if row not in alone:
+                alone[row] = compute(inputs[[row, (row + 1) % len(inputs)]])[0]
+            return torch.equal(result[row], alone[row])
+
+        for count in counts:
+            if count > limit:
+                break
             result = compute(inputs[:count])
-            if any(not torch.equal(result[row], alone[row]) for row in checked if row < count):
+            # Every row of a dense count, the first and the last of a larger one.
+            if not all(same(result, row) for row in (range(count) if count <= DENSE_ROWS else (0, count - 1))):
+                limit = count - 1 if count <= DENSE_ROWS else min(limit, DENSE_ROWS)
                 log.info("linear rows of %s depend on the call's row count (%d rows)", name, count)
-                return False
-    return True
+                break
+    return limit
 
 
 @torch.inference_mode()
@@ -254,7 +280,8 @@ def tokens_attention_invariant(dtype: torch.dtype, device: torch.device, kv_head
 def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> Invariance:
     """The cheapest fixed shapes this machine keeps a row's result under: one call per pass
     where the library's GEMM rows are invariant up to ``most_rows`` (the largest pass; probed
-    once per process for each set of shapes, size and thread count), tiles otherwise."""
+    once per process for each set of shapes, size and thread count), calls of as many rows
+    as they are invariant up to where that is at least a tile, tiles otherwise."""
     shapes = (*linear_shapes(model), *sorted({(type(m).__name__, m.out_features, m.in_features) for m in other_layers(model)}))
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", 1)
@@ -263,7 +290,7 @@ def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> In
     parameter = next(model.parameters())
     key = (shapes, most_rows, torch.get_num_threads())
     if key not in _probed:
-        _probed[key] = library_rows_invariant(model, tuple(sorted({*PROBED_ROWS, most_rows})))
+        _probed[key] = library_row_limit(model, most_rows)
     attention = ("attention", parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim, torch.get_num_threads())
     if attention not in _probed:
         _probed[attention] = tokens_attention_invariant(parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim)
@@ -272,9 +299,13 @@ def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> In
         if lone not in _probed:
             _probed[lone] = lone_row_invariant(module)
         setattr(module, "any_rows", _probed[lone])  # noqa: B010 (a module attribute the probe sets)
-    invariance = Invariance(linear_tile=0 if _probed[key] else DECODE_LINEAR_TILE, token_attention=_probed[attention])
+    limit = int(_probed[key])
+    if limit >= DECODE_LINEAR_TILE:  # the library's own calls: one a pass, or of up to ``limit`` rows
+        invariance = Invariance(linear_tile=0, linear_rows=0 if limit >= most_rows else limit, token_attention=bool(_probed[attention]))
+    else:
+        invariance = Invariance(linear_tile=DECODE_LINEAR_TILE, token_attention=bool(_probed[attention]))
     log.info("batch-invariant shapes: %s", invariance.describe())
     return invariance
 
 
-_probed: dict[tuple, bool] = {}  # (linear shapes, threads) -> the library's rows invariant
+_probed: dict[tuple, int | bool] = {}  # (linear shapes, rows, threads) -> library_row_limit; attention, lone rows -> bool

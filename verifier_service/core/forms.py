@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 ROUNDS = 3
 # Cache positions of the engines that only time passes: each pass reads one cached column.
 PROBE_CAPACITY = 64
-STORED_FORMAT = 1
+# Raised when what makes a form eligible changes, so choices stored before are measured again.
+STORED_FORMAT = 2
 
 
 @dataclass(frozen=True)

@@ -72,8 +72,9 @@ class EngineConfig:
 
     # Fixed shapes for every pass (core/invariance.py): a token's logits are then bitwise
     # the same whatever shares its pass, which exactness needs in bfloat16. Auto takes them
-    # where the library's matrix rows are invariant already (a start-up probe; bfloat16 on
-    # a CPU with AVX512-BF16): there they keep 0.74-0.91x the throughput; float32's tiles 0.57-0.64x
+    # where the library's matrix rows are invariant already, at every row count or up to
+    # one of at least a tile (a start-up probe; bfloat16 on a CPU with AVX512-BF16, up to
+    # 32 rows with AMX): there they keep 0.74-0.91x the throughput; float32's tiles 0.57-0.64x
     # (bench.bench_dtype --batch-invariant off on).
     batch_invariant: str = setting(
         "auto",

@@ -172,9 +172,9 @@ def library_row_limit(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> in
     of them bitwise what a call of two rows gives it, at every count from two up (probed
     at each count up to DENSE_ROWS, then at the PROBED_ROWS and ``most_rows`` above it):
     ``most_rows`` where every probed count keeps them, else the last count before the first
-    that does not (2 where three rows do not). On random inputs in the model's dtype and device (the
-    library, the CPU and the thread count decide). Layers of another form (int4:
-    ``row_probe``) are probed through themselves."""
+    that does not (2 where three rows do not). On random inputs in the model's dtype and
+    device (the library, the CPU and the thread count decide). Layers of another form
+    (int4: ``row_probe``) are probed through themselves."""
     generator = torch.Generator().manual_seed(0)
     layers: list[tuple[str, int, torch.dtype, torch.device, Rows]] = []
     for (out_features, in_features), dtype, device in linear_shapes(model):
@@ -202,8 +202,9 @@ def library_row_limit(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> in
             if count > limit:
                 break
             result = compute(inputs[:count])
-            # Every row of a dense count, the first and the last of a larger one.
-            if not all(same(result, row) for row in (range(count) if count <= DENSE_ROWS else (0, count - 1))):
+            # Every row of a dense count; of a larger one, its first, its last and two between.
+            rows = range(count) if count <= DENSE_ROWS else (0, count // 3, count // 2, count - 1)
+            if not all(same(result, row) for row in rows):
                 limit = count - 1 if count <= DENSE_ROWS else min(limit, DENSE_ROWS)
                 log.info("linear rows of %s depend on the call's row count (%d rows)", name, count)
                 break

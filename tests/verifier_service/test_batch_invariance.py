@@ -221,7 +221,7 @@ def test_calls_of_limited_rows_give_each_row_what_a_call_of_its_own_part_gives(m
 def test_a_library_that_switches_kernels_past_some_rows_keeps_a_tokens_logits(tiny_tokenizer, monkeypatch):
     """A pass of more rows than the library keeps invariant (here 56 decode rows and a prompt
     chunk of 40 tokens) computes each token as a pass of its own does."""
-    monkeypatch.setattr(invariance_module, "_probed", {})
+    monkeypatch.setattr(invariance_module, "_row_limits", {})
     monkeypatch.setattr(torch.nn.functional, "linear", switching_at(32))
     engine = engine_for(build(torch.bfloat16), tiny_tokenizer)
     assert engine.target.invariance is not None and engine.target.invariance.linear_rows == 32

@@ -290,8 +290,8 @@ def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> In
     head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 64) // heads
     parameter = next(model.parameters())
     key = (shapes, most_rows, torch.get_num_threads())
-    if key not in _probed:
-        _probed[key] = library_row_limit(model, most_rows)
+    if key not in _row_limits:
+        _row_limits[key] = library_row_limit(model, most_rows)
     attention = ("attention", parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim, torch.get_num_threads())
     if attention not in _probed:
         _probed[attention] = tokens_attention_invariant(parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim)
@@ -300,13 +300,14 @@ def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> In
         if lone not in _probed:
             _probed[lone] = lone_row_invariant(module)
         setattr(module, "any_rows", _probed[lone])  # noqa: B010 (a module attribute the probe sets)
-    limit = int(_probed[key])
+    limit = _row_limits[key]
     if limit >= DECODE_LINEAR_TILE:  # the library's own calls: one a pass, or of up to ``limit`` rows
-        invariance = Invariance(linear_tile=0, linear_rows=0 if limit >= most_rows else limit, token_attention=bool(_probed[attention]))
+        invariance = Invariance(linear_tile=0, linear_rows=0 if limit >= most_rows else limit, token_attention=_probed[attention])
     else:
-        invariance = Invariance(linear_tile=DECODE_LINEAR_TILE, token_attention=bool(_probed[attention]))
+        invariance = Invariance(linear_tile=DECODE_LINEAR_TILE, token_attention=_probed[attention])
     log.info("batch-invariant shapes: %s", invariance.describe())
     return invariance
 
 
-_probed: dict[tuple, int | bool] = {}  # (linear shapes, rows, threads) -> library_row_limit; attention, lone rows -> bool
+_row_limits: dict[tuple, int] = {}  # (linear shapes, most rows, threads) -> library_row_limit
+_probed: dict[tuple, bool] = {}  # attention and lone-row probes -> whether invariant

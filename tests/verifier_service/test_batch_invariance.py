@@ -19,7 +19,7 @@ from tests.verifier_service.test_engine_adaptive import FrozenStepCost
 from tests.verifier_service.test_trees import FLAT, NO_EOS, TreeProposer, branch_tree, wrong
 from verifier_service.core import invariance as invariance_module
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.core.invariance import Invariance, invariant_linear, library_row_limit, tokens_attention_invariant
+from verifier_service.core.invariance import Invariance, entry_tokens, invariant_linear, library_row_limit, tokens_attention_invariant
 from verifier_service.core.kv_cache import (
     _pad_columns,
     _pad_group_mask,
@@ -233,6 +233,61 @@ def test_a_library_that_switches_kernels_past_some_rows_keeps_a_tokens_logits(ti
         others = [(len(text), [10 + index, 3, 4]) for index, text in enumerate(texts[1:])]
         beside = engine.target.forward([(len(texts[0]), [5]), *others], [(ROWS, 0, list(range(2, 42)))], keep)[0]
     assert torch.equal(alone, beside)
+
+
+def entries_switching_past(queries: int, original=torch.nn.functional.scaled_dot_product_attention):
+    """Attention as a library computes it whose kernel changes past ``queries`` queries a call
+    entry: its outputs then come out a rounding apart."""
+
+    def attention(query, key, value, attn_mask=None, **kwargs):
+        return original(query, key, value, attn_mask=attn_mask, **kwargs) + (query.shape[-2] > queries) * 1e-2
+
+    return attention
+
+
+def query_by_query(query, key, value, attn_mask=None, scale=None, **kwargs):
+    """Attention whose queries never depend on the call: each computed on its own, in float64."""
+    if kwargs.get("enable_gqa"):
+        key, value = (part.repeat_interleave(query.shape[-3] // part.shape[-3], dim=-3) for part in (key, value))
+    scores = query.double() @ key.double().transpose(-1, -2) * (scale or query.shape[-1] ** -0.5)
+    if attn_mask is not None:
+        scores = scores + attn_mask.double() if attn_mask.dtype != torch.bool else scores.masked_fill(~attn_mask, float("-inf"))
+    return (scores.softmax(-1) @ value.double()).to(query.dtype)
+
+
+def test_the_entry_probe_finds_how_many_tokens_a_call_entry_may_hold(monkeypatch):
+    cpu = torch.device("cpu")
+    assert 1 <= entry_tokens(torch.bfloat16, cpu, 2, 3, 64) <= 8  # this machine's library decides: 3 heads padded to 4
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", query_by_query)
+    assert entry_tokens(torch.bfloat16, cpu, 2, 3, 64) == 8
+    assert entry_tokens(torch.float32, cpu, 2, 2, 64) == 16
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", entries_switching_past(4 * 3, query_by_query))
+    assert entry_tokens(torch.bfloat16, cpu, 2, 3, 64) == 3
+    assert entry_tokens(torch.float32, cpu, 2, 2, 64) == 6
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", entries_switching_past(4, query_by_query))
+    assert entry_tokens(torch.bfloat16, cpu, 2, 3, 64) == 1
+
+
+def test_a_chains_tokens_are_what_plain_decoding_computes_one_at_a_time_in_shared_entries(tiny_tokenizer, monkeypatch):
+    """With a library whose attention changes past 3 tokens' queries an entry, the probe lets a
+    row's tokens share entries of up to 3, and each token of a chain of 7 comes out as a pass
+    of its own computes it after the ones before it."""
+    monkeypatch.setattr(invariance_module, "_entry_tokens", {})
+    monkeypatch.setattr(invariance_module, "_probed", {})
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", entries_switching_past(3 * 2, query_by_query))
+    model = build(torch.bfloat16)
+    chained, plain = engine_for(model, tiny_tokenizer), engine_for(model, tiny_tokenizer)
+    assert chained.target.invariance is not None and chained.target.invariance.entry_tokens == 3
+    assert not chained.reads_per_token
+    prompt, chain = prompts(1)[0], [5, 9, 11, 2, 7, 30, 4]
+    filled(chained, [prompt])
+    filled(plain, [prompt])
+    with torch.inference_mode():
+        together = chained.target.forward([(len(prompt), chain)], [], list(range(len(chain)))).clone()
+        one_at_a_time = torch.stack(
+            [plain.target.forward([(len(prompt) + index, [token])], [], [0])[0] for index, token in enumerate(chain)]
+        )
+    assert torch.equal(together, one_at_a_time)
 
 
 def test_padding_queries_and_columns_hides_what_was_added():

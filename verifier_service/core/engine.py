@@ -179,10 +179,10 @@ class SpeculativeEngine:
     @property
     def reads_per_token(self) -> bool:
         """Whether each token a pass verifies reads its row's cached tokens itself (decode
-        attention a call entry per token), not once per row: what an extra draft token costs
-        then grows with its row's context (``step.cache_reads``)."""
+        attention a call entry per token, none shared by a row's tokens), not once per row:
+        what an extra draft token costs then grows with its row's context (``step.cache_reads``)."""
         invariance = self.target.invariance
-        return invariance is not None and invariance.token_attention
+        return invariance is not None and invariance.token_attention and invariance.entry_tokens == 1
 
     @property
     def slot_count(self) -> int:

@@ -96,13 +96,21 @@ class Invariance:
     column_tile: int = COLUMN_TILE
     token_attention: bool = False  # decode attention one token per call entry (else query tiles)
     linear_rows: int = 0
+    # Token attention: a row's tokens reading as many columns share a call entry, up to this
+    # many (1: each token an entry of its own), where ``entry_tokens`` finds that invariant.
+    entry_tokens: int = 1
 
     def describe(self) -> str:
         if self.linear_tile:
             rows = f"tiles of {self.linear_tile} (prefill {self.prefill_tile})"
         else:
             rows = f"calls of 2 to {self.linear_rows} rows" if self.linear_rows else "one call, from two rows"
-        decode = "a call entry per token" if self.token_attention else f"queries in tiles of {self.query_tile}"
+        if not self.token_attention:
+            decode = f"queries in tiles of {self.query_tile}"
+        elif self.entry_tokens > 1:
+            decode = f"a call entry per token, or per up to {self.entry_tokens} of a row's tokens"
+        else:
+            decode = "a call entry per token"
         return (
             f"linear layers {rows}; decode attention {decode}, columns in tiles of {self.column_tile}; "
             f"prefill attention in tiles of {self.query_tile}"
@@ -278,6 +286,47 @@ def tokens_attention_invariant(dtype: torch.dtype, device: torch.device, kv_head
     return True
 
 
+@torch.inference_mode()
+def entry_tokens(dtype: torch.dtype, device: torch.device, kv_heads: int, groups: int, head_dim: int) -> int:
+    """How many of a row's tokens may share a call entry of token attention (each token's
+    ``groups`` query heads, padded to a multiple of QUERY_MULTIPLE, side by side, all reading
+    the same columns; ``kv_cache._shared_entries``) with each token's output bitwise what an
+    entry of its own gives it: the most, up to one query tile, such that every count from two
+    up keeps a token's output at its first, middle and last place, on random inputs; 1 where
+    two tokens do not."""
+    generator = torch.Generator().manual_seed(3)
+    padded = groups + (-groups) % QUERY_MULTIPLE
+    most = max(1, QUERY_TILE // padded)
+
+    def random(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, generator=generator)).to(dtype=dtype, device=device)
+
+    keys, values = random(1, kv_heads, 1100, head_dim, scale=3.0), random(1, kv_heads, 1100, head_dim)
+    for columns in (64, 128, 512, 576, 1088):
+        tokens = random(most, kv_heads, padded, head_dim, scale=2.0)
+        # Each token sees a different count of the last tile's columns, as a row's tokens do.
+        visible = [columns - COLUMN_TILE + 1 + (index * 7) % COLUMN_TILE for index in range(most)]
+        mask = torch.full((most, padded, columns), float("-inf"), dtype=dtype, device=device)
+        for index, count in enumerate(visible):
+            mask[index, :, :count] = 0
+        mask[:, groups:, 1:] = float("-inf")  # padding heads see column 0 only
+
+        def attend(low: int, high: int) -> torch.Tensor:
+            entry = tokens[low:high].transpose(0, 1).reshape(1, kv_heads, -1, head_dim)
+            attended = F.scaled_dot_product_attention(
+                entry, keys[..., :columns, :], values[..., :columns, :], attn_mask=mask[low:high].reshape(1, 1, -1, columns)
+            )
+            return attended[0].view(kv_heads, high - low, padded, head_dim)[:, :, :groups]
+
+        alone = [attend(index, index + 1)[:, 0] for index in range(most)]
+        for count in range(2, most + 1):
+            together = attend(0, count)
+            if not all(torch.equal(together[:, place], alone[place]) for place in {0, count // 2, count - 1}):
+                log.info("a query's attention depends on its call entry's query count (%d tokens, %d columns)", count, columns)
+                return count - 1
+    return most
+
+
 def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> Invariance:
     """The cheapest fixed shapes this machine keeps a row's result under: one call per pass
     where the library's GEMM rows are invariant up to ``most_rows`` (the largest pass; probed
@@ -295,6 +344,9 @@ def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> In
     attention = ("attention", parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim, torch.get_num_threads())
     if attention not in _probed:
         _probed[attention] = tokens_attention_invariant(parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim)
+    if attention not in _entry_tokens:
+        _entry_tokens[attention] = entry_tokens(parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim)
+    shared = _entry_tokens[attention] if _probed[attention] else 1
     for module in other_layers(model):  # layers whose rows need no fixed shapes at all
         lone = ("lone row", type(module).__name__, module.out_features, module.in_features, torch.get_num_threads())
         if lone not in _probed:
@@ -302,12 +354,14 @@ def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> In
         setattr(module, "any_rows", _probed[lone])  # noqa: B010 (a module attribute the probe sets)
     limit = _row_limits[key]
     if limit >= DECODE_LINEAR_TILE:  # the library's own calls: one a pass, or of up to ``limit`` rows
-        invariance = Invariance(linear_tile=0, linear_rows=0 if limit >= most_rows else limit, token_attention=_probed[attention])
+        rows = 0 if limit >= most_rows else limit
+        invariance = Invariance(linear_tile=0, linear_rows=rows, token_attention=_probed[attention], entry_tokens=shared)
     else:
-        invariance = Invariance(linear_tile=DECODE_LINEAR_TILE, token_attention=_probed[attention])
+        invariance = Invariance(linear_tile=DECODE_LINEAR_TILE, token_attention=_probed[attention], entry_tokens=shared)
     log.info("batch-invariant shapes: %s", invariance.describe())
     return invariance
 
 
 _row_limits: dict[tuple, int] = {}  # (linear shapes, most rows, threads) -> library_row_limit
 _probed: dict[tuple, bool] = {}  # attention and lone-row probes -> whether invariant
+_entry_tokens: dict[tuple, int] = {}  # attention -> entry_tokens

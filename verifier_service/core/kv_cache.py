@@ -549,7 +549,9 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
                 mask = group.additive_mask(groups, window, invariance, cache.capacity, query.dtype)
                 padded = _pad_groups(queries, groups, width)
                 calls = group.token_calls(invariance.column_tile, cache.capacity)
-                attended = _token_attention(padded, mask, keys, values, group.first, padded.shape[2] // width, calls, scale)
+                attended = _token_attention(
+                    padded, mask, keys, values, group.first, padded.shape[2] // width, calls, scale, invariance.entry_tokens
+                )
                 attended = attended.view(rows, kv_heads, -1, width, dim)[:, :, :groups]
                 if width == 1:
                     output[group.start : group.start + rows].view(rows, kv_heads, groups, dim).copy_(attended[..., 0, :])
@@ -685,15 +687,19 @@ def plan_token_calls(reads: list[list[int]], device: torch.device) -> TokenCalls
     return TokenCalls(True, calls)
 
 
-def _token_attention(queries, mask, keys, values, first: int, groups: int, plan: TokenCalls, scale) -> torch.Tensor:
+def _token_attention(queries, mask, keys, values, first: int, groups: int, plan: TokenCalls, scale, entry_tokens: int = 1) -> torch.Tensor:
     """Decode attention with each token of each row a call entry of its own: its ``groups``
     query heads against its row's cached keys, read in place, each token reading the columns
     its own column needs (``DecodeGroup.token_calls``): CPU flash attention sums a row's
     columns in blocks whose bounds follow the columns a call reads, hidden ones too, so a
     token read with a wider call can round apart. Every call has the same query count per
     entry whatever the row's width or the pass's rows: per query index over the rows' slots
-    as they lie, or per row over its slot as a stride-0 view (``plan``). Padding queries
-    (past a row's own tokens) are not computed: their output is left unset. queries [rows,
+    as they lie, or per row over its slot as a stride-0 view (``plan``). Per row, up to
+    ``entry_tokens`` of its tokens reading as many columns share one entry instead, their
+    query heads side by side (``Invariance.entry_tokens``: where a probe finds a query's
+    output independent of the entry's query count and its place in it), so its cached
+    columns are read once for them. Padding queries (past a row's own tokens) are not
+    computed: their output is left unset. queries [rows,
     kv_heads, groups * width, dim] (head-major, as folded), mask (bool, or added to the
     scores: ``DecodeGroup.additive_mask``) [rows, 1, groups * width,
     columns] -> [rows, kv_heads, groups * width, dim]."""
@@ -714,6 +720,12 @@ def _token_attention(queries, mask, keys, values, first: int, groups: int, plan:
             else:
                 out[index, :, query::width] = attended[local]
         return out
+    if entry_tokens > 1:
+        for row, start, stop, columns in plan.calls:
+            _shared_entries(
+                queries[row], mask[row], keys, values, first + row, out[row], (start, stop, columns), groups, entry_tokens, scale
+            )
+        return out
     for row, start, stop, columns in plan.calls:
         tokens = queries[row].view(kv_heads, groups, width, dim).permute(2, 0, 1, 3)  # [width, kv_heads, groups, dim]
         visible = mask[row].view(1, groups, width, -1).permute(2, 0, 1, 3)  # [width, 1, groups, columns]
@@ -727,6 +739,30 @@ def _token_attention(queries, mask, keys, values, first: int, groups: int, plan:
         )  # [stop - start, kv_heads, groups, dim]
         out[row].view(kv_heads, groups, width, dim)[:, :, start:stop] = attended.permute(1, 2, 0, 3)
     return out
+
+
+def _shared_entries(queries, mask, keys, values, slot: int, out, call: tuple[int, int, int], groups: int, most: int, scale) -> None:
+    """Tokens [start, stop) of one row, each reading ``columns``, as call entries of up to
+    ``most`` tokens, each token's ``groups`` query heads side by side: queries [kv_heads,
+    groups * width, dim] (head-major) and mask [1, groups * width, columns] of the row;
+    their output into ``out``, laid out as the queries."""
+    start, stop, columns = call
+    kv_heads, folded, dim = queries.shape
+    width = folded // groups
+    tokens = queries.view(kv_heads, groups, width, dim)
+    visible = mask.view(groups, width, -1)
+    placed = out.view(kv_heads, groups, width, dim)
+    for low in range(start, stop, most):
+        high = min(stop, low + most)
+        entry = tokens[:, :, low:high].transpose(1, 2).reshape(1, kv_heads, -1, dim)  # token-major: each token's heads together
+        attended = F.scaled_dot_product_attention(
+            entry,
+            keys[slot : slot + 1, :, :columns],
+            values[slot : slot + 1, :, :columns],
+            attn_mask=visible[:, low:high, :columns].transpose(0, 1).reshape(1, 1, -1, columns),
+            scale=scale,
+        )  # [1, kv_heads, (high - low) * groups, dim]
+        placed[:, :, low:high] = attended[0].view(kv_heads, high - low, groups, dim).transpose(1, 2)
 
 
 def _tiled_segment(query, keys, values, output, step: StepLayout, segment: Segment, window: int | None, scale, groups: int) -> None:

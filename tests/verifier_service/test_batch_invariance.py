@@ -19,7 +19,15 @@ from tests.verifier_service.test_engine_adaptive import FrozenStepCost
 from tests.verifier_service.test_trees import FLAT, NO_EOS, TreeProposer, branch_tree, wrong
 from verifier_service.core import invariance as invariance_module
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
-from verifier_service.core.invariance import Invariance, entry_tokens, invariant_linear, library_row_limit, tokens_attention_invariant
+from verifier_service.core.invariance import (
+    Invariance,
+    InvariantPass,
+    aligned_rows_invariant,
+    entry_tokens,
+    invariant_linear,
+    library_row_limit,
+    tokens_attention_invariant,
+)
 from verifier_service.core.kv_cache import (
     _pad_columns,
     _pad_group_mask,
@@ -172,12 +180,12 @@ def test_greedy_speculative_output_is_plain_output_in_every_dtype(model, tiny_to
 def test_the_linear_layers_tiles_give_each_row_what_a_call_of_its_own_tile_gives():
     torch.manual_seed(0)
     weight, bias, hidden = torch.randn(48, 32), torch.randn(48), torch.randn(1, 21, 32)
-    out = invariant_linear(hidden, weight, bias, Invariance(linear_tile=8, prefill_tile=16), decode=5)
+    out = invariant_linear(hidden, weight, bias, InvariantPass(Invariance(linear_tile=8, prefill_tile=16), 5))
     assert out.shape == (1, 21, 48)
     decode = torch.cat([hidden[0, :5], torch.zeros(3, 32)])
     assert torch.equal(out[0, :5], torch.nn.functional.linear(decode, weight, bias)[:5])  # the first decode tile, padded
     assert torch.equal(out[0, 5:21], torch.nn.functional.linear(hidden[0, 5:21], weight, bias))  # one prefill tile of 16
-    lone = invariant_linear(hidden[:, :1], weight, bias, Invariance(linear_tile=0), decode=1)  # library rows: a lone row as two
+    lone = invariant_linear(hidden[:, :1], weight, bias, InvariantPass(Invariance(linear_tile=0), 1))  # library rows: a lone row as two
     assert torch.equal(lone[0, 0], torch.nn.functional.linear(hidden[0, [0, 0]], weight, bias)[0])
 
 
@@ -212,7 +220,7 @@ def test_calls_of_limited_rows_give_each_row_what_a_call_of_its_own_part_gives(m
     calls: list[int] = []
     original = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or original(x, w, b))
-    out = invariant_linear(hidden, weight, None, Invariance(linear_tile=0, linear_rows=4), decode=9)
+    out = invariant_linear(hidden, weight, None, InvariantPass(Invariance(linear_tile=0, linear_rows=4), 9))
     assert calls == [4, 4, 2, 4, 4, 4]  # decode rows 4, 4 and a lone one as two; prefill rows 4 at a time
     parts = [hidden[0, :4], hidden[0, 4:8], hidden[0, [8, 8]], *(hidden[0, start : start + 4] for start in range(9, 21, 4))]
     assert torch.equal(out[0], torch.cat([original(part, weight) for part in parts])[torch.arange(22) != 9])
@@ -233,6 +241,57 @@ def test_a_library_that_switches_kernels_past_some_rows_keeps_a_tokens_logits(ti
         others = [(len(text), [10 + index, 3, 4]) for index, text in enumerate(texts[1:])]
         beside = engine.target.forward([(len(texts[0]), [5]), *others], [(ROWS, 0, list(range(2, 42)))], keep)[0]
     assert torch.equal(alone, beside)
+
+
+def placed_past(rows: int, original=torch.nn.functional.linear):
+    """F.linear as oneDNN computes bfloat16 on a CPU with AMX: past ``rows`` rows a call, each
+    row comes out a rounding apart that depends on its place among the others."""
+
+    def linear(x, weight, bias=None):
+        out = original(x, weight, bias)
+        count = x.reshape(-1, x.shape[-1]).shape[0]
+        if count <= rows:
+            return out
+        places = torch.arange(count, dtype=out.dtype).reshape(*out.shape[:-1], 1)
+        return out + (places % 7) * 1e-2
+
+    return linear
+
+
+def test_the_aligned_tile_probe_tells_place_from_neighbours(monkeypatch):
+    layer = torch.nn.Linear(16, 8)
+    monkeypatch.setattr(torch.nn.functional, "linear", placed_past(32, row_by_row))
+    assert aligned_rows_invariant(layer, 64)
+    neighbours = lambda x, weight, bias=None: row_by_row(x, weight, bias) + x.reshape(-1, x.shape[-1]).mean() * 1e-2  # noqa: E731
+    monkeypatch.setattr(torch.nn.functional, "linear", neighbours)
+    assert not aligned_rows_invariant(layer, 64)
+
+
+def test_prefill_tiles_aligned_to_the_prompt_keep_its_logits_however_it_is_cut(tiny_tokenizer, monkeypatch):
+    """With a library whose rows past 32 a call depend on their place (oneDNN's bfloat16 on an
+    AMX CPU), prefill rows run in calls of 128 aligned to the prompt's positions, and a
+    300-token prompt's logits are the same however it is cut into chunks and whatever shares
+    its passes."""
+    monkeypatch.setattr(invariance_module, "_row_limits", {})
+    monkeypatch.setattr(invariance_module, "_probed", {})
+    monkeypatch.setattr(torch.nn.functional, "linear", placed_past(32))
+    model = build(torch.bfloat16)
+    prompt = (prompts(1, seed=5)[0] * 40)[:300]
+    keep = [100, 299]
+    logits = []
+    for cuts in ([300], [100, 200], [77, 51, 172], [128, 128, 44]):
+        engine = engine_for(model, tiny_tokenizer, max_sequence_tokens=512)
+        assert engine.target.invariance is not None and engine.target.invariance.prefill_rows == 128
+        start, kept = 0, []
+        with torch.inference_mode():
+            for length in cuts:
+                beside = [(1, 0, [2 + index % 60 for index in range(length // 3 + 1)])]  # another prompt's chunk in the same pass
+                wanted = [index - start for index in keep if start <= index < start + length]
+                out = engine.target.forward([], [(0, start, prompt[start : start + length]), *beside], keep=wanted)
+                kept += [out[index].clone() for index in range(len(wanted))]
+                start += length
+        logits.append(torch.stack(kept))
+    assert all(torch.equal(cut, logits[0]) for cut in logits[1:])
 
 
 def entries_switching_past(queries: int, original=torch.nn.functional.scaled_dot_product_attention):

@@ -11,7 +11,7 @@ from torch import nn
 
 from tests.verifier_service.test_batch_invariance import ROWS, TreeProposer, branch_tree, build, engine_for, prompts
 from verifier_service.core.engine import GenerationRequest
-from verifier_service.core.invariance import Invariance, invariant_rows, lone_row_invariant
+from verifier_service.core.invariance import Invariance, InvariantPass, invariant_rows, lone_row_invariant
 from verifier_service.core.weights import GROUP, Int4Linear, error_bound, quantize, rebuilt, stored, use_int4_weights, weights_form
 
 
@@ -134,7 +134,7 @@ def test_a_layer_whose_lone_row_differs_is_found_so_and_its_lone_rows_are_padded
     invariance = Invariance(linear_tile=0)
     row = torch.ones(1, 32)
     layer.calls.clear()
-    assert torch.equal(invariant_rows(row, layer.rows, invariance, 1), layer.rows(torch.cat([row, row]))[:1])
+    assert torch.equal(invariant_rows(row, layer.rows, InvariantPass(invariance, 1)), layer.rows(torch.cat([row, row]))[:1])
     assert layer.calls[0] == 2  # padded to two
 
 

@@ -12,7 +12,9 @@ Measured on a CPU (torch's oneDNN and MKL kernels):
   switches to a kernel whose rows also depend on their place among the others), but not
   on the other rows' values or on its own place among them, when the count is fixed;
 * scaled-dot-product attention's output for a query depends on how many queries the call
-  has (its kernel cuts them into blocks of 32) and on whether the columns it reads end in
+  has (its kernel cuts them into blocks of 32; within one block, in bfloat16 on the default
+  model's shapes, not, but in float32 at two heads a key head already between one token's
+  heads and two tokens') and on whether the columns it reads end in
   a whole 16-wide vector; not on hidden columns past that, nor on the other batch entries
   (on random inputs: on the model's own, a token read with more hidden columns than its own
   position needs could round apart, so token attention reads each token's own).
@@ -26,7 +28,9 @@ batch size, a batch-invariant pass fixes the shapes (``Invariance``):
   many rows as it keeps so (all of them, or ``linear_rows``), a lone row padded to two;
 * decode attention gives each token a call entry of its own, where a start-up probe finds
   that invariant (``token_attention``: the same query count in every call, whatever the
-  row's width), else pads each row's queries to a multiple of ``query_tile``; either way
+  row's width; a row's tokens reading as many columns share an entry where a third probe
+  finds a query's output independent of its entry's query count, ``entry_tokens``), else
+  pads each row's queries to a multiple of ``query_tile``; either way
   the columns read go to a multiple of ``column_tile``. Prefill attention runs each chunk
   in tiles of ``query_tile`` queries (``kv_cache``).
 
@@ -75,6 +79,13 @@ QUERY_MULTIPLE = 2
 # the weights once per 64 prompt tokens keeps their cost near a single call's.
 DECODE_LINEAR_TILE = 8
 PREFILL_LINEAR_TILE = 64
+# Prefill rows a call, aligned to the prompt's positions, where calls are limited and the
+# library's rows past the limit depend only on their place and the call's count (oneDNN's
+# bfloat16 on an AMX CPU): 256 prompt tokens' rows took 3.27 ms a layer in calls of 32,
+# 1.63 in calls of 128 and 1.26 in one call (the default model, 2 threads); a chunk that
+# starts or ends inside a tile computes the whole tile, so larger tiles waste more where a
+# busy batch's prefill budget cuts prompts.
+PREFILL_ALIGNED_ROWS = 128
 # Row counts the start-up probes compare against two rows.
 PROBED_ROWS = (3, 4, 5, 7, 8, 9, 13, 16, 17, 31, 33, 64, 100, 256)
 # The library's GEMM is probed at every row count up to this many (a kernel may change at
@@ -99,12 +110,19 @@ class Invariance:
     # Token attention: a row's tokens reading as many columns share a call entry, up to this
     # many (1: each token an entry of its own), where ``entry_tokens`` finds that invariant.
     entry_tokens: int = 1
+    # Prefill rows, where calls are limited (``linear_rows``): in calls of exactly this many
+    # rows aligned to the prompt's positions (tile t holds positions [t * n, (t + 1) * n),
+    # the places no chunk fills zeros), where ``aligned_rows_invariant`` finds a row's result
+    # depends on its place and the call's count only; 0: calls of ``linear_rows``.
+    prefill_rows: int = 0
 
     def describe(self) -> str:
         if self.linear_tile:
             rows = f"tiles of {self.linear_tile} (prefill {self.prefill_tile})"
         else:
             rows = f"calls of 2 to {self.linear_rows} rows" if self.linear_rows else "one call, from two rows"
+            if self.prefill_rows:
+                rows += f" (prefill {self.prefill_rows} aligned to the prompt)"
         if not self.token_attention:
             decode = f"queries in tiles of {self.query_tile}"
         elif self.entry_tokens > 1:
@@ -120,46 +138,84 @@ class Invariance:
 _thread = threading.local()
 
 
+Chunks = tuple[tuple[int, int], ...]  # a pass's prefill chunks in order: (first position, tokens)
+
+
+@dataclass(frozen=True)
+class InvariantPass:
+    """The pass a thread runs (``invariant_pass``): its shapes, its first ``decode`` rows
+    decode rows, the rest its prefill ``chunks``' rows."""
+
+    invariance: Invariance
+    decode: int
+    chunks: Chunks = ()
+
+
 @contextlib.contextmanager
-def invariant_pass(invariance: Invariance, decode_tokens: int) -> Iterator[None]:
+def invariant_pass(invariance: Invariance, decode_tokens: int, chunks: Chunks = ()) -> Iterator[None]:
     """Within it, this thread's linear layers run ``invariance``'s shapes; the pass's first
-    ``decode_tokens`` rows are decode rows, the rest prefill."""
+    ``decode_tokens`` rows are decode rows, the rest prefill rows of ``chunks``."""
     previous = getattr(_thread, "pass_", None)
-    _thread.pass_ = (invariance, decode_tokens)
+    _thread.pass_ = InvariantPass(invariance, decode_tokens, chunks)
     try:
         yield
     finally:
         _thread.pass_ = previous
 
 
-def current_pass() -> tuple[Invariance, int] | None:
+def current_pass() -> InvariantPass | None:
     return getattr(_thread, "pass_", None)
 
 
-def invariant_linear(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariance: Invariance, decode: int
-) -> torch.Tensor:
-    """F.linear(hidden, weight, bias) with each row computed by a call of fixed shape: rows
-    [0, decode) as decode rows, the rest as prefill rows (``Invariance``)."""
+def invariant_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pass_: InvariantPass) -> torch.Tensor:
+    """F.linear(hidden, weight, bias) with each row computed by a call of fixed shape: the
+    pass's decode rows as decode rows, the rest as prefill rows (``Invariance``)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
-    out = invariant_rows(flat, lambda rows: F.linear(rows, weight, bias), invariance, decode)
+    out = invariant_rows(flat, lambda rows: F.linear(rows, weight, bias), pass_)
     return out.reshape(*hidden.shape[:-1], weight.shape[0])
 
 
 Rows = Callable[[torch.Tensor], torch.Tensor]  # a linear layer's rows [n, in] -> [n, out]
 
 
-def invariant_rows(flat: torch.Tensor, compute: Rows, invariance: Invariance, decode: int) -> torch.Tensor:
+def invariant_rows(flat: torch.Tensor, compute: Rows, pass_: InvariantPass, decode: int | None = None) -> torch.Tensor:
     """``compute`` (a linear layer's rows [n, in] -> [n, out]) over ``flat`` in calls of fixed
-    shape: rows [0, decode) as decode rows, the rest as prefill rows (``Invariance``)."""
-    decode = min(decode, flat.shape[0])
-    prefill_tile = invariance.prefill_tile if invariance.linear_tile else 0
-    parts = [
-        _rows(part, compute, tile, invariance.linear_rows)
-        for part, tile in ((flat[:decode], invariance.linear_tile), (flat[decode:], prefill_tile))
-        if part.shape[0]
-    ]
+    shape: its first ``decode`` rows (the pass's) as decode rows, the rest as prefill rows
+    (``Invariance``)."""
+    invariance = pass_.invariance
+    decode = min(pass_.decode if decode is None else decode, flat.shape[0])
+    parts = []
+    if decode:
+        parts.append(_rows(flat[:decode], compute, invariance.linear_tile, invariance.linear_rows))
+    if decode < flat.shape[0]:
+        prefill = flat[decode:]
+        if invariance.linear_tile:
+            parts.append(_rows(prefill, compute, invariance.prefill_tile))
+        elif invariance.prefill_rows and sum(length for _, length in pass_.chunks) == prefill.shape[0]:
+            parts.append(_aligned_rows(prefill, compute, invariance.prefill_rows, pass_.chunks))
+        else:
+            parts.append(_rows(prefill, compute, 0, invariance.linear_rows))
     return torch.cat(parts) if len(parts) > 1 else parts[0] if parts else compute(flat)
+
+
+def _aligned_rows(rows: torch.Tensor, compute: Rows, tile: int, chunks: Chunks) -> torch.Tensor:
+    """Prefill ``rows`` (``chunks``' in order) in calls of exactly ``tile`` rows, tile t of a
+    prompt holding its positions [t * tile, (t + 1) * tile), the places no chunk fills zeros:
+    a position is computed at the same place of a call of the same count however its prompt
+    was cut into chunks."""
+    outputs, offset = [], 0
+    for first, length in chunks:
+        for start in range(first - first % tile, first + length, tile):
+            low, high = max(start, first), min(start + tile, first + length)
+            part = rows[offset + low - first : offset + high - first]
+            if high - low == tile:
+                outputs.append(compute(part))
+                continue
+            block = rows.new_zeros(tile, rows.shape[1])
+            block[low - start : high - start] = part
+            outputs.append(compute(block)[low - start : high - start])
+        offset += length
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
 def _rows(rows: torch.Tensor, compute: Rows, tile: int, most: int = 0) -> torch.Tensor:
@@ -217,6 +273,31 @@ def library_row_limit(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> in
                 log.info("linear rows of %s depend on the call's row count (%d rows)", name, count)
                 break
     return limit
+
+
+@torch.inference_mode()
+def aligned_rows_invariant(model: nn.Module, tile: int = PREFILL_ALIGNED_ROWS) -> bool:
+    """Whether every prefill linear layer shape of ``model`` gives a row of a call of ``tile``
+    rows the same bits whatever the call's other rows (random, or zeros), at its first,
+    second, middle and last place: what ``Invariance.prefill_rows`` needs. On random inputs."""
+    generator = torch.Generator().manual_seed(4)
+    layers: list[tuple[int, torch.dtype, torch.device, Rows]] = []
+    for (out_features, in_features), dtype, device in linear_shapes(model):
+        weight = torch.randn(out_features, in_features, generator=generator).to(dtype=dtype, device=device)
+        layers.append((in_features, dtype, device, partial(F.linear, weight=weight)))
+    for module in {(module.out_features, module.in_features): module for module in other_layers(model)}.values():
+        if hasattr(module, "prefill_rows"):
+            layers.append((int(module.in_features), torch.bfloat16, torch.device("cpu"), cast(Rows, module.prefill_rows)))  # type: ignore[arg-type]
+    for in_features, dtype, device, compute in layers:
+        inputs, others = (torch.randn(tile, in_features, generator=generator).to(dtype=dtype, device=device) for _ in range(2))
+        result = compute(inputs)
+        for place in sorted({0, 1, tile // 2, tile - 1}):
+            for filling in (others.clone(), torch.zeros_like(others)):
+                filling[place] = inputs[place]
+                if not torch.equal(compute(filling)[place], result[place]):
+                    log.info("linear rows of a %d-row call depend on the call's other rows (%d inputs)", tile, in_features)
+                    return False
+    return True
 
 
 @torch.inference_mode()
@@ -288,9 +369,9 @@ def tokens_attention_invariant(dtype: torch.dtype, device: torch.device, kv_head
 
 @torch.inference_mode()
 def entry_tokens(dtype: torch.dtype, device: torch.device, kv_heads: int, groups: int, head_dim: int) -> int:
-    """How many of a row's tokens may share a call entry of token attention (each token's
-    ``groups`` query heads, padded to a multiple of QUERY_MULTIPLE, side by side, all reading
-    the same columns; ``kv_cache._shared_entries``) with each token's output bitwise what an
+    """How many of a row's tokens may share a call entry of token attention (their ``groups``
+    query heads each, padded to a multiple of QUERY_MULTIPLE, head by head, all reading the
+    same columns; ``kv_cache._shared_entries``) with each token's output bitwise what an
     entry of its own gives it: the most, up to one query tile, such that every count from two
     up keeps a token's output at its first, middle and last place, on random inputs; 1 where
     two tokens do not."""
@@ -303,25 +384,27 @@ def entry_tokens(dtype: torch.dtype, device: torch.device, kv_heads: int, groups
 
     keys, values = random(1, kv_heads, 1100, head_dim, scale=3.0), random(1, kv_heads, 1100, head_dim)
     for columns in (64, 128, 512, 576, 1088):
-        tokens = random(most, kv_heads, padded, head_dim, scale=2.0)
+        tokens = random(kv_heads, padded, most, head_dim, scale=2.0)
         # Each token sees a different count of the last tile's columns, as a row's tokens do.
         visible = [columns - COLUMN_TILE + 1 + (index * 7) % COLUMN_TILE for index in range(most)]
-        mask = torch.full((most, padded, columns), float("-inf"), dtype=dtype, device=device)
+        mask = torch.full((padded, most, columns), float("-inf"), dtype=dtype, device=device)
         for index, count in enumerate(visible):
-            mask[index, :, :count] = 0
-        mask[:, groups:, 1:] = float("-inf")  # padding heads see column 0 only
+            mask[:, index, :count] = 0
+        mask[groups:, :, 1:] = float("-inf")  # padding heads see column 0 only
 
         def attend(low: int, high: int) -> torch.Tensor:
-            entry = tokens[low:high].transpose(0, 1).reshape(1, kv_heads, -1, head_dim)
             attended = F.scaled_dot_product_attention(
-                entry, keys[..., :columns, :], values[..., :columns, :], attn_mask=mask[low:high].reshape(1, 1, -1, columns)
+                tokens[:, :, low:high].reshape(1, kv_heads, -1, head_dim),
+                keys[..., :columns, :],
+                values[..., :columns, :],
+                attn_mask=mask[:, low:high].reshape(1, 1, -1, columns),
             )
-            return attended[0].view(kv_heads, high - low, padded, head_dim)[:, :, :groups]
+            return attended[0].view(kv_heads, padded, high - low, head_dim)[:, :groups]
 
-        alone = [attend(index, index + 1)[:, 0] for index in range(most)]
+        alone = [attend(index, index + 1)[:, :, 0] for index in range(most)]
         for count in range(2, most + 1):
             together = attend(0, count)
-            if not all(torch.equal(together[:, place], alone[place]) for place in {0, count // 2, count - 1}):
+            if not all(torch.equal(together[:, :, place], alone[place]) for place in {0, count // 2, count - 1}):
                 log.info("a query's attention depends on its call entry's query count (%d tokens, %d columns)", count, columns)
                 return count - 1
     return most
@@ -355,7 +438,15 @@ def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> In
     limit = _row_limits[key]
     if limit >= DECODE_LINEAR_TILE:  # the library's own calls: one a pass, or of up to ``limit`` rows
         rows = 0 if limit >= most_rows else limit
-        invariance = Invariance(linear_tile=0, linear_rows=rows, token_attention=_probed[attention], entry_tokens=shared)
+        prefill = 0
+        if rows and rows < PREFILL_ALIGNED_ROWS <= most_rows:
+            aligned = ("aligned", key)
+            if aligned not in _probed:
+                _probed[aligned] = aligned_rows_invariant(model)
+            prefill = PREFILL_ALIGNED_ROWS if _probed[aligned] else 0
+        invariance = Invariance(
+            linear_tile=0, linear_rows=rows, token_attention=_probed[attention], entry_tokens=shared, prefill_rows=prefill
+        )
     else:
         invariance = Invariance(linear_tile=DECODE_LINEAR_TILE, token_attention=_probed[attention], entry_tokens=shared)
     log.info("batch-invariant shapes: %s", invariance.describe())

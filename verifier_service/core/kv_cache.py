@@ -743,9 +743,9 @@ def _token_attention(queries, mask, keys, values, first: int, groups: int, plan:
 
 def _shared_entries(queries, mask, keys, values, slot: int, out, call: tuple[int, int, int], groups: int, most: int, scale) -> None:
     """Tokens [start, stop) of one row, each reading ``columns``, as call entries of up to
-    ``most`` tokens, each token's ``groups`` query heads side by side: queries [kv_heads,
-    groups * width, dim] (head-major) and mask [1, groups * width, columns] of the row;
-    their output into ``out``, laid out as the queries."""
+    ``most`` tokens, their ``groups`` query heads each: queries [kv_heads, groups * width,
+    dim] and mask [1, groups * width, columns] of the row (head-major, as folded: a whole
+    row's mask is read in place); their output into ``out``, laid out as the queries."""
     start, stop, columns = call
     kv_heads, folded, dim = queries.shape
     width = folded // groups
@@ -754,15 +754,14 @@ def _shared_entries(queries, mask, keys, values, slot: int, out, call: tuple[int
     placed = out.view(kv_heads, groups, width, dim)
     for low in range(start, stop, most):
         high = min(stop, low + most)
-        entry = tokens[:, :, low:high].transpose(1, 2).reshape(1, kv_heads, -1, dim)  # token-major: each token's heads together
         attended = F.scaled_dot_product_attention(
-            entry,
+            tokens[:, :, low:high].reshape(1, kv_heads, -1, dim),
             keys[slot : slot + 1, :, :columns],
             values[slot : slot + 1, :, :columns],
-            attn_mask=visible[:, low:high, :columns].transpose(0, 1).reshape(1, 1, -1, columns),
+            attn_mask=visible[:, low:high, :columns].reshape(1, 1, -1, columns),
             scale=scale,
-        )  # [1, kv_heads, (high - low) * groups, dim]
-        placed[:, :, low:high] = attended[0].view(kv_heads, high - low, groups, dim).transpose(1, 2)
+        )  # [1, kv_heads, groups * (high - low), dim]
+        placed[:, :, low:high] = attended[0].view(kv_heads, groups, high - low, dim)
 
 
 def _tiled_segment(query, keys, values, output, step: StepLayout, segment: Segment, window: int | None, scale, groups: int) -> None:

@@ -99,7 +99,7 @@ class TransposableLinear(nn.Linear):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         invariant = current_pass()
         if invariant is not None:  # fixed shapes, whatever the measured form
-            return invariant_linear(hidden, self.weight, self.bias, *invariant)
+            return invariant_linear(hidden, self.weight, self.bias, invariant)
         if getattr(_thread, "engaged", False) and self.kernels.transposed(hidden.numel() // hidden.shape[-1]):
             return linear_transposed(hidden, self.weight, self.bias)
         return F.linear(hidden, self.weight, self.bias)

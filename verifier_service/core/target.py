@@ -192,7 +192,8 @@ class PackedModel:
         layout = plan_step(self.cache, counts, placed, self.device, trees, invariance=invariance)
         kept = torch.tensor(keep, dtype=torch.long, device=self.device) if self.keeps_logits else None
         decode_tokens = sum(count for _, count in counts)
-        with engaged(), invariant_pass(invariance, decode_tokens) if invariance else contextlib.nullcontext():
+        chunks = tuple((first, length) for _, first, length in placed)
+        with engaged(), invariant_pass(invariance, decode_tokens, chunks) if invariance else contextlib.nullcontext():
             logits = self.run(torch.tensor([input_ids], device=self.device), layout, kept)
         for slot, (cached, count) in enumerate(counts):
             self.cache.wrote(slot, cached + count)

@@ -96,17 +96,16 @@ class Int4Linear(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, self.in_features)
         invariant = current_pass()
-        if invariant is None or (self.any_rows and invariant[1] >= flat.shape[0]):
+        if invariant is None or (self.any_rows and invariant.decode >= flat.shape[0]):
             out = self.rows(flat)  # outside the engine's passes, or decode rows only that need no fixed shape
         else:
-            invariance, decode = invariant
-            decode = min(decode, flat.shape[0])
+            decode = min(invariant.decode, flat.shape[0])
             parts = []
             if decode:
                 head = flat[:decode]
-                parts.append(self.rows(head) if self.any_rows else invariant_rows(head, self.rows, invariance, decode))
+                parts.append(self.rows(head) if self.any_rows else invariant_rows(head, self.rows, invariant))
             if decode < flat.shape[0]:
-                parts.append(invariant_rows(flat[decode:], self.prefill_rows, invariance, 0))
+                parts.append(invariant_rows(flat[decode:], self.prefill_rows, invariant, decode=0))
             out = torch.cat(parts) if len(parts) > 1 else parts[0]
         return out.reshape(*hidden.shape[:-1], self.out_features)
 

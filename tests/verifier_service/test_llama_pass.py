@@ -103,3 +103,22 @@ def test_layers_are_joined_only_where_the_joined_layer_computes_their_bits(monke
     parts = int4_layers(128, 64)
     assert join(parts) is None
     assert len({part.packed.untyped_storage().data_ptr() for part in parts}) == 2  # each still its own
+
+
+def test_prompt_rows_are_computed_part_by_part_where_only_the_joined_bfloat16_gemm_rounds_apart(monkeypatch):
+    """As oneDNN on an AMX CPU computes the q/k/v sizes joined at 256 rows: the int4 kernel's
+    rows are joined, the prompt rows' bfloat16 GEMM is not."""
+    real = torch.nn.functional.linear
+
+    def joined_apart(x, weight, bias=None):
+        out = real(x, weight, bias)
+        return out + (out.abs() * 2**-7) * (weight.shape[0] == 192 and x.shape[0] > 100)
+
+    monkeypatch.setattr(weights, "_joins_exact", {})
+    monkeypatch.setattr(torch.nn.functional, "linear", joined_apart)
+    parts = int4_layers(128, 64)
+    joined = join(parts)
+    assert isinstance(joined, JoinedInt4Linear) and joined.prefill_apart
+    rows = torch.randn(256, parts[0].in_features).to(torch.bfloat16)
+    assert torch.equal(joined.prefill_rows(rows), torch.cat([part.prefill_rows(rows) for part in parts], dim=-1))
+    assert torch.equal(joined.rows(rows), torch.cat([part.rows(rows) for part in parts], dim=-1))

@@ -25,7 +25,10 @@ batch size, a batch-invariant pass fixes the shapes (``Invariance``):
 * linear layers run the decode rows in tiles of ``linear_tile`` rows, and the prefill
   rows in tiles of ``prefill_tile`` (padding the last), or, where a start-up probe finds
   the library's GEMM invariant from two rows on (``library_row_limit``), in calls of as
-  many rows as it keeps so (all of them, or ``linear_rows``), a lone row padded to two;
+  many rows as it keeps so (all of them, or ``linear_rows``), a lone row padded to two,
+  and the prefill rows then in calls of ``prefill_rows`` aligned to the prompt's
+  positions where a probe finds a row past the limit depends only on its place and the
+  call's count (``aligned_rows_invariant``);
 * decode attention gives each token a call entry of its own, where a start-up probe finds
   that invariant (``token_attention``: the same query count in every call, whatever the
   row's width; a row's tokens reading as many columns share an entry where a third probe

@@ -128,6 +128,14 @@ class JoinedInt4Linear(Int4Linear):
         biases = [part.bias for part in parts]
         self.bias = None if biases[0] is None else torch.cat(cast(list[torch.Tensor], biases))
         self.register_buffer("dense", torch.cat([part.dense for part in parts]), persistent=False)
+        # Prompt rows computed part by part: the joined bfloat16 GEMM rounds apart from the
+        # parts' at some row count (oneDNN on an AMX CPU, the q/k/v sizes at 256 rows).
+        self.prefill_apart = False
+
+    def prefill_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.prefill_apart:
+            return torch.cat([part.prefill_rows(flat) for part in self.parts], dim=-1)
+        return super().prefill_rows(flat)
 
     @property  # type: ignore[override]
     def any_rows(self) -> bool:  # set on the parts by the start-up probe
@@ -145,8 +153,9 @@ class JoinedInt4Linear(Int4Linear):
 def join(parts: Sequence[nn.Module]) -> JoinedInt4Linear | None:
     """``parts`` (linear layers of one input) as one ``JoinedInt4Linear``, or None unless they
     are all ``Int4Linear`` with biases alike and the joined layer computes each part's
-    outputs bitwise as the part does, for both its computations at every row count a pass
-    may give it (``invariance.PROBED_ROWS``; checked once for each set of sizes)."""
+    outputs bitwise as the part does by the int4 kernel at every row count a pass may give
+    it (``invariance.PROBED_ROWS``; checked once for each set of sizes); prompt rows are
+    computed joined where the bfloat16 GEMM is exact that way too, else part by part."""
     if len(parts) < 2 or any(type(part) is not Int4Linear for part in parts):
         return None
     layers = cast(list[Int4Linear], list(parts))
@@ -155,28 +164,32 @@ def join(parts: Sequence[nn.Module]) -> JoinedInt4Linear | None:
     joined = JoinedInt4Linear(layers)
     key = (joined.in_features, tuple(joined.splits), layers[0].bias is None, torch.get_num_threads())
     if key not in _joins_exact:
-        _joins_exact[key] = _computes_as_parts(joined)
-        if not _joins_exact[key]:
-            log.info("int4 layers of %s outputs are computed apart: joined, they round differently", joined.splits)
-    if not _joins_exact[key]:
+        _joins_exact[key] = (_computes_as_parts(joined, "rows"), _computes_as_parts(joined, "prefill_rows"))
+        if not all(_joins_exact[key]):
+            computed = "are computed apart" if not _joins_exact[key][0] else "are computed apart for prompts"
+            log.info("int4 layers of %s outputs %s: joined, they round differently", joined.splits, computed)
+    rows_exact, prefill_exact = _joins_exact[key]
+    if not rows_exact:
         return None
+    joined.prefill_apart = not prefill_exact
     joined.share()
     return joined
 
 
-_joins_exact: dict[tuple, bool] = {}
+_joins_exact: dict[tuple, tuple[bool, bool]] = {}  # -> (int4 rows joined exact, prompt rows joined exact)
 
 
 @torch.inference_mode()
-def _computes_as_parts(joined: JoinedInt4Linear) -> bool:
+def _computes_as_parts(joined: JoinedInt4Linear, kind: str) -> bool:
+    """Whether ``joined``'s ``kind`` computation (``rows``, ``prefill_rows``) gives each part's
+    outputs bitwise at every row count probed."""
     generator = torch.Generator().manual_seed(3)
     inputs = torch.randn(max(PROBED_ROWS), joined.in_features, generator=generator).to(torch.bfloat16)
     for count in (1, 2, *PROBED_ROWS):
         rows = inputs[:count]
-        for kind in ("rows", "prefill_rows"):
-            apart = torch.cat([getattr(part, kind)(rows) for part in joined.parts], dim=-1)
-            if not torch.equal(getattr(joined, kind)(rows), apart):
-                return False
+        apart = torch.cat([getattr(part, kind)(rows) for part in joined.parts], dim=-1)
+        if not torch.equal(getattr(joined, kind)(rows), apart):
+            return False
     return True
 
 

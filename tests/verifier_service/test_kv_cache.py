@@ -13,7 +13,16 @@ import pytest
 import torch
 
 from verifier_service.core.invariance import Invariance
-from verifier_service.core.kv_cache import STEP_KWARG, SlotKVCache, _token_attention, _visible, partition_rows, plan_step, slot_attention
+from verifier_service.core.kv_cache import (
+    STEP_KWARG,
+    SlotKVCache,
+    _token_attention,
+    _visible,
+    partition_rows,
+    plan_step,
+    plan_token_calls,
+    slot_attention,
+)
 
 CPU = torch.device("cpu")
 
@@ -293,3 +302,22 @@ def test_token_attention_with_the_additive_mask_is_bitwise_the_bool_masks(dtype)
     with_bool = _token_attention(queries, visible, keys, values, 0, 4, calls, None)
     with_additive = _token_attention(queries, additive, keys, values, 0, 4, calls, None)
     assert torch.equal(with_bool, with_additive)
+
+
+def test_token_calls_span_the_rows_that_read_as_many_columns_without_computing_far_gaps():
+    """Rows 0 and 15 read 640 columns, the 14 between them 64: one call over all 16 rows for
+    640 would compute 14 dropped entries of 640 columns; two calls of one row cost less."""
+    cpu = torch.device("cpu")
+    far = plan_token_calls([[640], *[[64]] * 14, [640]], cpu)
+    assert far.by_query
+    assert sorted((columns, low, high) for _, columns, low, high, _, _ in far.calls) == [(64, 1, 15), (640, 0, 1), (640, 15, 16)]
+    near = plan_token_calls([[320], [448], [320], [448]], cpu)  # a dropped entry of 320 columns costs less than a call, of 448 more
+    assert sorted((columns, low, high) for _, columns, low, high, _, _ in near.calls) == [(320, 0, 3), (448, 1, 2), (448, 3, 4)]
+    assert [index.tolist() for _, _, _, _, index, _ in near.calls if index is not None] == [[0, 2]]
+
+
+def test_a_rows_tokens_in_shared_entries_make_calls_per_row_where_each_token_would_not():
+    cpu = torch.device("cpu")
+    reads = [[320] * 2] * 4  # four rows of two tokens reading as many columns
+    assert plan_token_calls(reads, cpu).by_query  # two calls of four entries rather than four of two
+    assert plan_token_calls(reads, cpu, entry_tokens=8).calls == [(row, 0, 2, 320) for row in range(4)]  # an entry a row

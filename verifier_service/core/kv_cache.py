@@ -251,18 +251,18 @@ class DecodeGroup:
             mask = self._masks[key] = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
         return mask
 
-    def token_calls(self, column_tile: int, capacity: int) -> TokenCalls:
+    def token_calls(self, column_tile: int, capacity: int, entry_tokens: int = 1) -> TokenCalls:
         """The calls token attention makes for this group (``plan_token_calls``), built once
         for every layer: token i of a row reads its write column + 1, to a whole
         ``column_tile`` (at most ``capacity``)."""
-        key = ("token calls", column_tile, capacity)
+        key = ("token calls", column_tile, capacity, entry_tokens)
         calls = self._masks.get(key)
         if calls is None:
             reads = [
                 [min(capacity, column + (-column) % column_tile) for column in range(cached + 1, cached + 1 + count)]
                 for cached, count in zip(self.cached_rows, self.widths)
             ]
-            calls = self._masks[key] = plan_token_calls(reads, self.query_positions.device)
+            calls = self._masks[key] = plan_token_calls(reads, self.query_positions.device, entry_tokens)
         return calls
 
     def _tree_mask(self, window: int | None) -> torch.Tensor:
@@ -548,7 +548,7 @@ def slot_attention(module, query, key, value, attention_mask, **kwargs):
             if invariance.token_attention:  # each token a call entry of its own
                 mask = group.additive_mask(groups, window, invariance, cache.capacity, query.dtype)
                 padded = _pad_groups(queries, groups, width)
-                calls = group.token_calls(invariance.column_tile, cache.capacity)
+                calls = group.token_calls(invariance.column_tile, cache.capacity, invariance.entry_tokens)
                 attended = _token_attention(
                     padded, mask, keys, values, group.first, padded.shape[2] // width, calls, scale, invariance.entry_tokens
                 )
@@ -658,12 +658,14 @@ class TokenCalls:
     calls: list[tuple]
 
 
-def plan_token_calls(reads: list[list[int]], device: torch.device) -> TokenCalls:
-    """``reads[row][i]``: the columns token i of the row reads. Per query index i, a call over
-    the rows that have a token i and read as many columns, from the first to the last of
-    them (entries between them of other rows are computed and dropped); or per row, a call
-    over its tokens that read as many columns (reads grow along a row); whichever makes
-    fewer calls.
+def plan_token_calls(reads: list[list[int]], device: torch.device, entry_tokens: int = 1) -> TokenCalls:
+    """``reads[row][i]``: the columns token i of the row reads. Per query index i, calls over
+    the rows that have a token i and read as many columns, each from one of them to another
+    (entries between them of other rows are computed and dropped, where that costs less than
+    one more call); or per row, a call over its tokens that read as many columns (reads grow
+    along a row), their entries shared up to ``entry_tokens`` at a time; whichever costs
+    less, each entry costing READ_QUERIES + its tokens units per column read and each call
+    CALL_UNITS (``partition_rows``).
 
     reads [[16, 16], [32]]: per query (query 0 reads 16 and 32 columns, query 1 16: three
     calls) against per row (two calls) -> per row, [(0, 0, 2, 16), (1, 0, 1, 32)]."""
@@ -676,14 +678,32 @@ def plan_token_calls(reads: list[list[int]], device: torch.device) -> TokenCalls
         for row, row_reads in enumerate(reads)
         for columns in dict.fromkeys(row_reads)
     ]
-    if sum(map(len, by_query)) > len(per_row):
-        return TokenCalls(False, per_row)
-    calls = []
+    per_row_units = 0
+    for _, start, stop, columns in per_row:
+        tokens = stop - start
+        if entry_tokens > 1:
+            entries = math.ceil(tokens / entry_tokens)
+            per_row_units += entries * CALL_UNITS + columns * (entries * READ_QUERIES + tokens)
+        else:
+            per_row_units += CALL_UNITS + tokens * columns * (READ_QUERIES + 1)
+    spans: list[tuple[int, int, list[int]]] = []  # (query, columns, rows): one call each
     for query, groups in enumerate(by_query):
         for columns, having in groups.items():
-            low, high = having[0], having[-1] + 1
-            index = None if high - low == len(having) else torch.tensor(having, device=device)
-            calls.append((query, columns, low, high, index, None if index is None else index - low))
+            span = [having[0]]
+            for row in having[1:]:
+                if (row - span[-1] - 1) * columns * (READ_QUERIES + 1) >= CALL_UNITS:  # the gap costs more than a call
+                    spans.append((query, columns, span))
+                    span = []
+                span.append(row)
+            spans.append((query, columns, span))
+    by_query_units = sum(CALL_UNITS + (rows[-1] + 1 - rows[0]) * columns * (READ_QUERIES + 1) for _, columns, rows in spans)
+    if by_query_units > per_row_units:
+        return TokenCalls(False, per_row)
+    calls = []
+    for query, columns, having in spans:
+        low, high = having[0], having[-1] + 1
+        index = None if high - low == len(having) else torch.tensor(having, device=device)
+        calls.append((query, columns, low, high, index, None if index is None else index - low))
     return TokenCalls(True, calls)
 
 

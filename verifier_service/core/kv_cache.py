@@ -313,7 +313,7 @@ class StepLayout:
         key = ("tile", tile, window)
         mask = self._masks.get(key)
         if mask is None:
-            device, size = self.position_ids.device, self.invariance.query_tile
+            device, size = self.position_ids.device, self.invariance.prefill_query_tile
             positions = tile * size + torch.arange(size, device=device)
             columns = min(capacity, (tile + 1) * size)
             mask = self._masks[key] = _visible(positions[:, None].clamp(max=columns - 1), torch.arange(columns, device=device), window)
@@ -792,7 +792,7 @@ def _tiled_segment(query, keys, values, output, step: StepLayout, segment: Segme
     output does not depend on how the prompt was cut into chunks. (The kernel's blocks
     follow the columns a call reads, so reading up to a chunk's own end rounded apart.)"""
     assert step.invariance is not None
-    size = step.invariance.query_tile
+    size = step.invariance.prefill_query_tile
     first, stop = segment.first_position, segment.first_position + segment.length
     for tile in range(first // size, (stop - 1) // size + 1):
         low, high = max(first, tile * size), min(stop, (tile + 1) * size)  # the positions this chunk fills

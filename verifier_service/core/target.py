@@ -186,7 +186,7 @@ class PackedModel:
             columns += (-columns) % invariance.column_tile
             for slot, first, length in placed:  # prefill tiles read to their end (kv_cache._tiled_segment)
                 end = first + length
-                self.cache.ensure_finite(slot, end + (-end) % invariance.query_tile)
+                self.cache.ensure_finite(slot, end + (-end) % invariance.prefill_query_tile)
         for slot in range(len(counts)):
             self.cache.ensure_finite(slot, columns)
         layout = plan_step(self.cache, counts, placed, self.device, trees, invariance=invariance)

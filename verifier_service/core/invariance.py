@@ -35,7 +35,7 @@ batch size, a batch-invariant pass fixes the shapes (``Invariance``):
   finds a query's output independent of its entry's query count, ``entry_tokens``), else
   pads each row's queries to a multiple of ``query_tile``; either way
   the columns read go to a multiple of ``column_tile``. Prefill attention runs each chunk
-  in tiles of ``query_tile`` queries (``kv_cache``).
+  in tiles of ``prefill_query_tile`` queries aligned to the prompt (``kv_cache``).
 
 What this costs is measured by ``bench.bench_dtype --batch-invariant off on``; the tests
 compare a token's logits bitwise across pass compositions.
@@ -239,6 +239,27 @@ def _rows(rows: torch.Tensor, compute: Rows, tile: int, most: int = 0) -> torch.
     return torch.cat([compute(rows[start : start + tile]) for start in range(0, rows.shape[0], tile)])[:count]
 
 
+ProbedLayer = tuple[str, int, torch.dtype, torch.device, Rows]  # name, input features, dtype, device, its rows
+
+
+def _probed_layers(model: nn.Module, generator: torch.Generator, kinds: tuple[str, ...]) -> list[ProbedLayer]:
+    """What the linear-layer probes compute: each ``nn.Linear`` shape of ``model`` with a
+    random weight (from ``generator``) in its dtype and device, then each shape of the layers
+    of another form that probe themselves, through each of their ``kinds`` computations they
+    have (``rows``: decode rows; ``prefill_rows``)."""
+    layers: list[ProbedLayer] = []
+    for (out_features, in_features), dtype, device in linear_shapes(model):
+        weight = torch.randn(out_features, in_features, generator=generator).to(dtype=dtype, device=device)
+        layers.append((f"{out_features} x {in_features} in {dtype}", in_features, dtype, device, partial(F.linear, weight=weight)))
+    for module in {(module.out_features, module.in_features): module for module in other_layers(model)}.values():
+        out_features, in_features = int(module.out_features), int(module.in_features)  # type: ignore[arg-type]
+        for kind in kinds:
+            if hasattr(module, kind):
+                name = f"{type(module).__name__} {out_features} x {in_features} ({kind})"
+                layers.append((name, in_features, torch.bfloat16, torch.device("cpu"), cast(Rows, getattr(module, kind))))
+    return layers
+
+
 @torch.inference_mode()
 def library_row_limit(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> int:
     """The most rows a call may have with every linear layer shape of ``model`` giving each
@@ -249,16 +270,7 @@ def library_row_limit(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> in
     device (the library, the CPU and the thread count decide). Layers of another form
     (int4: ``row_probe``) are probed through themselves."""
     generator = torch.Generator().manual_seed(0)
-    layers: list[tuple[str, int, torch.dtype, torch.device, Rows]] = []
-    for (out_features, in_features), dtype, device in linear_shapes(model):
-        weight = torch.randn(out_features, in_features, generator=generator).to(dtype=dtype, device=device)
-        layers.append((f"{out_features} x {in_features} in {dtype}", in_features, dtype, device, partial(F.linear, weight=weight)))
-    for module in {(module.out_features, module.in_features): module for module in other_layers(model)}.values():
-        out_features, in_features = int(module.out_features), int(module.in_features)  # type: ignore[arg-type]
-        for kind in ("rows", "prefill_rows"):  # its decode rows' computation, and its prefill rows' where it has one
-            if hasattr(module, kind):
-                name = f"{type(module).__name__} {out_features} x {in_features} ({kind})"
-                layers.append((name, in_features, torch.bfloat16, torch.device("cpu"), cast(Rows, getattr(module, kind))))
+    layers = _probed_layers(model, generator, ("rows", "prefill_rows"))  # decode rows' computation, and prefill rows'
     dense = range(3, min(DENSE_ROWS, most_rows) + 1)
     counts = [*dense, *sorted({count for count in (*PROBED_ROWS, most_rows) if DENSE_ROWS < count <= most_rows})]
     limit = most_rows
@@ -290,21 +302,14 @@ def aligned_rows_invariant(model: nn.Module, tile: int = PREFILL_ALIGNED_ROWS) -
     rows the same bits whatever the call's other rows (random, or zeros), at its first,
     second, middle and last place: what ``Invariance.prefill_rows`` needs. On random inputs."""
     generator = torch.Generator().manual_seed(4)
-    layers: list[tuple[int, torch.dtype, torch.device, Rows]] = []
-    for (out_features, in_features), dtype, device in linear_shapes(model):
-        weight = torch.randn(out_features, in_features, generator=generator).to(dtype=dtype, device=device)
-        layers.append((in_features, dtype, device, partial(F.linear, weight=weight)))
-    for module in {(module.out_features, module.in_features): module for module in other_layers(model)}.values():
-        if hasattr(module, "prefill_rows"):
-            layers.append((int(module.in_features), torch.bfloat16, torch.device("cpu"), cast(Rows, module.prefill_rows)))  # type: ignore[arg-type]
-    for in_features, dtype, device, compute in layers:
+    for name, in_features, dtype, device, compute in _probed_layers(model, generator, ("prefill_rows",)):
         inputs, others = (torch.randn(tile, in_features, generator=generator).to(dtype=dtype, device=device) for _ in range(2))
         result = compute(inputs)
         for place in sorted({0, 1, tile // 2, tile - 1}):
             for filling in (others.clone(), torch.zeros_like(others)):
                 filling[place] = inputs[place]
                 if not torch.equal(compute(filling)[place], result[place]):
-                    log.info("linear rows of a %d-row call depend on the call's other rows (%d inputs)", tile, in_features)
+                    log.info("linear rows of %s in a %d-row call depend on the call's other rows", name, tile)
                     return False
     return True
 
@@ -436,7 +441,7 @@ def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> In
     attention = ("attention", parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim, torch.get_num_threads())
     if attention not in _probed:
         _probed[attention] = tokens_attention_invariant(parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim)
-    if attention not in _entry_tokens:
+    if _probed[attention] and attention not in _entry_tokens:  # only token attention shares entries
         _entry_tokens[attention] = entry_tokens(parameter.dtype, parameter.device, kv_heads, heads // kv_heads, head_dim)
     shared = _entry_tokens[attention] if _probed[attention] else 1
     for module in other_layers(model):  # layers whose rows need no fixed shapes at all

@@ -305,8 +305,8 @@ class StepLayout:
     _masks: dict = field(default_factory=dict)
 
     def tile_mask(self, tile: int, window: int | None, capacity: int) -> torch.Tensor:
-        """[query_tile, columns] bool: the causal mask of prefill tile ``tile``, positions
-        [tile * query_tile, (tile + 1) * query_tile) (slots a chunk does not fill are padding,
+        """[prefill_query_tile, columns] bool: the causal mask of prefill tile ``tile``, positions
+        [tile * prefill_query_tile, (tile + 1) * prefill_query_tile) (slots a chunk does not fill are padding,
         each seeing as its position would), reading the columns up to the tile's end (at
         most ``capacity``), whichever chunk fills it; built once for every layer."""
         assert self.invariance is not None
@@ -785,8 +785,8 @@ def _shared_entries(queries, mask, keys, values, slot: int, out, call: tuple[int
 
 
 def _tiled_segment(query, keys, values, output, step: StepLayout, segment: Segment, window: int | None, scale, groups: int) -> None:
-    """A prefill chunk's attention in tiles of ``query_tile`` positions aligned to the
-    prompt's (tile t holds positions [t * query_tile, (t + 1) * query_tile)), each a call
+    """A prefill chunk's attention in tiles of ``prefill_query_tile`` positions aligned to the
+    prompt's (tile t holds positions [t * size, (t + 1) * size)), each a call
     of exactly that many queries, a position always in the same place among them, reading
     the slot's columns up to the tile's end under an explicit causal mask: a prompt token's
     output does not depend on how the prompt was cut into chunks. (The kernel's blocks

@@ -37,6 +37,7 @@ from verifier_service.core.kv_cache import (
     _token_attention,
     plan_token_calls,
 )
+from verifier_service.core.packed_linear import use_packed_output
 from verifier_service.core.rejection import SamplingParams
 
 VOCAB = 64
@@ -63,9 +64,13 @@ def build(dtype: torch.dtype) -> LlamaForCausalLM:
     return model.to(dtype)
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "bfloat16, output laid out"])
 def model(request):
-    return build(getattr(torch, request.param))
+    """Each dtype; bfloat16 also with its output layer laid out for oneDNN, as a served form has it."""
+    built = build(getattr(torch, request.param.split(",")[0]))
+    if request.param.endswith("laid out") and not use_packed_output(built):
+        pytest.skip("this CPU's torch has no oneDNN bfloat16 linear layers to lay out")
+    return built
 
 
 def engine_for(model, tokenizer, invariant: bool = True, proposer=None, **config) -> SpeculativeEngine:

@@ -53,6 +53,7 @@ from transformers import PreTrainedModel
 from verifier_service.core.keyed_file import KeyedFile
 from verifier_service.core.kv_cache import SlotKVCache
 from verifier_service.core.linear_kernels import MEASURED_UP_TO, LinearKernels
+from verifier_service.core.packed_linear import output_kernel
 from verifier_service.core.weights import weights_form
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ def calibration_key(engine: CostProbe) -> dict:
         "model": hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
         "dtype": str(next(model.parameters()).dtype),
         "weights": weights_form(model),
+        "output": output_kernel(model),
         "passes": engine.passes,
         "cache_reads": "per token" if engine.reads_per_token else "per row",
         "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else str(engine.device),

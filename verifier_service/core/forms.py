@@ -39,6 +39,7 @@ from verifier_service.core.engine_config import EngineConfig
 from verifier_service.core.keyed_file import KeyedFile
 from verifier_service.core.llama_pass import forward_name
 from verifier_service.core.model_loading import LoadedModel, has_fast_bfloat16, load_model
+from verifier_service.core.packed_linear import output_kernel, use_packed_output
 from verifier_service.core.weights import int4_supported, use_int4_weights
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,8 @@ def in_form(model: PreTrainedModel, form: Form, keep: bool = False) -> PreTraine
     model = model.to(getattr(torch, form.dtype))
     if form.weights == "int4":
         use_int4_weights(model)
+    if form.dtype == "bfloat16":
+        use_packed_output(model)
     return model
 
 
@@ -251,6 +254,7 @@ def form_key(model: PreTrainedModel, forms: list[Form], config: EngineConfig) ->
         "shapes": pass_shapes(config),
         "batch_invariant": config.batch_invariant,
         "forward": forward_name(model),
+        "output": output_kernel(model),
     }
     return json.loads(json.dumps(key))  # as it reads back from a file: tuples as lists
 

@@ -217,6 +217,21 @@ def test_the_probe_finds_how_many_rows_a_call_may_have(monkeypatch):
     assert library_row_limit(torch.nn.Linear(8, 8), most_rows=100) == 32
     monkeypatch.setattr(torch.nn.functional, "linear", switching_at(80, row_by_row))  # past the counts probed one by one
     assert library_row_limit(torch.nn.Linear(8, 8), most_rows=100) == invariance_module.DENSE_ROWS
+    monkeypatch.setattr(torch.nn.functional, "linear", some_rows_apart_past(80, row_by_row))
+    assert library_row_limit(torch.nn.Linear(8, 8), most_rows=100) == invariance_module.DENSE_ROWS
+
+
+def some_rows_apart_past(rows: int, original=torch.nn.functional.linear):
+    """F.linear as oneDNN's laid-out bfloat16 computes K=1,536 past 149 rows a call: only a
+    few rows (here the 30th of every 31) come out a rounding apart."""
+
+    def linear(x, weight, bias=None):
+        out = original(x, weight, bias)
+        count = x.reshape(-1, x.shape[-1]).shape[0]
+        places = torch.arange(count).reshape(*out.shape[:-1], 1)
+        return out + ((places % 31 == 29) & (count > rows)) * 1e-2
+
+    return linear
 
 
 def test_calls_of_limited_rows_give_each_row_what_a_call_of_its_own_part_gives(monkeypatch):

@@ -71,7 +71,7 @@ def int4_layers(*outputs: int, bias: bool = False) -> list[Int4Linear]:
 
 def test_joined_int4_layers_compute_each_part_bitwise_and_hold_no_second_copy():
     parts = int4_layers(128, 64, 64, bias=True)
-    before = [(part.packed.clone(), part.dense.clone()) for part in parts]
+    before = [(part.packed.clone(), part.copy_weight().clone()) for part in parts]
     inputs = torch.randn(max(PROBED_ROWS), 96).to(torch.bfloat16)
     calls = [(kind, count) for kind in ("rows", "prefill_rows") for count in (1, 5)]
     expected = {(kind, count): [getattr(part, kind)(inputs[:count]) for part in parts] for kind, count in calls}
@@ -80,10 +80,16 @@ def test_joined_int4_layers_compute_each_part_bitwise_and_hold_no_second_copy():
     for (kind, count), apart in expected.items():
         together = getattr(joined, kind)(inputs[:count]).split(joined.splits, dim=-1)
         assert all(torch.equal(a, b) for a, b in zip(together, apart))
-    for part, (packed, dense) in zip(parts, before):  # the parts read the joined weights, unchanged
-        assert torch.equal(part.packed, packed) and torch.equal(part.dense, dense)
+    for part, (packed, copied) in zip(parts, before):  # the parts read the joined weights, unchanged
+        assert torch.equal(part.packed, packed)
         assert part.packed.untyped_storage().data_ptr() == joined.packed.untyped_storage().data_ptr()
-        assert part.dense.untyped_storage().data_ptr() == joined.dense.untyped_storage().data_ptr()
+        if joined.dense is not None:
+            assert torch.equal(part.dense, copied)
+            assert part.dense.untyped_storage().data_ptr() == joined.dense.untyped_storage().data_ptr()
+    if joined.dense is None:  # laid out for oneDNN: one bfloat16 copy is kept, the one prompts are computed with
+        kept = [part.laid_out is not None for part in parts]
+        assert kept == [joined.prefill_apart] * 3 and (joined.laid_out is not None) != joined.prefill_apart
+        assert torch.equal(joined.prefill_rows(inputs[:5]), torch.cat([expected["prefill_rows", 5]][0], dim=-1))
 
 
 def test_layers_are_joined_only_where_the_joined_layer_computes_their_bits(monkeypatch):
@@ -108,14 +114,18 @@ def test_layers_are_joined_only_where_the_joined_layer_computes_their_bits(monke
 def test_prompt_rows_are_computed_part_by_part_where_only_the_joined_bfloat16_gemm_rounds_apart(monkeypatch):
     """As oneDNN on an AMX CPU computes the q/k/v sizes joined at 256 rows: the int4 kernel's
     rows are joined, the prompt rows' bfloat16 GEMM is not."""
-    real = torch.nn.functional.linear
 
-    def joined_apart(x, weight, bias=None):
-        out = real(x, weight, bias)
-        return out + (out.abs() * 2**-7) * (weight.shape[0] == 192 and x.shape[0] > 100)
+    def joined_apart(real):
+        def compute(x, weight, bias=None):
+            out = real(x, weight, bias)
+            return out + (out.abs() * 2**-7) * (out.shape[-1] == 192 and x.shape[0] > 100)
+
+        return compute
 
     monkeypatch.setattr(weights, "_joins_exact", {})
-    monkeypatch.setattr(torch.nn.functional, "linear", joined_apart)
+    # Whichever computes prompt rows here: F.linear, or oneDNN's laid-out weights.
+    monkeypatch.setattr(torch.nn.functional, "linear", joined_apart(torch.nn.functional.linear))
+    monkeypatch.setattr(weights, "linear_laid_out", joined_apart(weights.linear_laid_out))
     parts = int4_layers(128, 64)
     joined = join(parts)
     assert isinstance(joined, JoinedInt4Linear) and joined.prefill_apart

@@ -1,24 +1,25 @@
-"""The output layer in bfloat16 on a CPU, its weight held in oneDNN's own blocked layout.
+"""Linear layers in bfloat16 on a CPU, their weight held in oneDNN's own blocked layout.
 
 ``F.linear`` in bfloat16 on a CPU hands the weight to oneDNN as it is, and oneDNN copies it
 into its blocked layout on every call before it multiplies: for the default model's output
-layer (49,152 x 576, 56 MB) that copy is most of the call. ``PackedLinear`` lays the weight
-out once, when the model takes its form, and calls oneDNN's linear on the laid-out weight
+layer (49,152 x 576, 56 MB) that copy is most of the call. A ``LaidOut`` weight is laid out
+once, when the model takes its form, and computed by oneDNN's linear on the laid-out weight
 (``torch.ops.mkldnn._reorder_linear_weight`` and ``_linear_pointwise``, the pair PyTorch's
 own compiler uses for frozen CPU linear layers). One row of the default model's output
 layer took 3.7 ms by ``F.linear`` and 1.6 ms laid out (2-core AMX CPU, two threads); 16
 rows 4.4 and 2.3 ms.
 
-Its rows are probed like the int4 layers' (``row_probe``): a batch-invariant pass calls it
-as rows come where a row comes out the same at every count, alone included
-(``invariance.lone_row_invariant``), else in the fixed shapes of the other layers. Only the
-output layer is laid out: it is read once a pass at every size of pass, it is where the
-copy costs most, and its input is the last hidden state whatever computed the layers.
+Two places use it: the output layer of a bfloat16 form (``PackedLinear``: read once a pass
+at every size of pass, where the copy costs most), and the bfloat16 copies int4 layers
+compute prompt rows with (``weights.Int4Linear``). Their rows are probed as the other
+layers' are (``row_probe``), every row of every count: on an AMX CPU the laid-out kernel
+gives a row the same bits at any count up to 149 rows, then rounds about one row in twelve
+of a 1,536-input layer apart, so calls stay within what the probe finds.
 """
 
 from __future__ import annotations
 
-import copy
+import functools
 import logging
 
 import torch
@@ -31,9 +32,25 @@ from verifier_service.core.invariance import current_pass, invariant_rows
 log = logging.getLogger(__name__)
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] in oneDNN's layout for a linear layer (an opaque tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+class LaidOut:
+    """A weight [out, in] laid out for oneDNN's linear layer (an opaque tensor, ``tensor``).
+    A copy lays the plain weight out again: an opaque tensor has no storage to copy."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+    def to_dense(self) -> torch.Tensor:
+        """The weight as a plain tensor, bitwise the one laid out."""
+        return self.tensor.to_dense()
+
+    def __deepcopy__(self, memo: dict) -> LaidOut:
+        return LaidOut(self.to_dense())
+
+
+def linear_laid_out(flat: torch.Tensor, weight: LaidOut, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(flat [rows, in], weight, bias) in bfloat16."""
+    bias = None if bias is None else bias.detach()
+    return torch.ops.mkldnn._linear_pointwise(flat.to(torch.bfloat16).contiguous(), weight.tensor, bias, "none", [], "")
 
 
 class PackedLinear(nn.Module):
@@ -50,12 +67,11 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.packed = _pack(self.weight)
+        self.packed = LaidOut(self.weight)
 
     def rows(self, flat: torch.Tensor) -> torch.Tensor:
         """[rows, in_features] -> [rows, out_features], in bfloat16."""
-        bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(flat.to(torch.bfloat16).contiguous(), self.packed, bias, "none", [], "")
+        return linear_laid_out(flat, self.packed, self.bias)
 
     prefill_rows = rows  # prompt rows are computed as any other (the probe checks both names)
 
@@ -73,18 +89,8 @@ class PackedLinear(nn.Module):
         super()._apply(fn, recurse)
         if self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu":
             raise ValueError("a PackedLinear computes in bfloat16 on the CPU; convert the model before laying it out")
-        self.packed = _pack(self.weight)
+        self.packed = LaidOut(self.weight)
         return self
-
-    def __deepcopy__(self, memo: dict) -> PackedLinear:
-        """A copy with its own laid-out weight (an opaque tensor has no storage to copy)."""
-        copied = PackedLinear.__new__(PackedLinear)
-        memo[id(self)] = copied
-        for name, value in self.__dict__.items():
-            if name != "packed":
-                copied.__dict__[name] = copy.deepcopy(value, memo)
-        copied.packed = _pack(copied.weight)
-        return copied
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, laid out for oneDNN"
@@ -92,8 +98,14 @@ class PackedLinear(nn.Module):
 
 def packed_supported(device: torch.device) -> bool:
     """Whether a laid-out bfloat16 linear layer runs on ``device``: a CPU whose torch has
-    oneDNN with bfloat16, and computes the ops' result as ``F.linear`` does within bfloat16."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    oneDNN with bfloat16, and computes the ops' result as ``F.linear`` does within bfloat16.
+    Checked once a process."""
+    return device.type == "cpu" and _runs_on_cpu()
+
+
+@functools.cache
+def _runs_on_cpu() -> bool:
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
         if not torch.ops.mkldnn._is_mkldnn_bf16_supported():

@@ -90,6 +90,9 @@ def test_joined_int4_layers_compute_each_part_bitwise_and_hold_no_second_copy():
         kept = [part.laid_out is not None for part in parts]
         assert kept == [joined.prefill_apart] * 3 and (joined.laid_out is not None) != joined.prefill_apart
         assert torch.equal(joined.prefill_rows(inputs[:5]), torch.cat([expected["prefill_rows", 5]][0], dim=-1))
+    # Every copy reads back as the weight it was made from, whichever layer holds it.
+    assert all(torch.equal(part.copy_weight(), copied) for part, (_, copied) in zip(parts, before))
+    assert torch.equal(joined.copy_weight(), torch.cat([copied for _, copied in before]))
 
 
 def test_layers_are_joined_only_where_the_joined_layer_computes_their_bits(monkeypatch):
@@ -132,3 +135,4 @@ def test_prompt_rows_are_computed_part_by_part_where_only_the_joined_bfloat16_ge
     rows = torch.randn(256, parts[0].in_features).to(torch.bfloat16)
     assert torch.equal(joined.prefill_rows(rows), torch.cat([part.prefill_rows(rows) for part in parts], dim=-1))
     assert torch.equal(joined.rows(rows), torch.cat([part.rows(rows) for part in parts], dim=-1))
+    assert torch.equal(joined.copy_weight(), torch.cat([part.copy_weight() for part in parts]))

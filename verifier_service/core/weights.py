@@ -159,6 +159,11 @@ class JoinedInt4Linear(Int4Linear):
         # parts' at some row count (oneDNN on an AMX CPU, the q/k/v sizes at 256 rows).
         self.prefill_apart = False
 
+    def copy_weight(self) -> torch.Tensor:
+        if self.laid_out is None and self.dense is None:  # the parts hold the copies (``share``)
+            return torch.cat([part.copy_weight() for part in self.parts])
+        return super().copy_weight()
+
     def prefill_rows(self, flat: torch.Tensor) -> torch.Tensor:
         if self.prefill_apart:
             return torch.cat([part.prefill_rows(flat) for part in self.parts], dim=-1)

@@ -14,8 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from verifier_service.core.calibration import calibration_key
 from verifier_service.core.forms import Form, in_form
-from verifier_service.core.invariance import Invariance, invariant_pass, lone_row_invariant
+from verifier_service.core.invariance import Invariance, _probed_layers, invariant_pass, lone_row_invariant
 from verifier_service.core.packed_linear import PackedLinear, output_kernel, packed_supported, use_packed_output
+from verifier_service.core.weights import Int4Linear
 
 pytestmark = pytest.mark.skipif(
     not packed_supported(torch.device("cpu")), reason="this CPU's torch has no oneDNN bfloat16 linear layers to lay out"
@@ -123,3 +124,15 @@ def test_stored_measurements_are_keyed_by_how_the_output_layer_is_computed():
     plain = tied_llama().to(torch.bfloat16)
     assert calibration_key(Probe(laid_out))["output"] == "laid out"
     assert calibration_key(Probe(plain))["output"] == "linear"
+
+
+def test_the_row_probes_compute_each_computation_once_and_each_layer_type_of_a_shape():
+    """Its prompt rows are its rows: probed once. An int4 layer of the same shape is another
+    computation, probed too."""
+    layers = nn.Sequential(PackedLinear(layer()), Int4Linear(nn.Linear(64, 48)))
+    probed = _probed_layers(layers, torch.Generator().manual_seed(0), ("rows", "prefill_rows"))
+    assert [name for name, *_ in probed] == [
+        "PackedLinear 48 x 64 (rows)",
+        "Int4Linear 48 x 64 (rows)",
+        "Int4Linear 48 x 64 (prefill_rows)",
+    ]

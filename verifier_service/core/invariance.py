@@ -258,18 +258,22 @@ ProbedLayer = tuple[str, int, torch.dtype, torch.device, Rows]  # name, input fe
 def _probed_layers(model: nn.Module, generator: torch.Generator, kinds: tuple[str, ...]) -> list[ProbedLayer]:
     """What the linear-layer probes compute: each ``nn.Linear`` shape of ``model`` with a
     random weight (from ``generator``) in its dtype and device, then each shape of the layers
-    of another form that probe themselves, through each of their ``kinds`` computations they
-    have (``rows``: decode rows; ``prefill_rows``)."""
+    of another form that probe themselves (one of each type and shape), through each of their
+    ``kinds`` computations they have (``rows``: decode rows; ``prefill_rows``), once where two
+    kinds are one computation (a laid-out output layer's prompt rows are its rows)."""
     layers: list[ProbedLayer] = []
     for (out_features, in_features), dtype, device in linear_shapes(model):
         weight = torch.randn(out_features, in_features, generator=generator).to(dtype=dtype, device=device)
         layers.append((f"{out_features} x {in_features} in {dtype}", in_features, dtype, device, partial(F.linear, weight=weight)))
-    for module in {(module.out_features, module.in_features): module for module in other_layers(model)}.values():
+    for module in {(type(module), module.out_features, module.in_features): module for module in other_layers(model)}.values():
         out_features, in_features = int(module.out_features), int(module.in_features)  # type: ignore[arg-type]
+        computations: list[Rows] = []
         for kind in kinds:
-            if hasattr(module, kind):
+            compute = getattr(module, kind, None)
+            if compute is not None and compute not in computations:  # bound methods of one function compare equal
+                computations.append(compute)
                 name = f"{type(module).__name__} {out_features} x {in_features} ({kind})"
-                layers.append((name, in_features, torch.bfloat16, torch.device("cpu"), cast(Rows, getattr(module, kind))))
+                layers.append((name, in_features, torch.bfloat16, torch.device("cpu"), compute))
     return layers
 
 

@@ -42,7 +42,7 @@ from verifier_service.core.model_loading import DEFAULT_MODEL, load_model
 MAX_TOKENS = 512  # a text's tokens read in one pass: Spec-Bench's long prompts (summaries, RAG) are cut here
 MIN_TOKENS = 8  # shorter texts have too few positions to say much, and are mostly their first tokens
 # in_form does not set threads: one pass's rounding is the dtype's and the weights', whatever the count.
-FORMS = (Form("bfloat16", "float", 1), Form("bfloat16", "int4", 1))
+FORMS = (Form("bfloat16", "float", 1), Form("bfloat16", "int4", 1), Form("bfloat16", "int8", 1))
 
 
 @dataclass

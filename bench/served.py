@@ -14,7 +14,7 @@ from verifier_service.core.model_loading import LoadedModel, cache_root
 
 def add_form_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="as the verifier's (default: auto)")
-    parser.add_argument("--weights", choices=["auto", "float", "int4"], default="auto", help="as the verifier's (default: auto)")
+    parser.add_argument("--weights", choices=["auto", "float", "int4", "int8"], default="auto", help="as the verifier's (default: auto)")
     parser.add_argument("--threads", type=int, default=0, help="as the verifier's (default: 0, measured)")
 
 

@@ -14,6 +14,7 @@ from verifier_service.core.forms import Form
 FLOAT32 = Form("float32", "float", 1)
 BFLOAT16 = Form("bfloat16", "float", 1)
 INT4 = Form("bfloat16", "int4", 1)
+INT8 = Form("bfloat16", "int8", 1)
 
 
 def random_texts(count: int = 4, length: int = 48, seed: int = 0, lowest: int = 2) -> list[list[int]]:
@@ -63,14 +64,16 @@ def test_float32_against_itself_agrees_everywhere_with_no_gap():
 
 
 def test_the_bfloat16_forms_move_the_log_probabilities():
-    report = measure(build(torch.float32), random_texts(), forms=[BFLOAT16, INT4])
-    assert set(report) == {"bfloat16", "bfloat16, int4 weights"}
+    report = measure(build(torch.float32), random_texts(), forms=[BFLOAT16, INT4, INT8])
+    assert set(report) == {"bfloat16", "bfloat16, int4 weights", "bfloat16, int8 weights"}
     for row in report.values():
         assert row["positions"] == 4 * 47
         assert row["agreement"] < 1.0 or row["mean_abs_gap_nats"] > 0
         assert row["mean_abs_gap_nats"] > 0 and abs(row["mean_gap_nats"]) <= row["mean_abs_gap_nats"]
     # 4-bit weights move the model further than bfloat16's rounding alone.
     assert report["bfloat16, int4 weights"]["mean_abs_gap_nats"] > report["bfloat16"]["mean_abs_gap_nats"]
+    # 8 bits a scale per output move a float model less than 4 bits in groups of 32.
+    assert report["bfloat16, int8 weights"]["mean_abs_gap_nats"] < report["bfloat16, int4 weights"]["mean_abs_gap_nats"]
     assert "| bfloat16, int4 weights | " in markdown_table(report)
 
 
@@ -107,7 +110,7 @@ def test_the_report_is_written_with_its_fields(tmp_path, tiny_tokenizer, capsys)
     meta = written["meta"]
     assert (meta["model"], meta["texts"], meta["texts_too_short"], meta["positions"]) == (str(model_folder), 3, 1, 3 * 19)
     assert {"machine", "torch", "threads"} <= set(meta)
-    assert list(written["forms"]) == ["bfloat16", "bfloat16, int4 weights"]
+    assert list(written["forms"]) == ["bfloat16", "bfloat16, int4 weights", "bfloat16, int8 weights"]
     for row in written["forms"].values():
         assert set(row) == {"positions", "agreement", "mean_gap_nats", "mean_abs_gap_nats"} and row["positions"] == 3 * 19
     assert markdown_table(written["forms"]) in capsys.readouterr().out

@@ -61,6 +61,7 @@ def test_named_forms_are_taken_as_named(cpu):
     cpu(AVX2_ONLY)
     assert pairs(candidates("bfloat16", "float", 2, CPU, "off")) == [("bfloat16", "float", 2)]
     assert pairs(candidates("auto", "int4", 2, CPU, "off")) == [("bfloat16", "int4", 2)]
+    assert pairs(candidates("auto", "int8", 0, CPU, "auto")) == [("bfloat16", "int8", 2), ("bfloat16", "int8", 1)]
     assert pairs(candidates("float32", "auto", 2, CPU, "auto")) == [("float32", "float", 2)]
 
 
@@ -68,6 +69,8 @@ def test_int4_weights_where_the_kernel_does_not_run_are_refused_naming_the_flag(
     cpu(NATIVE_BF16)
     with pytest.raises(ValueError, match=r"--weights int4 runs on PyTorch's CPU kernel, which cuda lacks: use --weights float"):
         candidates("bfloat16", "int4", 1, torch.device("cuda"), "auto")
+    with pytest.raises(ValueError, match=r"--weights int8 runs on PyTorch's CPU kernel, which cuda lacks: use --weights float"):
+        candidates("auto", "int8", 1, torch.device("cuda"), "auto")
 
 
 def test_one_candidate_is_taken_without_measuring(monkeypatch, tiny_tokenizer):

@@ -40,7 +40,7 @@ from verifier_service.core.keyed_file import KeyedFile
 from verifier_service.core.llama_pass import forward_name
 from verifier_service.core.model_loading import LoadedModel, has_fast_bfloat16, load_model
 from verifier_service.core.packed_linear import output_kernel, use_packed_output
-from verifier_service.core.weights import int4_supported, use_int4_weights
+from verifier_service.core.weights import int4_supported, int8_supported, use_int4_weights, use_int8_weights
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ STORED_FORMAT = 2
 @dataclass(frozen=True)
 class Form:
     """How the model is computed: ``dtype`` (float32 or bfloat16), the linear layers'
-    ``weights`` (float, in the dtype, or int4) and torch's ``threads``."""
+    ``weights`` (float, in the dtype, int4 or int8) and torch's ``threads``."""
 
     dtype: str
     weights: str
@@ -110,14 +110,17 @@ def candidates(dtype: str, weights: str, threads: int, device: torch.device, bat
     bfloat16 where passes may be batch-invariant (not ``--batch-invariant off``), and with
     float weights only where the hardware computes bfloat16 natively; int4 where its CPU
     kernel runs. A form named by the flags is taken as named."""
-    named_bfloat16 = dtype == "bfloat16" or weights == "int4"
+    named_bfloat16 = dtype == "bfloat16" or weights in ("int4", "int8")
     forms = []
-    for form_dtype, form_weights in (("float32", "float"), ("bfloat16", "float"), ("bfloat16", "int4")):
+    for form_dtype, form_weights in (("float32", "float"), ("bfloat16", "float"), ("bfloat16", "int4"), ("bfloat16", "int8")):
         if dtype not in ("auto", form_dtype) or weights not in ("auto", form_weights):
             continue
-        if form_weights == "int4" and not int4_supported(device):
-            if weights == "int4":
-                raise ValueError(f"--weights int4 runs on PyTorch's CPU kernel, which {device} lacks: use --weights float")
+        if form_weights == "int8" and weights != "int8":  # named only: never faster than int4 (weights.py)
+            continue
+        supported = {"int4": int4_supported, "int8": int8_supported}.get(form_weights)
+        if supported is not None and not supported(device):
+            if weights == form_weights:
+                raise ValueError(f"--weights {weights} runs on PyTorch's CPU kernel, which {device} lacks: use --weights float")
             continue
         if form_dtype == "bfloat16" and not named_bfloat16:
             if batch_invariant == "off" or (form_weights == "float" and not has_fast_bfloat16(device)):
@@ -139,6 +142,8 @@ def in_form(model: PreTrainedModel, form: Form, keep: bool = False) -> PreTraine
     model = model.to(getattr(torch, form.dtype))
     if form.weights == "int4":
         use_int4_weights(model)
+    elif form.weights == "int8":
+        use_int8_weights(model)
     if form.dtype == "bfloat16":
         use_packed_output(model)
     return model

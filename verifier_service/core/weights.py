@@ -1,6 +1,7 @@
-"""Weight-only int4: linear layers held as 4-bit integers, computed by PyTorch's CPU kernel.
+"""Weight-only int4 and int8: linear layers held as integers, computed by PyTorch's CPU kernels
+(int8 at the end of this module).
 
-Each weight row is cut along its inputs into groups of ``GROUP`` (32); a group holds its
+int4: each weight row is cut along its inputs into groups of ``GROUP`` (32); a group holds its
 values as integers q in [0, 15] with one scale and one zero, w = (q - 8) * scale + zero,
 and ``torch.ops.aten._weight_int4pack_mm_for_cpu`` multiplies bfloat16 activations by the
 packed integers, reading a quarter of bfloat16's weight bytes.
@@ -53,41 +54,36 @@ _KERNEL = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
 _int4_mm: Callable[..., torch.Tensor] = _KERNEL.default if _KERNEL is not None else _no_kernel
 
 
-class Int4Linear(nn.Module):
-    """An ``nn.Linear`` whose weight is int4 in groups of GROUP inputs (``quantize``).
+class WeightOnlyLinear(nn.Module):
+    """An ``nn.Linear`` whose weight is held as integers and multiplied by a CPU kernel with
+    bfloat16 activations (``rows``), with a bfloat16 copy of the weight it stands for, for
+    prompt rows (``prefill_rows``).
 
-    In a batch-invariant pass (``invariance``) the decode rows go through the int4 kernel
-    and the prefill rows through a bfloat16 copy of the same weight (``prefill_rows``): the
-    kernel works through its rows four at a time, reading and unpacking the weight again
-    for each four, so a 64-token prompt chunk cost 2.4 times what the bfloat16 GEMM costs
-    (a 1,536 x 576 layer: 767 against 319 us on a 2-core AVX512-BF16 CPU), while up to
-    four rows it is the faster. A position is always computed by one of the two (a prompt
-    token by prefill, a generated one by decode), so the two never meet in one token's
-    logits; the copy costs bfloat16's bytes beside the int4 ones, and is held laid out for
-    oneDNN (``laid_out``, ``dense`` None) where that runs here (``packed_linear``)."""
+    In a batch-invariant pass (``invariance``) the decode rows go through the kernel and the
+    prefill rows through the copy: the kernels are fast for a few rows and slow for many
+    (the int4 one unpacks the weight again for every four rows, so a 64-token prompt chunk
+    cost 2.4 times what the bfloat16 GEMM costs: a 1,536 x 576 layer, 767 against 319 us on
+    a 2-core AVX512-BF16 CPU), while up to four rows they are the faster. A position is
+    always computed by one of the two (a prompt token by prefill, a generated one by
+    decode), so the two never meet in one token's logits; the copy costs bfloat16's bytes
+    beside the integers, and is held laid out for oneDNN (``laid_out``, ``dense`` None)
+    where that runs here (``packed_linear``)."""
 
     row_probe = True  # the batch-invariance probe runs this module itself (``invariance``)
     # A row comes out the same at any row count, alone included, so a batch-invariant pass
     # calls it as it comes: set by the start-up probe (``invariance.lone_row_invariant``).
     any_rows = False
-    packed: torch.Tensor
-    scales_and_zeros: torch.Tensor
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None
     dense: torch.Tensor | None
     laid_out: LaidOut | None
     # A part of a joined layer that holds no copy of its own: (the joined layer, its outputs' slice).
     within: tuple[Int4Linear, int, int]
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        integers, scales, zeros = quantize(linear.weight.detach())
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(integers, 1))
-        # [groups, outputs, (scale, zero)], as the kernel reads them.
-        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16))
-        self.bias: torch.Tensor | None = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
-        # The weight the kernel computes with, rounded to bfloat16, for prompt chunks: laid out
-        # for oneDNN where it runs so (``packed_linear``), else as a tensor.
-        self._keep_copy(rebuilt(integers, scales.to(torch.bfloat16), zeros.to(torch.bfloat16)).to(torch.bfloat16))
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """[rows, in_features] -> [rows, out_features], in bfloat16, by the kernel."""
+        raise NotImplementedError
 
     def _keep_copy(self, dense: torch.Tensor) -> None:
         """Hold ``dense`` as this layer's bfloat16 copy: laid out (``laid_out``, with ``dense``
@@ -103,13 +99,6 @@ class Int4Linear(nn.Module):
             joined, start, stop = self.within
             return joined.copy_weight()[start:stop]
         return self.dense
-
-    def rows(self, flat: torch.Tensor) -> torch.Tensor:
-        """[rows, in_features] -> [rows, out_features], in bfloat16, by the int4 kernel."""
-        if flat.dtype != torch.bfloat16:
-            flat = flat.to(torch.bfloat16)
-        out = _int4_mm(flat.contiguous(), self.packed, GROUP, self.scales_and_zeros)
-        return out if self.bias is None else out + self.bias
 
     def prefill_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """[rows, in_features] -> [rows, out_features], in bfloat16, by the bfloat16 GEMM."""
@@ -135,6 +124,33 @@ class Int4Linear(nn.Module):
                 parts.append(invariant_rows(flat[decode:], self.prefill_rows, invariant, decode=0))
             out = torch.cat(parts) if len(parts) > 1 else parts[0]
         return out.reshape(*hidden.shape[:-1], self.out_features)
+
+
+class Int4Linear(WeightOnlyLinear):
+    """An ``nn.Linear`` whose weight is int4 in groups of GROUP inputs (``quantize``), computed
+    by ``_weight_int4pack_mm_for_cpu`` (``WeightOnlyLinear``). Its bfloat16 copy holds the
+    same integers, scales and zeros, rounded to bfloat16."""
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        integers, scales, zeros = quantize(linear.weight.detach())
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(integers, 1))
+        # [groups, outputs, (scale, zero)], as the kernel reads them.
+        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16))
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        # The weight the kernel computes with, rounded to bfloat16, for prompt chunks: laid out
+        # for oneDNN where it runs so (``packed_linear``), else as a tensor.
+        self._keep_copy(rebuilt(integers, scales.to(torch.bfloat16), zeros.to(torch.bfloat16)).to(torch.bfloat16))
+
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        if flat.dtype != torch.bfloat16:
+            flat = flat.to(torch.bfloat16)
+        out = _int4_mm(flat.contiguous(), self.packed, GROUP, self.scales_and_zeros)
+        return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
@@ -284,21 +300,136 @@ def use_int4_weights(model: nn.Module) -> int:
     kernel takes their sizes; returns how many. CPU only."""
     if next(model.parameters()).device.type != "cpu":
         raise ValueError("int4 weights run on the CPU kernel; on a GPU use --weights float")
+    return use_quantized_weights(
+        model, Int4Linear, lambda linear: linear.in_features % GROUP == 0 and linear.out_features % OUTPUTS_MULTIPLE == 0
+    )
+
+
+def use_quantized_weights(model: nn.Module, layer: type[WeightOnlyLinear], takes: Callable[[nn.Linear], bool]) -> int:
+    """Replace ``model``'s linear layers (not its output layer) that ``takes`` by ``layer``;
+    returns how many. CPU only."""
     output = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (
-                isinstance(child, nn.Linear)
-                and child is not output
-                and child.in_features % GROUP == 0
-                and child.out_features % OUTPUTS_MULTIPLE == 0
-            ):
-                setattr(parent, name, Int4Linear(child))
+            if isinstance(child, nn.Linear) and child is not output and takes(child):
+                setattr(parent, name, layer(child))
                 replaced += 1
     return replaced
 
 
 def weights_form(model: nn.Module) -> str:
-    """ "int4" when some linear layer is int4, else "float" (the model's dtype)."""
-    return "int4" if any(isinstance(module, Int4Linear) for module in model.modules()) else "float"
+    """ "int4" or "int8" when some linear layer is, else "float" (the model's dtype)."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            return "int4"
+        if isinstance(module, Int8Linear):
+            return "int8"
+    return "float"
+
+
+# -- int8 -------------------------------------------------------------------------------
+#
+# Weight-only int8 with one scale per output, w = q * scale with q in [-127, 127], computed
+# by ``torch.ops.aten._weight_int8pack_mm`` (PyTorch's own CPU kernel) with bfloat16
+# activations: half bfloat16's weight bytes, and for a model not shipped in 4 bits far
+# closer to its weights than int4 (an error of at most half a scale, 1/254 of a row's
+# largest weight). There is no library kernel for int8 in blocks of 32, as GGUF's Q8_0
+# holds them, so a Q8_0 tensor is quantized again per output (as any float weight is).
+# The kernel multiplies every row in turn (a 1,536 x 576 layer on a 2-core AMX CPU: 26 us
+# for one row, 223 for 16, 898 for 64, against 30, 37 and 70 for the bfloat16 GEMM), so
+# prompts run on a bfloat16 copy as with int4 (``WeightOnlyLinear``), and the form is
+# served only when named (``--weights int8``): the start-up choice never weighs it.
+#
+# The kernel reads its inputs in vectors: on an AVX512 CPU 24 inputs gave wrong products
+# and 33 crashed the process, so only layers of a multiple of GROUP inputs are converted,
+# and each size is checked against a float product first (``_int8_computes``).
+
+INT8_LEVEL = 127  # the largest integer magnitude
+
+
+def _no_int8_kernel(*args: object) -> torch.Tensor:
+    raise RuntimeError("this torch build has no int8 CPU kernel (aten._weight_int8pack_mm)")
+
+
+_INT8_KERNEL = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
+_int8_mm: Callable[..., torch.Tensor] = _INT8_KERNEL.default if _INT8_KERNEL is not None else _no_int8_kernel
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(integers [out, in] int8 in [-127, 127], scales [out] bfloat16) with weight ~ integers
+    * scale per output, off by at most half a scale: each scale is the row's largest
+    magnitude over 127, rounded to bfloat16 first, so the integers are chosen for the scale
+    the kernel computes with.
+
+    A row [-1, 0.5, 0.25] gives scale 1/127 (in bfloat16) and integers [-127, 64, 32]."""
+    weight = weight.detach().float()
+    scales = (weight.abs().amax(dim=1) / INT8_LEVEL).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
+    integers = (weight / scales.float()[:, None]).round().clamp(-INT8_LEVEL, INT8_LEVEL).to(torch.int8)
+    return integers, scales
+
+
+class Int8Linear(WeightOnlyLinear):
+    """An ``nn.Linear`` whose weight is int8 with a scale per output (``quantize_int8``),
+    computed by ``_weight_int8pack_mm`` (``WeightOnlyLinear``). Its bfloat16 copy holds the
+    same integers times their scales, rounded to bfloat16."""
+
+    integers: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        integers, scales = quantize_int8(linear.weight)
+        self.register_buffer("integers", integers)
+        self.register_buffer("scales", scales)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        self._keep_copy((integers.float() * scales.float()[:, None]).to(torch.bfloat16))
+
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        if flat.dtype != torch.bfloat16:
+            flat = flat.to(torch.bfloat16)
+        out = _int8_mm(flat.contiguous(), self.integers, self.scales)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 a scale per output"
+
+
+_int8_sizes: dict[tuple[int, int], bool] = {}  # (out, in) -> the kernel's product is right
+
+
+@torch.inference_mode()
+def _int8_computes(outputs: int, inputs: int) -> bool:
+    """Whether the int8 kernel multiplies a layer of these sizes right (within bfloat16's
+    rounding of a float32 product), on random integers; checked once per size."""
+    key = (outputs, inputs)
+    if key not in _int8_sizes:
+        generator = torch.Generator().manual_seed(4)
+        integers = torch.randint(-INT8_LEVEL, INT8_LEVEL + 1, (outputs, inputs), generator=generator, dtype=torch.int8)
+        scales = torch.rand(outputs, generator=generator).add(0.5).to(torch.bfloat16)
+        rows = torch.randn(3, inputs, generator=generator).to(torch.bfloat16)
+        expected = rows.float() @ (integers.float() * scales.float()[:, None]).t()
+        got = _int8_mm(rows, integers, scales).float()
+        _int8_sizes[key] = bool(torch.allclose(got, expected, rtol=2e-2, atol=2e-2 * float(expected.abs().max())))
+    return _int8_sizes[key]
+
+
+def int8_supported(device: torch.device) -> bool:
+    """Whether int8 weights run on ``device``: a CPU whose torch has the kernel and computes right with it."""
+    if device.type != "cpu" or _INT8_KERNEL is None:
+        return False
+    try:
+        return _int8_computes(OUTPUTS_MULTIPLE, GROUP)
+    except RuntimeError:  # a build without the kernel's CPU implementation
+        return False
+
+
+def use_int8_weights(model: nn.Module) -> int:
+    """Replace ``model``'s linear layers (not its output layer) by ``Int8Linear`` where the
+    kernel takes their sizes; returns how many. CPU only."""
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("int8 weights run on the CPU kernel; on a GPU use --weights float")
+    return use_quantized_weights(
+        model, Int8Linear, lambda linear: linear.in_features % GROUP == 0 and _int8_computes(linear.out_features, linear.in_features)
+    )

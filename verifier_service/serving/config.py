@@ -58,9 +58,10 @@ class VerifierConfig:
     weights: str = setting(
         "auto",
         group=MODEL,
-        choices=["auto", "float", "int4"],
-        help="the linear layers' weights: float (in --dtype) or int4 in groups of 32 with bfloat16 activations, on the CPU "
-        "(a Q4_1 GGUF's own integers; needs --dtype bfloat16 or auto) (auto: whichever is faster here, measured at start-up)",
+        choices=["auto", "float", "int4", "int8"],
+        help="the linear layers' weights: float (in --dtype), int4 in groups of 32 (a Q4_1 GGUF's own integers) or int8 with "
+        "a scale per output, both with bfloat16 activations, on the CPU (need --dtype bfloat16 or auto) "
+        "(auto: float or int4, whichever is faster here, measured at start-up)",
     )
     threads: int = setting(
         0,
@@ -234,8 +235,8 @@ class VerifierConfig:
             raise ValueError(f"--shared-scope {self.shared_scope!r} is no scope of --api-key-file (a line 'KEY scope=NAME' names one)")
         self.origins()
         self.hosts()
-        if self.weights == "int4" and self.dtype == "float32":
-            raise ValueError("--weights int4 computes with bfloat16 activations: start it with --dtype bfloat16 (or auto)")
+        if self.weights in ("int4", "int8") and self.dtype == "float32":
+            raise ValueError(f"--weights {self.weights} computes with bfloat16 activations: start it with --dtype bfloat16 (or auto)")
         if self.draft_head_vocabulary == 1:  # each drafting step takes the head's two best guesses
             raise ValueError("--draft-head-vocabulary is 0 (every token the head was trained on) or at least 2, got 1")
 

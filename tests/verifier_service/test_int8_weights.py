@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.verifier_service.test_batch_invariance import ROWS, TreeProposer, branch_tree, build, engine_for, prompts
-from tests.verifier_service.test_weights import every_second_wrong
+from tests.verifier_service.test_batch_invariance import TreeProposer, branch_tree, build, engine_for, prompts
+from tests.verifier_service.test_weights import assert_logits_independent_of_the_pass, every_second_wrong
 from verifier_service.core import weights
 from verifier_service.core.engine import GenerationRequest
 from verifier_service.core.weights import GROUP, Int8Linear, int8_supported, quantize_int8, use_int8_weights, weights_form
@@ -62,15 +62,7 @@ def int8_model():
 def test_with_int8_weights_a_tokens_logits_are_the_same_whatever_shares_its_pass(tiny_tokenizer):
     engine = engine_for(int8_model(), tiny_tokenizer)
     assert engine.target.invariance is not None
-    texts = prompts(ROWS)
-    with torch.inference_mode():
-        for slot, prompt in enumerate(texts):
-            engine.target.forward([], [(slot, 0, prompt)], keep=[])
-        cached = len(texts[0])
-        alone = engine.target.forward([(cached, [5])], [], [0])[0].clone()
-        others = [(len(text), [10 + index, 3, 4]) for index, text in enumerate(texts[1:])]
-        beside = engine.target.forward([(cached, [5, 7, 8]), *others], [(ROWS, 0, [2 + i % 60 for i in range(70)])], [0])[0]
-    assert torch.equal(alone, beside)
+    assert_logits_independent_of_the_pass(engine)
 
 
 def test_int8_layers_run_prompt_chunks_on_their_copy_and_decode_rows_on_the_kernel(tiny_tokenizer, monkeypatch):

@@ -67,7 +67,11 @@ def int4_model():
 
 
 def test_with_int4_weights_a_tokens_logits_are_the_same_whatever_shares_its_pass(tiny_tokenizer):
-    engine = engine_for(int4_model(), tiny_tokenizer)
+    assert_logits_independent_of_the_pass(engine_for(int4_model(), tiny_tokenizer))
+
+
+def assert_logits_independent_of_the_pass(engine) -> None:
+    """A token's logits alone, and beside other rows' chains and a prompt chunk: bitwise equal."""
     texts = prompts(ROWS)
     with torch.inference_mode():
         for slot, prompt in enumerate(texts):

@@ -298,16 +298,16 @@ def int4_supported(device: torch.device) -> bool:
 def use_int4_weights(model: nn.Module) -> int:
     """Replace ``model``'s linear layers (not its output layer) by ``Int4Linear`` where the
     kernel takes their sizes; returns how many. CPU only."""
-    if next(model.parameters()).device.type != "cpu":
-        raise ValueError("int4 weights run on the CPU kernel; on a GPU use --weights float")
     return use_quantized_weights(
-        model, Int4Linear, lambda linear: linear.in_features % GROUP == 0 and linear.out_features % OUTPUTS_MULTIPLE == 0
+        model, Int4Linear, lambda linear: linear.in_features % GROUP == 0 and linear.out_features % OUTPUTS_MULTIPLE == 0, "int4"
     )
 
 
-def use_quantized_weights(model: nn.Module, layer: type[WeightOnlyLinear], takes: Callable[[nn.Linear], bool]) -> int:
-    """Replace ``model``'s linear layers (not its output layer) that ``takes`` by ``layer``;
-    returns how many. CPU only."""
+def use_quantized_weights(model: nn.Module, layer: type[WeightOnlyLinear], takes: Callable[[nn.Linear], bool], name: str) -> int:
+    """Replace ``model``'s linear layers (not its output layer) that ``takes`` by ``layer``
+    (``name``: int4, int8); returns how many. CPU only."""
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError(f"{name} weights run on the CPU kernel; on a GPU use --weights float")
     output = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
     replaced = 0
     for parent in list(model.modules()):
@@ -428,8 +428,9 @@ def int8_supported(device: torch.device) -> bool:
 def use_int8_weights(model: nn.Module) -> int:
     """Replace ``model``'s linear layers (not its output layer) by ``Int8Linear`` where the
     kernel takes their sizes; returns how many. CPU only."""
-    if next(model.parameters()).device.type != "cpu":
-        raise ValueError("int8 weights run on the CPU kernel; on a GPU use --weights float")
     return use_quantized_weights(
-        model, Int8Linear, lambda linear: linear.in_features % GROUP == 0 and _int8_computes(linear.out_features, linear.in_features)
+        model,
+        Int8Linear,
+        lambda linear: linear.in_features % GROUP == 0 and _int8_computes(linear.out_features, linear.in_features),
+        "int8",
     )

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.verifier_service.test_batch_invariance import TreeProposer, branch_tree, build, engine_for, prompts
+from tests.verifier_service.test_batch_invariance import FLAT, TreeProposer, branch_tree, build, engine_for, prompts
+from tests.verifier_service.test_engine_adaptive import FrozenStepCost
 from tests.verifier_service.test_weights import assert_logits_independent_of_the_pass, every_second_wrong
 from verifier_service.core import weights
 from verifier_service.core.engine import GenerationRequest
@@ -116,8 +117,10 @@ def test_the_default_model_with_int8_weights_speculates_plain_decodings_tokens()
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        plain, _, _ = run_fresh(SpeculativeEngine(model, loaded.tokenizer), ids, 64, 0, chosen.repeated)
-        adaptive, stats, _ = run_fresh(SpeculativeEngine(model, loaded.tokenizer), ids, 64, None, chosen.repeated)
+        # A flat step cost: no calibration to wait for, and the planner verifies every draft it may.
+        plain, _, _ = run_fresh(SpeculativeEngine(model, loaded.tokenizer, step_cost=FrozenStepCost(FLAT)), ids, 64, 0, chosen.repeated)
+        engine = SpeculativeEngine(model, loaded.tokenizer, step_cost=FrozenStepCost(FLAT))
+        adaptive, stats, _ = run_fresh(engine, ids, 64, None, chosen.repeated)
     finally:
         torch.set_num_threads(before)
     assert adaptive == plain

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 
-from tests.verifier_service.test_batch_invariance import FLAT, TreeProposer, branch_tree, build, engine_for, prompts
+from tests.verifier_service.test_batch_invariance import FLAT, build, engine_for
 from tests.verifier_service.test_engine_adaptive import FrozenStepCost
-from tests.verifier_service.test_weights import assert_logits_independent_of_the_pass, every_second_wrong
+from tests.verifier_service.test_weights import assert_logits_independent_of_the_pass, assert_speculative_output_is_plain
 from verifier_service.core import weights
-from verifier_service.core.engine import GenerationRequest
 from verifier_service.core.weights import GROUP, Int8Linear, int8_supported, quantize_int8, use_int8_weights, weights_form
 
 pytestmark = pytest.mark.skipif(not int8_supported(torch.device("cpu")), reason="this torch has no int8 CPU kernel")
@@ -80,16 +77,7 @@ def test_int8_layers_run_prompt_chunks_on_their_copy_and_decode_rows_on_the_kern
 
 
 def test_greedy_speculative_output_is_plain_output_with_int8_weights(tiny_tokenizer):
-    model = int8_model()
-    texts = prompts(5, seed=23)
-    plain = engine_for(copy.deepcopy(model), tiny_tokenizer)
-    expected = [plain.generate([GenerationRequest(text, 20, num_speculative_tokens=0)])[0].token_ids for text in texts]
-    truth = {tuple(text): tokens for text, tokens in zip(texts, expected)}
-    for shape in (branch_tree, every_second_wrong):
-        engine = engine_for(copy.deepcopy(model), tiny_tokenizer, proposer=TreeProposer(lambda prompt: truth[tuple(prompt)], shape, texts))
-        results = engine.generate([GenerationRequest(text, 20, num_speculative_tokens=None) for text in texts])
-        assert [result.token_ids for result in results] == expected
-    assert sum(result.stats.accepted_tokens for result in results) > 0  # the chains, partly right
+    assert_speculative_output_is_plain(int8_model(), tiny_tokenizer, seed=23)
 
 
 def test_int8_weights_with_float32_activations_are_refused_with_the_flag_to_change():

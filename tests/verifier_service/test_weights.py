@@ -161,13 +161,18 @@ def test_a_layer_whose_lone_row_differs_is_found_so_and_its_lone_rows_are_padded
 
 
 def test_greedy_speculative_output_is_plain_output_with_int4_weights(tiny_tokenizer):
-    model = int4_model()
-    texts = prompts(5, seed=21)
-    plain = engine_for(copy.deepcopy(model), tiny_tokenizer)
+    assert_speculative_output_is_plain(int4_model(), tiny_tokenizer, seed=21)
+
+
+def assert_speculative_output_is_plain(model, tokenizer, seed: int) -> None:
+    """Greedy speculative output equals plain output, with drafts from a proposer that knows
+    plain decoding's tokens, as trees and as chains wrong at every second token."""
+    texts = prompts(5, seed=seed)
+    plain = engine_for(copy.deepcopy(model), tokenizer)
     expected = [plain.generate([GenerationRequest(text, 20, num_speculative_tokens=0)])[0].token_ids for text in texts]
     truth = {tuple(text): tokens for text, tokens in zip(texts, expected)}
     for shape in (branch_tree, every_second_wrong):
-        engine = engine_for(copy.deepcopy(model), tiny_tokenizer, proposer=TreeProposer(lambda prompt: truth[tuple(prompt)], shape, texts))
+        engine = engine_for(copy.deepcopy(model), tokenizer, proposer=TreeProposer(lambda prompt: truth[tuple(prompt)], shape, texts))
         results = engine.generate([GenerationRequest(text, 20, num_speculative_tokens=None) for text in texts])
         assert [result.token_ids for result in results] == expected
     assert sum(result.stats.accepted_tokens for result in results) > 0  # the chains, partly right

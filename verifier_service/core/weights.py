@@ -81,8 +81,18 @@ class WeightOnlyLinear(nn.Module):
     # A part of a joined layer that holds no copy of its own: (the joined layer, its outputs' slice).
     within: tuple[Int4Linear, int, int]
 
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+
     def rows(self, flat: torch.Tensor) -> torch.Tensor:
         """[rows, in_features] -> [rows, out_features], in bfloat16, by the kernel."""
+        out = self._product(flat.to(torch.bfloat16).contiguous())
+        return out if self.bias is None else out + self.bias
+
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        """The kernel's product of ``flat`` [rows, in_features] (bfloat16, contiguous) and the weight."""
         raise NotImplementedError
 
     def _keep_copy(self, dense: torch.Tensor) -> None:
@@ -135,22 +145,17 @@ class Int4Linear(WeightOnlyLinear):
     scales_and_zeros: torch.Tensor
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear)
         integers, scales, zeros = quantize(linear.weight.detach())
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(integers, 1))
         # [groups, outputs, (scale, zero)], as the kernel reads them.
         self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16))
-        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
         # The weight the kernel computes with, rounded to bfloat16, for prompt chunks: laid out
         # for oneDNN where it runs so (``packed_linear``), else as a tensor.
         self._keep_copy(rebuilt(integers, scales.to(torch.bfloat16), zeros.to(torch.bfloat16)).to(torch.bfloat16))
 
-    def rows(self, flat: torch.Tensor) -> torch.Tensor:
-        if flat.dtype != torch.bfloat16:
-            flat = flat.to(torch.bfloat16)
-        out = _int4_mm(flat.contiguous(), self.packed, GROUP, self.scales_and_zeros)
-        return out if self.bias is None else out + self.bias
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        return _int4_mm(flat, self.packed, GROUP, self.scales_and_zeros)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
@@ -378,19 +383,14 @@ class Int8Linear(WeightOnlyLinear):
     scales: torch.Tensor
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear)
         integers, scales = quantize_int8(linear.weight)
         self.register_buffer("integers", integers)
         self.register_buffer("scales", scales)
-        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
         self._keep_copy((integers.float() * scales.float()[:, None]).to(torch.bfloat16))
 
-    def rows(self, flat: torch.Tensor) -> torch.Tensor:
-        if flat.dtype != torch.bfloat16:
-            flat = flat.to(torch.bfloat16)
-        out = _int8_mm(flat.contiguous(), self.integers, self.scales)
-        return out if self.bias is None else out + self.bias
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        return _int8_mm(flat, self.integers, self.scales)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 a scale per output"

@@ -193,7 +193,25 @@ class BackupRequest(_message.Message):
     def __init__(self, vocabulary: _Optional[str] = ..., destination: _Optional[str] = ...) -> None: ...
 
 class BackupResponse(_message.Message):
-    __slots__ = ("bytes",)
+    __slots__ = ("bytes", "log_sequence")
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOG_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     bytes: int
-    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
+    log_sequence: int
+    def __init__(self, bytes: _Optional[int] = ..., log_sequence: _Optional[int] = ...) -> None: ...
+
+class ForgetRequest(_message.Message):
+    __slots__ = ("vocabulary", "scope")
+    VOCABULARY_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    vocabulary: str
+    scope: str
+    def __init__(self, vocabulary: _Optional[str] = ..., scope: _Optional[str] = ...) -> None: ...
+
+class ForgetResponse(_message.Message):
+    __slots__ = ("dropped", "log_sequence")
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    LOG_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    dropped: bool
+    log_sequence: int
+    def __init__(self, dropped: _Optional[bool] = ..., log_sequence: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,11 @@ class DrafterStub:
                 request_serializer=specdec_dot_v1_dot_drafter__pb2.BackupRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_drafter__pb2.BackupResponse.FromString,
                 _registered_method=True)
+        self.Forget = channel.unary_unary(
+                '/specdec.v1.Drafter/Forget',
+                request_serializer=specdec_dot_v1_dot_drafter__pb2.ForgetRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_drafter__pb2.ForgetResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -102,6 +107,15 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Forget(self, request, context):
+        """Forget a learning scope: drop its table. With an observation log
+        (--log-url), the scope's messages are purged from the log and every
+        replica drops the table when it applies the call, in log order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +143,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Backup,
                     request_deserializer=specdec_dot_v1_dot_drafter__pb2.BackupRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_drafter__pb2.BackupResponse.SerializeToString,
+            ),
+            'Forget': grpc.unary_unary_rpc_method_handler(
+                    servicer.Forget,
+                    request_deserializer=specdec_dot_v1_dot_drafter__pb2.ForgetRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_drafter__pb2.ForgetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +285,33 @@ class Drafter:
             '/specdec.v1.Drafter/Backup',
             specdec_dot_v1_dot_drafter__pb2.BackupRequest.SerializeToString,
             specdec_dot_v1_dot_drafter__pb2.BackupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Forget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Drafter/Forget',
+            specdec_dot_v1_dot_drafter__pb2.ForgetRequest.SerializeToString,
+            specdec_dot_v1_dot_drafter__pb2.ForgetResponse.FromString,
             options,
             channel_credentials,
             insecure,

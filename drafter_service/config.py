@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drafter_service.context_index import MAX_TOKEN_ID, MAX_TOKENS
+from drafter_service.log_config import LogConfig
 from drafter_service.ngram import NGramConfig
 from specdec import settings
 from specdec.flags import check_minimums, nested, setting
@@ -20,6 +21,7 @@ DEFAULT_METRICS_PORT = 9101
 # --help groups (specdec.flags).
 SERVER, STORAGE, CLIENTS, DRAFTING = "server", "storage", "scopes and clients", "drafting"
 SESSIONS, CALLS, WRITER, CONNECTIONS = "sessions", "one call's limits", "the writer's queues", "gRPC connections"
+LOG = "replication (--log-url)"
 VOCABULARY_PATTERN = re.compile(r"[0-9a-f]{16}")  # always with fullmatch: "$" also matches before a final newline
 
 
@@ -169,6 +171,8 @@ class DrafterConfig:
     # answers RESOURCE_EXHAUSTED without holding a thread.
     max_concurrent_calls: int = setting(256, group=SERVER, minimum=1, help="calls accepted at once, running or waiting for a thread")
     connections: ConnectionLimits = nested(ConnectionLimits, group=CONNECTIONS)
+    # Replicas sharing one learned state through an observation log on NATS JetStream.
+    log: LogConfig = nested(LogConfig, prefix="log-", group=LOG)
     # One LMDB table each: 3 file descriptors and 8x max_bytes of address space;
     # a deployment serves one or two models.
     max_vocabularies: int = setting(8, group=STORAGE, minimum=1, help="tables (one per tokenizer fingerprint) the drafter creates")

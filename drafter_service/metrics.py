@@ -4,11 +4,16 @@ own locks make them safe from any worker thread), and gauges read at scrape time
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR
+
+if TYPE_CHECKING:  # the replica imports the store; metrics import neither at run time
+    from drafter_service.log import ObservationLog
+    from drafter_service.replica import Replica
 
 PREFIX = "specdec_drafter_"
 # Where a draft token came from: the request's own context, the global n-gram table, or
@@ -36,6 +41,12 @@ class DrafterMetrics:
             registry=registry,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
         )
+        self.log_publish_seconds = Histogram(
+            PREFIX + "log_publish_seconds",
+            "Seconds from publishing an Observe to the observation log to its acknowledgement (--log-url)",
+            registry=registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0, 5.0),
+        )
         self.propose_calls = Counter(PREFIX + "propose_calls", "Propose calls", registry=registry)
         self.misses = Counter(PREFIX + "misses", "Sequences that asked for drafts and got none", registry=registry)
         self.observed_tokens = Counter(PREFIX + "observed_tokens", "Tokens observed into the global table", registry=registry)
@@ -60,6 +71,35 @@ class DrafterMetrics:
     def watch(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         """A counter kept by another object (the tracer's dropped spans), read at scrape time."""
         self._external[name] = (help_text, read)
+
+    def watch_replication(self, replica: Replica, log_link: ObservationLog) -> None:
+        """The replica's metrics: where it stands in the log, how far behind, what it applied."""
+        self.gauge("log_position", "Sequence of the last observation-log message this replica applied", lambda: replica.position.sequence)
+        self.gauge(
+            "log_lag_messages",
+            "Observation-log messages this replica has yet to apply (-1: not known yet)",
+            lambda: -1 if replica.lag_messages is None else replica.lag_messages,
+        )
+        self.gauge("log_lag_seconds", "Age of the newest log message applied while more wait (0: caught up)", lambda: replica.lag_seconds)
+        self.gauge("log_serving", "1 while this replica is within --log-max-serving-lag of the log's end", lambda: int(replica.serving))
+        self.watch("log_messages_applied", "Observation-log messages applied to this replica's tables", lambda: replica.applied)
+        self.watch(
+            "log_messages_skipped",
+            "Observation-log messages not applied (held already, beyond a bound, unreadable)",
+            lambda: replica.skipped,
+        )
+        self.watch(
+            "log_bootstraps",
+            "Times this replica caught up from a peer's snapshot, or found the log had left it behind",
+            lambda: replica.bootstraps,
+        )
+        self.watch("log_publish_failures", "Publishes to the observation log not acknowledged in time", lambda: log_link.publish_failures)
+        self.watch(
+            "log_successors_dropped",
+            "Successor-table predictions not sent to the log (beyond its bound, or the log away)",
+            lambda: log_link.dropped_successors,
+        )
+        self.watch("log_reconnects", "Reconnections to the observation log's NATS servers", lambda: log_link.reconnects)
 
     def watch_tables(self, read: Callable[[], dict[str, dict]]) -> None:
         """``read()``: each vocabulary's table stats (``entries``, ``bytes``, ``scopes``: summed over its scopes), at scrape time."""

@@ -19,22 +19,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
-import shutil
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from drafter_service.admin import AdminCalls
 from drafter_service.admission import Admission, Refused
 from drafter_service.config import VOCABULARY_PATTERN, DrafterConfig
+from drafter_service.log import LogUnavailable, ObservationLog
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR, LayeredSource, NGramSource, successor_updates
+from drafter_service.replica import Replica
+from drafter_service.request_checks import InvalidRequest, check
 from drafter_service.scopes import DEFAULT_SCOPE, ScopeGate, ScopeRefused, split_table_name
 from drafter_service.sessions import (
     BAD_FEEDBACK,
@@ -63,8 +64,6 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 JANITOR_INTERVAL_S = 5.0
 # Threads of the admin port: Stats and Backup are an operator's, one at a time.
 ADMIN_WORKERS = 2
-# A backup's name: one plain path component, nothing a filesystem reads specially.
-BACKUP_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SOURCES = {
     SOURCE_CONTEXT: drafter_pb2.DRAFT_SOURCE_CONTEXT,
     SOURCE_GLOBAL: drafter_pb2.DRAFT_SOURCE_GLOBAL,
@@ -103,24 +102,20 @@ def _expired(context) -> bool:
     return remaining is not None and remaining <= 0
 
 
-class InvalidRequest(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _check(condition: bool, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> None:
-    if not condition:
-        raise InvalidRequest(code, message)
-
-
-class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+class DrafterServicer(AdminCalls, drafter_pb2_grpc.DrafterServicer):
     def __init__(
-        self, config: DrafterConfig, stores: StoreRegistry, writer: ObservationWriter, tracing: telemetry.Tracing | None = None
+        self,
+        config: DrafterConfig,
+        stores: StoreRegistry,
+        writer: ObservationWriter,
+        tracing: telemetry.Tracing | None = None,
+        log_link: ObservationLog | None = None,
+        replica: Replica | None = None,
     ) -> None:
         self.config = config
         self.stores = stores
-        self.writer = writer
+        self.writer = writer  # without a log: the one writer of the tables; with one, the replica is
+        self.log, self.replica = log_link, replica
         self.tracing = tracing or telemetry.Tracing("specdec-drafter")
         limits = SessionLimits(
             config.max_sessions,
@@ -152,13 +147,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         metrics.watch("dropped_writes", "Queued observations dropped because their caller gave up first", lambda: writer.dropped)
         metrics.watch("refused_calls", "Calls refused over --max-calls-per-caller or --max-write-calls", lambda: self.admission.refused)
         metrics.watch_tables(stores.table_stats)
+        if replica is not None and log_link is not None:
+            metrics.watch_replication(replica, log_link)
         self.refused_scopes = 0  # calls refused for declaring a scope (ScopeRefused.permission)
         metrics.watch("refused_scopes", "Calls refused for declaring a scope their client may not name", lambda: self.refused_scopes)
 
     # -- validation (always before any state changes) -------------------------
 
     def _check_vocabulary(self, vocabulary: str) -> None:
-        _check(
+        check(
             bool(VOCABULARY_PATTERN.fullmatch(vocabulary)),
             f"vocabulary must be the 16-hex-digit fingerprint of the tokenizer, got {vocabulary!r}",
         )
@@ -167,20 +164,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         limit = self.config.max_token_id
         if tokens and max(tokens) >= limit:  # max() runs in C; find the culprit only on failure
             bad = next(t for t in tokens if t >= limit)
-            _check(False, f"{where}: token id {bad} is out of range (must be < {limit})")
+            check(False, f"{where}: token id {bad} is out of range (must be < {limit})")
 
     def _check_propose(self, request: drafter_pb2.ProposeRequest) -> None:
         """The request's shape; what it asks of sessions is SessionTable.claim's to check."""
         self._check_vocabulary(request.vocabulary)
         self._check_call_size(len(request.sequences), sum(len(s.new_tokens) for s in request.sequences))
         predicted = sum(len(s.predictions.tokens) for s in request.sequences)
-        _check(
+        check(
             predicted <= self.config.max_predictions_per_call,
             f"{predicted} predicted tokens in one call; the limit is {self.config.max_predictions_per_call} "
             "(--max-predictions-per-call): send fewer positions or a smaller k",
         )
         positions = sum(len(s.predictions.current) for s in request.sequences)
-        _check(
+        check(
             positions <= self.config.max_predicted_positions_per_call,
             f"{positions} predicted positions in one call; the limit is {self.config.max_predicted_positions_per_call} "
             "(--max-predicted-positions-per-call): send fewer positions",
@@ -207,12 +204,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _check_predictions(self, predictions: drafter_pb2.Predictions, where: str) -> None:
         positions, k = len(predictions.current), predictions.k
-        _check(1 <= k <= MAX_SUCCESSORS, f"{where}: k {k} is out of range [1, {MAX_SUCCESSORS}]")
-        _check(
+        check(1 <= k <= MAX_SUCCESSORS, f"{where}: k {k} is out of range [1, {MAX_SUCCESSORS}]")
+        check(
             positions <= self.config.max_predicted_positions,
             f"{where}: {positions} positions, more than {self.config.max_predicted_positions} (--max-predicted-positions)",
         )
-        _check(
+        check(
             len(predictions.previous) == positions and len(predictions.tokens) == positions * k,
             f"{where}: {len(predictions.previous)} previous and {len(predictions.tokens)} tokens for {positions} positions of "
             f"k {k} (need {positions} and {positions * k})",
@@ -222,9 +219,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _check_observe_id(self, observe_id: str, items: int) -> None:
         """Each of ``items`` is stored under ``observe_id/index``: all of those must fit."""
-        _check(bool(observe_id), "observe_id is empty: give each Observe a unique id so retries are not counted twice")
+        check(bool(observe_id), "observe_id is empty: give each Observe a unique id so retries are not counted twice")
         longest = len(observe_id.encode()) + 1 + len(str(max(items - 1, 0))) + CHUNK_SUFFIX_BYTES
-        _check(
+        check(
             longest <= MAX_OBSERVE_ID_BYTES,
             f"observe_id is {len(observe_id.encode())} bytes; with its '/index' suffix it must fit in "
             f"{MAX_OBSERVE_ID_BYTES - CHUNK_SUFFIX_BYTES}",
@@ -316,11 +313,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _check_call_size(self, sequences: int, tokens: int) -> None:
         limits = self.config
-        _check(
+        check(
             sequences <= limits.max_sequences_per_call,
             f"{sequences} sequences in one call; the limit is {limits.max_sequences_per_call}",
         )
-        _check(tokens <= limits.max_tokens_per_call, f"{tokens} tokens in one call; the limit is {limits.max_tokens_per_call}")
+        check(tokens <= limits.max_tokens_per_call, f"{tokens} tokens in one call; the limit is {limits.max_tokens_per_call}")
 
     # -- RPCs -------------------------------------------------------------------
 
@@ -380,6 +377,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             if update.predictions.current:
                 by_scope.setdefault(session.scope, []).extend(successor_updates(update.predictions))
         for scope, predictions in by_scope.items():
+            if self.log is not None:  # through the log, so every replica's successor table learns them
+                self.log.offer_successors(vocabulary, scope, predictions)
+                continue
             try:
                 store = self._writable_table(vocabulary, scope)
             except (TooManyVocabularies, DiskFull):
@@ -470,6 +470,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return self._observe_admitted(request, scope, context)
 
     def _observe_admitted(self, request, scope: str, context):
+        if self.log is not None:
+            duplicate = self._publish(request.vocabulary, scope, request.observe_id, [list(s.tokens) for s in request.sequences], context)
+            return drafter_pb2.ObserveResponse(
+                applied=not duplicate,
+                applied_sequences=0 if duplicate else len(request.sequences),
+                duplicate_sequences=len(request.sequences) if duplicate else 0,
+            )
         store = self._table(request.vocabulary, scope, context)
         items = [
             _Pending(store, f"{request.observe_id}/{index}", list(sequence.tokens)) for index, sequence in enumerate(request.sequences)
@@ -482,6 +489,23 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             applied_sequences=applied,
             duplicate_sequences=len(items) - applied,
         )
+
+    def _publish(self, vocabulary: str, scope: str, observe_id: str, sequences: list[list[int]], context) -> bool:
+        """One call's sequences into the log, answered once the log holds them (acknowledged
+        means durable there); whether the log already held them (a retry)."""
+        try:
+            self.stores.check_room(vocabulary, scope)  # the bound every replica applies
+        except TooManyVocabularies as full:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
+        started = time.perf_counter()
+        with self.tracing.tracer.start_as_current_span("specdec.drafter.log_publish", attributes={"specdec.sequences": len(sequences)}):
+            try:
+                _, duplicate = self.log.observe(vocabulary, scope, observe_id, sequences)  # type: ignore[union-attr]  # checked by the caller
+            except LogUnavailable as away:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"{away}; retry with the same observe_id: it is stored once")
+        self.metrics.log_publish_seconds.observe(time.perf_counter() - started)
+        self.metrics.observed_tokens.inc(0 if duplicate else sum(len(tokens) for tokens in sequences))
+        return duplicate
 
     def CloseSessions(self, request, context):
         """Close the caller's sessions of ``vocabulary``; with ``observe``, their tokens go into its
@@ -517,7 +541,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     "(--max-tokens-per-call); close them in several calls",
                 )
             ids = [sid for sid, session in zip(request.session_ids, found) if session is not None]
-            if ids:  # each into the table of the scope it was opened in
+            if ids and self.log is not None:  # one message per scope (each is its table's)
+                by_scope: dict[str, list[list[int]]] = {}
+                for session in sessions:
+                    by_scope.setdefault(session.scope, []).append(list(session.context.tokens))
+                for scope, sequences in by_scope.items():
+                    self._publish(request.vocabulary, scope, request.observe_id, sequences, context)
+            elif ids:  # each into the table of the scope it was opened in
                 items = [
                     _Pending(
                         self._table(request.vocabulary, session.scope, context), f"{request.observe_id}/{i}", list(session.context.tokens)
@@ -534,14 +564,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def _check_close(self, request) -> None:
         """CloseSessions obeys Observe's limits: its ids count as sequences, none twice."""
         ids = request.session_ids
-        _check(
+        check(
             len(ids) <= self.config.max_sequences_per_call,
             f"{len(ids)} sessions in one call; the limit is {self.config.max_sequences_per_call} (--max-sequences-per-call)",
         )
         seen: set[str] = set()
         for index, sid in enumerate(ids):
             if sid in seen:
-                _check(False, f"session_ids[{index}]: session {sid[:200]!r} appears twice in one call")
+                check(False, f"session_ids[{index}]: session {sid[:200]!r} appears twice in one call")
             seen.add(sid)
         if request.observe:
             self._check_observe_id(request.observe_id, len(ids))
@@ -606,70 +636,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 )
             if item.error is not None:
                 context.abort(grpc.StatusCode.INTERNAL, f"could not store the observation: {item.error}")
-
-    def Stats(self, request, context):
-        if request.vocabulary:
-            try:
-                self._check_vocabulary(request.vocabulary)
-            except InvalidRequest as invalid:
-                context.abort(invalid.code, str(invalid))
-        tables = self.stores.table_stats()
-        if request.vocabulary:
-            tables = {request.vocabulary: tables[request.vocabulary]} if request.vocabulary in tables else {}
-        totals = {"entries": 0, "bytes": 0, "file_bytes": 0, "evictions": 0, "successor_entries": 0}
-        for stats in tables.values():
-            for name in totals:
-                totals[name] += stats.get(name, 0)
-        scopes = sum(stats.get("scopes", 0) for stats in tables.values())
-        return drafter_pb2.StatsResponse(
-            **totals,
-            max_bytes=self.config.max_bytes * max(1, scopes),
-            open_sessions=len(self.sessions),
-            scopes=scopes,
-            **self.metrics.stats(),
-        )
-
-    def Backup(self, request, context):
-        """A compact copy of a vocabulary's tables in ``--backup-dir``/``destination``, one folder
-        per scope named as in --db (a restore copies them back). Callers learn nothing about the
-        filesystem beyond that directory: failures are logged here."""
-        try:
-            _check(
-                self.config.backup_dir is not None,
-                "backups are off: start the drafter with --backup-dir DIR to allow them",
-                grpc.StatusCode.FAILED_PRECONDITION,
-            )
-            self._check_vocabulary(request.vocabulary)
-            _check(
-                bool(BACKUP_NAME_PATTERN.fullmatch(request.destination)),
-                f"destination must be a plain name of 1-128 letters, digits, '.', '_' or '-' (not starting with "
-                f"'.', '_' or '-'), got {request.destination[:200]!r}; the backup goes into the drafter's backup directory",
-            )
-            tables = self.stores.tables_of(request.vocabulary)
-            _check(bool(tables), f"no table for vocabulary {request.vocabulary}", grpc.StatusCode.NOT_FOUND)
-        except InvalidRequest as invalid:
-            context.abort(invalid.code, str(invalid))
-        destination = Path(self.config.backup_dir) / request.destination
-        try:
-            Path(self.config.backup_dir).mkdir(parents=True, exist_ok=True)
-            destination.mkdir()  # exclusive: two callers never share a folder
-        except FileExistsError:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"a backup named {request.destination!r} already exists; pick another name")
-        except OSError:
-            log.exception("could not create backup folder %s", destination)
-            context.abort(grpc.StatusCode.INTERNAL, "could not create the backup; the drafter's log says why")
-        try:
-            for name, store in tables.items():
-                store.backup(str(destination / name))
-            size = sum(f.stat().st_size for folder in destination.iterdir() for f in folder.iterdir())
-        except StoreClosed as gone:
-            shutil.rmtree(destination, ignore_errors=True)
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"{gone}; nothing was backed up")
-        except Exception:
-            log.exception("backup of %s into %s failed", request.vocabulary, destination)
-            shutil.rmtree(destination, ignore_errors=True)
-            context.abort(grpc.StatusCode.INTERNAL, "the backup failed and was removed; the drafter's log says why")
-        return drafter_pb2.BackupResponse(bytes=size)
 
     def watch_streams(self, guard: serving.AuxiliaryStreamGuard) -> None:
         """Metrics of the main port's reflection and health Watch streams."""
@@ -747,6 +713,9 @@ class DrafterServer:
         stopping = [server.stop(grace) for server in (self.server, self.admin_server) if server is not None]
         for stopped in stopping:
             stopped.wait()
+        if self.servicer.replica is not None and self.servicer.log is not None:
+            self.servicer.replica.stop()
+            self.servicer.log.close()
         self.writer.stop()
         self.stores.close()
         if self._health_server is not None:
@@ -786,7 +755,11 @@ def create_server(config: DrafterConfig) -> DrafterServer:
         max_pending_tokens_per_table=config.pending_write_tokens_per_scope,
         max_pending_successors_per_table=config.pending_successors_per_scope,
     )
-    servicer = DrafterServicer(config, stores, writer)
+    log_link = replica = None
+    if config.log.enabled:
+        log_link = ObservationLog(config.log)
+        replica = Replica(config, stores, log_link, lambda ready: serving.set_serving(health_servicer, SERVICE_NAME, ready))
+    servicer = DrafterServicer(config, stores, writer, log_link=log_link, replica=replica)
     servicer.watch_streams(guard)
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer if admin_server is None else _ServingOnly(servicer), server)
     if admin_server is not None:
@@ -811,5 +784,10 @@ def create_server(config: DrafterConfig) -> DrafterServer:
         admin_server.start()
     drafter.start_janitor()
     servicer.watch_health(health_servicer)
-    serving.set_serving(health_servicer, SERVICE_NAME, True)  # the stores are open: ready
+    if log_link is not None and replica is not None:  # ready once caught up with the log (the replica says when)
+        serving.set_serving(health_servicer, SERVICE_NAME, False)
+        log_link.start()
+        replica.start()
+    else:
+        serving.set_serving(health_servicer, SERVICE_NAME, True)  # the stores are open: ready
     return drafter

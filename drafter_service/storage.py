@@ -353,6 +353,53 @@ class StoreRegistry:
                 "--max-scopes): this scope learns nothing, and drafts from its requests' own contexts"
             )
 
+    def check_room(self, vocabulary: str, scope: str) -> None:
+        """TooManyVocabularies unless (vocabulary, scope) has a table or may get one. Creates
+        nothing (a replica's tables are created as it applies the log)."""
+        with self._lock:
+            if table_name(vocabulary, scope) not in self._stores:
+                self._check_room(vocabulary, scope)
+
+    def drop(self, vocabulary: str, scope: str) -> bool:
+        """Delete the (vocabulary, scope) table, its data with it (an operator's Forget): True if
+        there was one. Calls in it finish first; later ones find no table."""
+        name = table_name(vocabulary, scope)
+        with self._lock:
+            store = self._stores.pop(name, None)
+            if store is not None:
+                store.close()
+            folder = self.root / name
+            if not folder.exists():
+                return store is not None
+            doomed = self.root / f".dropped-{name}-{time.time_ns()}"
+            folder.rename(doomed)  # atomic: no half-deleted table is ever opened
+        shutil.rmtree(doomed, ignore_errors=True)
+        log.warning("table %s dropped (forgotten)", name)
+        return True
+
+    def replace_tables(self, staging: Path) -> None:
+        """Serve the table folders in ``staging`` (a peer's snapshot) instead of those held:
+        the held ones are closed and deleted, the new ones moved in and opened."""
+        with self._lock:
+            for store in self._stores.values():
+                store.close()
+            self._stores.clear()
+            trash = self.root / f".replaced-{time.time_ns()}"
+            trash.mkdir()
+            for entry in self.root.iterdir():
+                if entry.is_dir() and split_table_name(entry.name) is not None:
+                    entry.rename(trash / entry.name)
+            for entry in sorted(staging.iterdir()):
+                if entry.is_dir() and split_table_name(entry.name) is not None:
+                    entry.rename(self.root / entry.name)
+        shutil.rmtree(trash, ignore_errors=True)
+        for entry in sorted(self.root.iterdir()):
+            if entry.is_dir() and split_table_name(entry.name) is not None:
+                try:
+                    self.get(*_split(entry.name), create=False)
+                except (StoreFormatError, lmdb.Error) as error:
+                    self._set_aside(entry.name, f"{type(error).__name__}: {error}", at_startup=False)
+
     def scopes(self) -> int:
         """Tables served (one per vocabulary and scope)."""
         return len(self._stores)

@@ -148,12 +148,18 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import accumulate, chain, compress, islice
-from operator import itemgetter
+from itertools import islice
 from typing import Any, NamedTuple
 
 import lmdb
 
+from drafter_service.counting import (  # noqa: F401 (first_occurrences: re-exported for the writer)
+    _ranked,
+    count_ngrams,
+    decayed,
+    first_occurrences,
+    merge_continuations,
+)
 from drafter_service.ngram import Continuation, best_of
 from drafter_service.table_format import (
     FIRST_PAIR,
@@ -165,6 +171,7 @@ from drafter_service.table_format import (
     META_EPOCH,
     META_EPOCH_TOKENS,
     META_EVICTIONS,
+    META_LOG_SEQUENCE,
     META_SUCCESSOR_EVICTIONS,
     META_SUCCESSOR_TICK,
     META_SUCCESSOR_TICK_WRITES,
@@ -217,8 +224,6 @@ MIN_MAP_BYTES = 64 << 20
 # entry's key 21, with LMDB's headers (~130 bytes), in pages about half full, with
 # copy-on-write copies.
 SUCCESSOR_MAP_BYTES = 640
-
-_COUNT = itemgetter(1)  # of a (token, count) pair
 
 log = logging.getLogger(__name__)
 
@@ -372,100 +377,6 @@ class StoreConfig:
         return int(self.max_bytes * self.low_water_fraction)
 
 
-# --- pure merge functions ------------------------------------------------------
-
-
-def decayed(pairs: Sequence[tuple[int, int]], age: int, decay_shift: int) -> list[tuple[int, int]]:
-    """Pairs after ``age`` epochs, each worth at least 1: [(7, 8), (9, 1)], age 2, shift 1 -> [(7, 2), (9, 1)]."""
-    shift = age * decay_shift
-    return [(token, (count >> shift) or 1) for token, count in pairs]
-
-
-def merge_continuations(
-    stored: Sequence[tuple[int, int]],
-    age: int,
-    additions: dict[int, int],
-    decay_shift: int,
-    max_continuations: int,
-) -> list[tuple[int, int]]:
-    """Stored pairs decayed by ``age`` epochs plus ``additions``, top-k by count.
-
-    stored [(7, 4), (9, 1)] two epochs old, shift 1: 7 and 9 are worth 1;
-    additions {8: 1, 9: 1} -> [(9, 2), (7, 1), (8, 1)] (a stable sort keeps
-    stored before new, new in first-seen order); max_continuations 2 ->
-    [(9, 2), (7, 1)].
-    """
-    merged = dict(stored) if age == 0 else dict(decayed(stored, age, decay_shift))  # age 0: the usual case
-    for token, count in additions.items():
-        merged[token] = min(UINT32_MAX, merged.get(token, 0) + count)
-    return _ranked(merged.items())[:max_continuations]
-
-
-def _ranked(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Pairs by count, highest first; equal counts keep their order (reverse sorts are stable)."""
-    return sorted(pairs, key=_COUNT, reverse=True)
-
-
-def count_ngrams(
-    sequences: Iterable[tuple[Sequence[int], bytes, int, Sequence[bytes] | None]], namespace: bytes, n_min: int, n_max: int
-) -> dict[bytes, dict[int, int]]:
-    """Next-token counts per ``ngrams`` key over (tokens, packed tokens, start, counted)
-    tuples, each sequence adding at most 1 per (key, next token) pair (see *One vote per call*).
-
-    tokens [5, 6, 7], n_min=1, n_max=2 counts (5,)->6, (6,)->7, (5, 6)->7, keyed by
-    namespace | n | tokens. tokens [1, 2, 1, 2, 1, 3], n_min=n_max=1 counts (1,)->2 once
-    though it occurs twice: {(1,): {2: 1, 3: 1}, (2,): {1: 1}}. Only n-grams whose next
-    token is at index >= start count: the tokens before are a chunk's context, whose own
-    n-grams an earlier chunk counted. With ``counted`` (per n, a mask over the tokens: see
-    ``first_occurrences``), only the positions it marks count.
-    """
-    counts: dict[bytes, dict[int, int]] = {}
-    for tokens, packed, start, counted in sequences:
-        for n in range(n_min, n_max + 1):
-            prefix = namespace + bytes((n,))
-            first = max(n, start)
-            positions: Iterable[int] = range(first, len(tokens))
-            following: Iterable[int] = tokens[first:]
-            if counted is not None:
-                positions, following = compress(positions, counted[n - n_min][first:]), compress(following, counted[n - n_min][first:])
-            keys = [prefix + packed[4 * (position - n) : 4 * position] for position in positions]
-            # dict.fromkeys: each pair once, in first-seen order, so each key's
-            # continuations stay in the order they first followed it.
-            for key, token in dict.fromkeys(zip(keys, following)):
-                continuation = counts.setdefault(key, {})
-                continuation[token] = continuation.get(token, 0) + 1
-    return counts
-
-
-def first_occurrences(sequences: Sequence[Sequence[int]], n_min: int, n_max: int) -> list[tuple[bytes, ...]]:
-    """Per sequence of one call, per n in [n_min, n_max], a mask over its tokens: 1 at each
-    position p >= n whose pair (tokens[p-n:p], tokens[p]) occurs there first in the call
-    (its sequences in order), else 0. ``apply`` counts only the positions marked.
-
-    [[1, 2, 1, 2], [2, 1, 3]], n_min=n_max=1: (1,)->2 first at 1, (2,)->1 at 2, (1,)->2
-    again at 3 -> bytes([0, 1, 1, 0]); then (2,)->1 is not new, (1,)->3 is -> bytes([0, 0, 1]).
-    Raises ValueError for a token id outside uint32.
-    """
-    try:
-        packed = [struct.pack(f">{len(tokens)}I", *tokens) for tokens in sequences]
-    except struct.error:
-        raise ValueError("token ids must be integers in [0, 2**32)") from None
-    offsets = list(accumulate((len(tokens) for tokens in sequences), initial=0))  # of each sequence, in the call
-    masks = []
-    for n in range(n_min, n_max + 1):
-        pairs = chain.from_iterable(
-            (sequence[4 * (position - n) : 4 * (position + 1)] for position in range(n, len(sequence) // 4)) for sequence in packed
-        )
-        where = chain.from_iterable(range(offset + n, end) for offset, end in zip(offsets, offsets[1:]))
-        # Built backwards, a dict keeps each pair's last assignment: its first position.
-        first = dict(zip(reversed(list(pairs)), reversed(list(where))))
-        mask = bytearray(offsets[-1])
-        for position in first.values():
-            mask[position] = 1
-        masks.append(mask)
-    return [tuple(bytes(mask[low:high]) for mask in masks) for low, high in zip(offsets, offsets[1:])]
-
-
 def record_bytes(key: bytes, value: bytes) -> int:
     return len(key) + len(value) + RECORD_OVERHEAD_BYTES
 
@@ -480,6 +391,16 @@ class ApplyItem(NamedTuple):
     tokens: Sequence[int]
     start: int = 0  # tokens before it are a chunk's context (see count_ngrams)
     counted: Sequence[bytes] | None = None  # per n, the positions that count (first_occurrences); None: the item is a call
+
+
+class LogEntry(NamedTuple):
+    """One message of the shared observation log for this table (``apply_log``): one
+    Observe call's sequences, or successor-table predictions."""
+
+    sequence: int  # the log's sequence number: entries come in increasing order
+    hour: int  # hours since the Unix epoch when the log stored it: the de-duplication window's clock
+    observations: Sequence[ApplyItem] = ()
+    successors: Sequence[tuple[tuple[int, ...], Sequence[int]]] = ()
 
 
 @dataclass
@@ -657,6 +578,74 @@ class LMDBNGramStore:
         with self._use(), self._write_lock:
             return self._commit_with_recovery(observations)
 
+    def apply_log(self, entries: Sequence[LogEntry]) -> list[bool | None]:
+        """Apply log messages in order, in one transaction that also records the last one's
+        sequence (``log_sequence``): an entry at or below the sequence held is skipped, so
+        no replay applies a message twice. Each entry is merged as its own call, at the hour
+        the log stored it (not this machine's clock), so every replica applying the same log
+        holds the same records however its transactions group the entries.
+
+        Returns per entry True applied, False skipped (applied before), None not stored for
+        want of room in the map even alone (logged; the sequence moves past it). Raises
+        ValueError, writing nothing, for an entry ``apply`` or ``record_successors`` refuses.
+        """
+        prepared = [
+            (entry, [self._validate(*item) for item in entry.observations], self._successor_records(entry.successors)) for entry in entries
+        ]
+        if not prepared:
+            return []
+        with self._use(), self._write_lock:
+            try:
+                return self._commit_log(prepared)
+            except lmdb.MapFullError:
+                self.check_readers()
+            results: list[bool | None] = []
+            for one in prepared:  # one transaction each: those that fit are stored
+                try:
+                    results += self._commit_log([one])
+                except lmdb.MapFullError:
+                    log.error("log message %d does not fit in the %d-byte map now; skipped", one[0].sequence, self.config.map_size_bytes)
+                    with self._env.begin(write=True) as txn:
+                        self._write_log_sequence(txn, max(one[0].sequence, self._log_sequence(txn)))
+                    results.append(None)
+            return results
+
+    def log_sequence(self) -> int:
+        """The sequence of the last log message applied to this table (0: none)."""
+        with self._use() as env, env.begin() as txn:
+            return self._log_sequence(txn)
+
+    def reset_log_sequence(self) -> None:
+        """Forget which log messages this table holds (its data stays): another log follows."""
+        with self._use() as env, self._write_lock, env.begin(write=True) as txn:
+            txn.delete(META_LOG_SEQUENCE, db=self._meta)
+
+    def _log_sequence(self, txn: lmdb.Transaction) -> int:
+        held = txn.get(META_LOG_SEQUENCE, db=self._meta)
+        return 0 if held is None else UINT64.unpack(held)[0]
+
+    def _write_log_sequence(self, txn: lmdb.Transaction, sequence: int) -> None:
+        txn.put(META_LOG_SEQUENCE, UINT64.pack(sequence), db=self._meta)
+
+    def _commit_log(self, prepared: list[tuple[LogEntry, list[_Observation], dict[bytes, bytes]]]) -> list[bool | None]:
+        results: list[bool | None] = []
+        with self._env.begin(write=True) as txn:
+            held = self._log_sequence(txn)
+            for entry, observations, successors in prepared:
+                if entry.sequence <= held:
+                    results.append(False)
+                    continue
+                if observations:
+                    meta = self._read_meta(txn)
+                    self._merge_call(txn, meta, observations, entry.hour)
+                    self._write_meta(txn, meta)
+                if successors:
+                    self._store_successor_records(txn, successors)
+                held = entry.sequence
+                results.append(True)
+            self._write_log_sequence(txn, held)
+        return results
+
     def successors(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
         with self.snapshot() as snapshot:
             return snapshot.successors(key)
@@ -669,7 +658,17 @@ class LMDBNGramStore:
         but, of a call holding more than the bound, its oldest. Raises ValueError, writing
         nothing, for a key or prediction list it cannot hold.
         """
-        records: dict[bytes, bytes] = {}  # key -> its tokens, packed: the newest, in the order last given
+        records = self._successor_records(updates)
+        if not records:
+            return 0
+        with self._use() as env, self._write_lock, env.begin(write=True) as txn:
+            self._store_successor_records(txn, records)
+        return len(records)
+
+    def _successor_records(self, updates: Iterable[tuple[tuple[int, ...], Sequence[int]]]) -> dict[bytes, bytes]:
+        """Packed key -> packed tokens, the newest per key in the order last given, at most the
+        bound (a call's last keys); ValueError for a key or prediction list the table cannot hold."""
+        records: dict[bytes, bytes] = {}
         for key, tokens in updates:
             packer = SUCCESSOR_KEYS.get(len(key))
             if packer is None or not 0 < len(tokens) <= MAX_SUCCESSORS:
@@ -683,25 +682,26 @@ class LMDBNGramStore:
         bound = self.config.max_successor_entries
         if len(records) > bound:
             records = dict(islice(records.items(), len(records) - bound, None))
-        if not records:
-            return 0
-        with self._use() as env, self._write_lock, env.begin(write=True) as txn:
-            meta = self._read_successor_meta(txn)
-            stamps = {packed: self._successor_stamp(txn, packed) for packed in sorted(records)}  # key order: neighbours share pages
-            excess = txn.stat(self._successors)["entries"] + sum(stamp is None for stamp in stamps.values()) - bound
-            if excess > 0:
-                self._evict_successors(txn, meta, excess, records)
-            stamp = UINT32.pack(meta.tick)
-            for packed, held in stamps.items():
-                if held != meta.tick:  # within its tick, a key keeps its recency entry
-                    if held is not None:
-                        txn.delete(UINT32.pack(held) + packed, db=self._recency)
-                    txn.put(stamp + packed, b"", db=self._recency)
-                txn.put(packed, bytes((SUCCESSOR_VERSION,)) + stamp + records[packed], db=self._successors)
-            ticks, meta.tick_writes = divmod(meta.tick_writes + len(records), self.config.successor_writes_per_tick)
-            meta.tick = min(UINT32_MAX, meta.tick + ticks)
-            self._write_successor_meta(txn, meta)
-        return len(records)
+        return records
+
+    def _store_successor_records(self, txn: lmdb.Transaction, records: dict[bytes, bytes]) -> None:
+        """Write ``records`` (``_successor_records``) in ``txn``, evicting beyond the bound (see the module docstring)."""
+        bound = self.config.max_successor_entries
+        meta = self._read_successor_meta(txn)
+        stamps = {packed: self._successor_stamp(txn, packed) for packed in sorted(records)}  # key order: neighbours share pages
+        excess = txn.stat(self._successors)["entries"] + sum(stamp is None for stamp in stamps.values()) - bound
+        if excess > 0:
+            self._evict_successors(txn, meta, excess, records)
+        stamp = UINT32.pack(meta.tick)
+        for packed, held in stamps.items():
+            if held != meta.tick:  # within its tick, a key keeps its recency entry
+                if held is not None:
+                    txn.delete(UINT32.pack(held) + packed, db=self._recency)
+                txn.put(stamp + packed, b"", db=self._recency)
+            txn.put(packed, bytes((SUCCESSOR_VERSION,)) + stamp + records[packed], db=self._successors)
+        ticks, meta.tick_writes = divmod(meta.tick_writes + len(records), self.config.successor_writes_per_tick)
+        meta.tick = min(UINT32_MAX, meta.tick + ticks)
+        self._write_successor_meta(txn, meta)
 
     def _successor_stamp(self, txn: lmdb.Transaction, key: bytes) -> int | None:
         """The stamp of the successor record ``key``, or None when none is held."""
@@ -976,22 +976,26 @@ class LMDBNGramStore:
     def _commit_batch(self, observations: list[_Observation]) -> list[bool]:
         with self._env.begin(write=True) as txn:
             meta = self._read_meta(txn)
-            hour = int(self.config.clock() // 3600)
-            self._expire_ids(txn, meta, hour - self.config.dedup_window_hours)
-            results = self._claim_ids(txn, observations, meta, hour)
-            fresh = [(item.tokens, item.packed, item.start, item.counted) for item, new in zip(observations, results) if new]
-            # The epoch first: a batch that crosses a boundary lands fresh in the new one.
-            meta.epoch_tokens += sum(len(tokens) - start for tokens, _packed, start, _counted in fresh)
-            epochs, meta.epoch_tokens = divmod(meta.epoch_tokens, self.config.epoch_observations)
-            if epochs:
-                self._advance_epoch(txn, meta, epochs)
-            counts = count_ngrams(fresh, self.config.namespace, self.config.n_min, self.config.n_max)
-            for key in sorted(counts):  # key order: neighbouring writes share pages
-                self._merge_key(txn, key, counts[key], meta)
-            # Same transaction: no crash leaves the table above the high-water mark.
-            config = self.config
-            self._evict(txn, meta, config.low_water_bytes, config.eviction_chunk_records, config.high_water_bytes)
+            results = self._merge_call(txn, meta, observations, int(self.config.clock() // 3600))
             self._write_meta(txn, meta)
+        return results
+
+    def _merge_call(self, txn: lmdb.Transaction, meta: _Meta, observations: list[_Observation], hour: int) -> list[bool]:
+        """Steps 1-5 of *Merging an apply* in ``txn``, with ``hour`` as the ids' clock; per item, whether it was new."""
+        self._expire_ids(txn, meta, hour - self.config.dedup_window_hours)
+        results = self._claim_ids(txn, observations, meta, hour)
+        fresh = [(item.tokens, item.packed, item.start, item.counted) for item, new in zip(observations, results) if new]
+        # The epoch first: a batch that crosses a boundary lands fresh in the new one.
+        meta.epoch_tokens += sum(len(tokens) - start for tokens, _packed, start, _counted in fresh)
+        epochs, meta.epoch_tokens = divmod(meta.epoch_tokens, self.config.epoch_observations)
+        if epochs:
+            self._advance_epoch(txn, meta, epochs)
+        counts = count_ngrams(fresh, self.config.namespace, self.config.n_min, self.config.n_max)
+        for key in sorted(counts):  # key order: neighbouring writes share pages
+            self._merge_key(txn, key, counts[key], meta)
+        # Same transaction: no crash leaves the table above the high-water mark.
+        config = self.config
+        self._evict(txn, meta, config.low_water_bytes, config.eviction_chunk_records, config.high_water_bytes)
         return results
 
     def _claim_ids(self, txn: lmdb.Transaction, observations: list[_Observation], meta: _Meta, hour: int) -> list[bool]:

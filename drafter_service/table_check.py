@@ -54,6 +54,7 @@ from drafter_service.table_format import (
     OLDER_META_LAYOUT,
     PAIR_BYTES,
     PAIRS,
+    REPLICA_META_LAYOUT,
     SUB_DATABASES,
     SUCCESSOR_HEADER,
     SUCCESSOR_VERSION,
@@ -149,8 +150,9 @@ class _Walker:
         if version is None or len(version) != 1 or version[0] not in DATABASES_OF_VERSION:
             raise _Unsound(f"format version {version!r}; this code reads {FORMAT_VERSION} (and 1 to 3, migrating them)")
         self.version = version[0]
-        layout = META_LAYOUT if self.version == FORMAT_VERSION else OLDER_META_LAYOUT
-        if {key: len(value) for key, value in records.items()} != layout:
+        layouts = (META_LAYOUT, REPLICA_META_LAYOUT) if self.version == FORMAT_VERSION else (OLDER_META_LAYOUT,)
+        layout = {key: len(value) for key, value in records.items()}
+        if layout not in layouts:
             raise _Unsound(f"its meta records are {sorted(records)}, not format {self.version}'s")
         self.meta_records = len(layout)
         tick = UINT32.unpack(records[META_SUCCESSOR_TICK])[0] if self.version == FORMAT_VERSION else None

@@ -20,6 +20,10 @@ numeric order and keys sharing a prefix sort together. No pickle anywhere.
     successor table's bound*, there too). ``b"successor_tick_writes"`` ->
     uint64, successor keys written since that tick began.
     ``b"successor_evictions"`` -> uint64, successor records evicted so far.
+    ``b"log_sequence"`` -> uint64, only in a table a replica writes from the shared
+    observation log (``drafter_service.replica``): the sequence of the last log message
+    applied to it, written in the same transaction as that message's records, so a
+    message is never applied twice, whatever restarts, restores or replays follow.
 ``ngrams``
     key = namespace (8 bytes) | n (uint8) | n tokens (uint32 each).
     value = value version (uint8, 1: ``VALUE_VERSION``) | last-touched epoch (uint32) | total (uint32)
@@ -133,9 +137,12 @@ META_EVICTIONS = b"evictions"
 META_SUCCESSOR_TICK = b"successor_tick"
 META_SUCCESSOR_TICK_WRITES = b"successor_tick_writes"
 META_SUCCESSOR_EVICTIONS = b"successor_evictions"
+META_LOG_SEQUENCE = b"log_sequence"
 # The meta records (see the docstring) and each one's length: formats 1-3, and this one.
 OLDER_META_LAYOUT = {META_VERSION: 1, META_EPOCH: 4, META_EPOCH_TOKENS: 8, META_TRACKED: 8, META_EVICTIONS: 8}
 META_LAYOUT = {**OLDER_META_LAYOUT, META_SUCCESSOR_TICK: 4, META_SUCCESSOR_TICK_WRITES: 8, META_SUCCESSOR_EVICTIONS: 8}
+# A replica's table (format 4) has one more: the last log message applied.
+REPLICA_META_LAYOUT = {**META_LAYOUT, META_LOG_SEQUENCE: 8}
 # Sub-databases a store's main database names; anything else is not ours.
 SUCCESSORLESS_DATABASES = {b"ngrams", b"coldness", b"applied", b"meta"}  # formats 1 and 2
 UNSTAMPED_DATABASES = {*SUCCESSORLESS_DATABASES, b"successors"}  # format 3

@@ -205,7 +205,7 @@ class ObservationLog:
         config = self.config
         wanted = api.StreamConfig(
             name=config.stream,
-            subjects=[f"{config.subject_prefix}.>"],
+            subjects=[f"{config.subject_prefix}.obs.>", admin_subject(config.subject_prefix)],
             storage=api.StorageType.FILE,
             retention=api.RetentionPolicy.LIMITS,
             discard=api.DiscardPolicy.OLD,
@@ -221,7 +221,8 @@ class ObservationLog:
             log.info("observation log: created stream %s", config.stream)
             return
         held = info.config
-        if (held.max_bytes, held.max_age, held.duplicate_window, held.num_replicas) != (
+        if (held.subjects, held.max_bytes, held.max_age, held.duplicate_window, held.num_replicas) != (
+            wanted.subjects,
             wanted.max_bytes,
             wanted.max_age,
             wanted.duplicate_window,
@@ -304,7 +305,8 @@ class ObservationLog:
                 inactive_threshold=CONSUMER_INACTIVE_S,
                 mem_storage=True,
             )
-            self._sub = await js.pull_subscribe(f"{self.config.subject_prefix}.>", stream=self.config.stream, config=config)
+            config.filter_subjects = [f"{self.config.subject_prefix}.obs.>", admin_subject(self.config.subject_prefix)]
+            self._sub = await js.pull_subscribe("", stream=self.config.stream, config=config)
 
         self._call(subscribe(), API_TIMEOUT_S + 0.5)
 

@@ -43,6 +43,7 @@ class NatsServer:
 
     def __init__(self, folder: Path, name: str = "specdec-test") -> None:
         self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.store = folder / "jetstream"
         self.config = folder / "nats.conf"

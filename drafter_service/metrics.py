@@ -30,6 +30,8 @@ TABLE_GAUGES = (
 
 
 class DrafterMetrics:
+    log_publish_seconds: Histogram  # with an observation log only (watch_replication)
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
@@ -40,12 +42,6 @@ class DrafterMetrics:
             "Server-side Propose latency",
             registry=registry,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
-        )
-        self.log_publish_seconds = Histogram(
-            PREFIX + "log_publish_seconds",
-            "Seconds from publishing an Observe to the observation log to its acknowledgement (--log-url)",
-            registry=registry,
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0, 5.0),
         )
         self.propose_calls = Counter(PREFIX + "propose_calls", "Propose calls", registry=registry)
         self.misses = Counter(PREFIX + "misses", "Sequences that asked for drafts and got none", registry=registry)
@@ -74,6 +70,12 @@ class DrafterMetrics:
 
     def watch_replication(self, replica: Replica, log_link: ObservationLog) -> None:
         """The replica's metrics: where it stands in the log, how far behind, what it applied."""
+        self.log_publish_seconds = Histogram(
+            PREFIX + "log_publish_seconds",
+            "Seconds from publishing an Observe to the observation log to its acknowledgement",
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0, 5.0),
+        )
         self.gauge("log_position", "Sequence of the last observation-log message this replica applied", lambda: replica.position.sequence)
         self.gauge(
             "log_lag_messages",

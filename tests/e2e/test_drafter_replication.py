@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from drafter_service.log_format import encode_observe, table_subject
 from drafter_service.server import SERVICE_NAME, DrafterServer, create_server
 from specdec.v1 import drafter_pb2 as pb
 from specdec.v1 import drafter_pb2_grpc
+from tests.metrics_reference import documented_metrics, exposed_metrics
 from tests.nats_server import NatsServer
 
 VOCABULARY = "0123456789abcdef"
@@ -40,9 +42,9 @@ class Replicas:
         self.root, self.nats = root, nats
         self.running: dict[str, DrafterServer] = {}
 
-    def start(self, name: str, wait: bool = True, **log_flags) -> DrafterServer:
+    def start(self, name: str, wait: bool = True, metrics_port: int | None = None, **log_flags) -> DrafterServer:
         flags = {"url": self.nats.url, "publish_timeout_s": 2.0, "bootstrap_wait_s": 3.0, **log_flags}
-        drafter = create_server(DrafterConfig(port=0, db=str(self.root / name), metrics_port=None, log=LogConfig(**flags)))
+        drafter = create_server(DrafterConfig(port=0, db=str(self.root / name), metrics_port=metrics_port, log=LogConfig(**flags)))
         self.running[name] = drafter
         if wait:
             until(lambda: drafter.servicer.replica.serving, f"replica {name} to serve")
@@ -271,3 +273,15 @@ def test_with_no_peer_a_replica_left_behind_is_not_serving_until_it_applied_what
     store = b.stores.find(VOCABULARY)
     assert store.continuations(tuple(text(5)[:4])) == {text(5)[4]: 1}
     assert store.continuations(tuple(text(19_000, 2048)[:4])) == {text(19_000, 2048)[4]: 1}
+
+
+def test_a_replicas_metrics_are_the_drafters_and_the_replicas_documented_ones(replicas):
+    a = replicas.start("a", metrics_port=0)
+    observe(a, "m-1", text(1))
+    caught_up(a, log_end(a))
+    exposed = exposed_metrics(a.metrics_port)
+    assert exposed == documented_metrics("Drafter") | documented_metrics("Drafter replicas")
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{a.metrics_port}/metrics", timeout=10).read().decode()
+    assert "specdec_drafter_log_messages_applied_total 1.0" in metrics
+    assert "specdec_drafter_log_serving 1.0" in metrics
+    assert "specdec_drafter_log_publish_seconds_count 1.0" in metrics

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import threading
@@ -14,7 +13,6 @@ import urllib.parse
 import urllib.request
 from concurrent import futures
 from contextlib import contextmanager
-from pathlib import Path
 
 import grpc
 import pytest
@@ -22,6 +20,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
+from tests.metrics_reference import documented_metrics, exposed_metrics
 
 from processes import free_port, running
 
@@ -261,23 +260,9 @@ def test_prometheus_scrapes_both_services(tiny_model_dir, tmp_path):
             server.wait(timeout=30)
 
 
-def _documented_metrics(section: str) -> set[str]:
-    """The metric names of a section's table in docs/reference/metrics.md (each row's first cell)."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "metrics.md").read_text()
-    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
-    return set(re.findall(r"^\| `([a-z_:]+)` \|", body, flags=re.MULTILINE))
-
-
-def _exposed_metrics(port: int) -> set[str]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")} - {
-        name for name in re.findall(r"^# TYPE (\S+_created) gauge$", text, flags=re.MULTILINE)
-    }
-
-
 def test_the_metrics_reference_lists_every_metric_each_service_exposes(tiny_model_dir):
     with pair(tiny_model_dir, metrics=True) as (_, verifier, (drafter_metrics, verifier_metrics)):
         stub = rpc.VerifierStub(verifier.channel)
         stub.Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 5, 6, 7], max_new_tokens=4, num_speculative_tokens=2), timeout=60)
-        assert _exposed_metrics(verifier_metrics) == _documented_metrics("Verifier")
-        assert _exposed_metrics(drafter_metrics) == _documented_metrics("Drafter")
+        assert exposed_metrics(verifier_metrics) == documented_metrics("Verifier")
+        assert exposed_metrics(drafter_metrics) == documented_metrics("Drafter")

@@ -79,7 +79,8 @@ def test_help_lists_every_flag_with_its_variable_and_default(capsys):
         assert flag.option in shown, flag.option
         assert flag.variable("SPECDEC_VERIFIER_") in shown, flag.option
     assert "Prometheus /metrics port (0: a free one; -1 or none: off) (SPECDEC_VERIFIER_METRICS_PORT; default 9102)" in shown
-    assert "--drafter DRAFTER host:port of the drafter service (none: no speculation) (SPECDEC_VERIFIER_DRAFTER; default none)" in shown
+    assert "--drafter DRAFTER the drafter service: HOST:PORT, replicas sharing one learned state as HOST:PORT,HOST:PORT" in shown
+    assert "(none: no speculation) (SPECDEC_VERIFIER_DRAFTER; default none)" in shown
     assert "(SPECDEC_VERIFIER_TLS_CERT; default none)" in shown
 
 

@@ -25,7 +25,7 @@ from verifier_service.serving.scopes import KeyEntry, given_secret, parse_key_li
 DEFAULT_METRICS_PORT = 9102  # the drafter's is 9101
 
 # --help groups (specdec.flags).
-SERVER, MODEL, DRAFTER, HTTP = "server", "model", "drafter (--drafter HOST:PORT)", "HTTP API"
+SERVER, MODEL, DRAFTER, HTTP = "server", "model", "drafter (--drafter HOST:PORT,...)", "HTTP API"
 CALLERS, ENGINE, CONNECTIONS = "callers, API keys and learning scopes", "engine and batching", "gRPC connections"
 
 
@@ -94,7 +94,7 @@ class VerifierConfig:
         formerly=["head-depth"],
         help="tokens deep the trained draft head (--draft-head) drafts per step (0: none)",
     )
-    # How the verifier reaches the drafter: --drafter HOST:PORT and the --drafter-* flags.
+    # How the verifier reaches the drafter: --drafter HOST:PORT (or replicas, comma-separated) and the --drafter-* flags.
     drafter: DrafterClientConfig = nested(DrafterClientConfig, prefix="drafter-", group=DRAFTER)
     # A 4K-token prompt as ids is ~20 KB.
     max_message_bytes: int = setting(serving.MAX_MESSAGE_BYTES, group=SERVER, minimum=1, help="gRPC message size cap, both ways")

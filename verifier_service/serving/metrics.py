@@ -156,7 +156,8 @@ class VerifierMetrics:
             ["model_name"],
             registry=self.registry,
         ).labels(model_name)
-        self._external: dict[str, tuple[str, Callable[[], float]]] = {}
+        # Read from elsewhere at scrape time: name -> (help, read, family).
+        self._external: dict[str, tuple[str, Callable[[], float], type[CounterMetricFamily | GaugeMetricFamily]]] = {}
         self.registry.register(self)  # collect() below adds counters read from elsewhere
 
     def _gen_ai_histogram(self, instrument: str, help_text: str, buckets, error_label: bool = False) -> Histogram:
@@ -169,15 +170,19 @@ class VerifierMetrics:
 
     def watch(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         """A counter kept by another object (e.g. the drafter client's fallbacks), read at scrape time."""
-        self._external[name] = (help_text, read)
+        self._external[name] = (help_text, read, CounterMetricFamily)
+
+    def watch_gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
+        """A gauge kept by another object (e.g. which drafter replica is in use), read at scrape time."""
+        self._external[name] = (help_text, read, GaugeMetricFamily)
 
     def watch_cache_usage(self, read: Callable[[], tuple[float, float]]) -> None:
         """The engine's ``cache_usage``, read once per scrape for both KV-cache gauges."""
         self._cache_usage.read = read
 
     def collect(self):
-        for name, (help_text, read) in self._external.items():
-            family = CounterMetricFamily(PREFIX + name, help_text, labels=["model_name"])
+        for name, (help_text, read, kind) in self._external.items():
+            family = kind(PREFIX + name, help_text, labels=["model_name"])
             family.add_metric([self.model_name], read())
             yield family
 

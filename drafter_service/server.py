@@ -665,6 +665,9 @@ class _ServingOnly(drafter_pb2_grpc.DrafterServicer):
     def Backup(self, request, context):
         context.abort(grpc.StatusCode.PERMISSION_DENIED, "Backup is served on the drafter's admin port only")
 
+    def Forget(self, request, context):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "Forget is served on the drafter's admin port only")
+
 
 @dataclass
 class DrafterServer:

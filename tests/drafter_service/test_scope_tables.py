@@ -351,3 +351,15 @@ def test_metrics_count_scopes_and_never_name_them(open_drafter):
     assert f'specdec_drafter_table_scopes{{vocabulary="{VOCABULARY}"}} 2.0' in scrape
     assert f'specdec_drafter_table_successor_evictions_total{{vocabulary="{VOCABULARY}"}} 0.0' in scrape
     assert ALICE not in scrape and BOB not in scrape
+
+
+def test_only_a_trusted_client_may_forget_a_scope(gated_drafter):
+    servicer, stores = gated_drafter
+    observe(servicer, PREFIX + SECRET, ALICE, "a-1", FakeContext(token=TOKEN))
+    request = pb.ForgetRequest(vocabulary=VOCABULARY, scope=ALICE)
+    stranger = refused(servicer.Forget, request, FakeContext())
+    assert stranger.code == grpc.StatusCode.PERMISSION_DENIED and "--client-token" in stranger.details
+    assert stores.find(VOCABULARY, ALICE) is not None
+    assert servicer.Forget(request, FakeContext(token=TOKEN)).dropped
+    assert stores.find(VOCABULARY, ALICE) is None
+    assert draft(servicer, "s", PREFIX, ALICE, FakeContext(token=TOKEN)) == []  # forgotten: nothing left to draft from

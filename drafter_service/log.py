@@ -63,10 +63,17 @@ CONSUMER_INACTIVE_S = 60.0
 SNAPSHOT_TTL_S = 3600.0
 # Seconds a requester waits for the snapshot after a peer took the request: a big table's copy.
 SNAPSHOT_READY_S = 600.0
+# Successor keys per log message: at most 74 bytes each (2 key tokens, 16 predictions), so a
+# message stays under 320 KB, within NATS' default max_payload of 1 MiB.
+SUCCESSOR_KEYS_PER_MESSAGE = 4096
 
 
 class LogUnavailable(Exception):
     """The log did not answer in time (down, or partitioned): nothing is known to be stored."""
+
+
+class MessageTooLarge(ValueError):
+    """A message over the NATS servers' max_payload: no retry can store it."""
 
 
 @dataclass(frozen=True)
@@ -253,6 +260,11 @@ class ObservationLog:
         """Store one message; (its sequence, whether the log already held it under ``message_id``).
         Blocks until the stream acknowledges, at most --log-publish-timeout-seconds (LogUnavailable)."""
         js = self._connected()
+        if len(payload) > self._nc.max_payload:
+            raise MessageTooLarge(
+                f"the call is {len(payload)} bytes in the log, over its servers' max_payload ({self._nc.max_payload}): "
+                "send fewer tokens per call, or raise max_payload on the NATS servers"
+            )
         headers = {"Nats-Msg-Id": message_id} if message_id else None
         timeout = self.config.publish_timeout_s
         try:
@@ -357,33 +369,37 @@ class ObservationLog:
         with self._successor_lock:
             tables, self._successors = self._successors, {}
         for (vocabulary, scope), pending in tables.items():
-            if not pending:
-                continue
-            payload = encode_successors(vocabulary, scope, list(pending.items()))
-            try:
-                if self._nc is None or not self._nc.is_connected or not self.ready.is_set():
-                    raise LogUnavailable("not connected")
-                await self._js.publish(
-                    table_subject(self.config.subject_prefix, vocabulary, scope),
-                    payload,
-                    timeout=self.config.publish_timeout_s,
-                    stream=self.config.stream,
-                )
-                self.published_successors += len(pending)
-            except Exception:  # hints: the next steps send fresh ones
-                self.dropped_successors += len(pending)
+            held = list(pending.items())
+            for start in range(0, len(held), SUCCESSOR_KEYS_PER_MESSAGE):
+                part = held[start : start + SUCCESSOR_KEYS_PER_MESSAGE]
+                try:
+                    if self._nc is None or not self._nc.is_connected or not self.ready.is_set():
+                        raise LogUnavailable("not connected")
+                    await self._js.publish(
+                        table_subject(self.config.subject_prefix, vocabulary, scope),
+                        encode_successors(vocabulary, scope, part),
+                        timeout=self.config.publish_timeout_s,
+                        stream=self.config.stream,
+                    )
+                    self.published_successors += len(part)
+                except Exception:  # hints: the next steps send fresh ones
+                    self.dropped_successors += len(part)
 
     # -- snapshots between replicas
 
-    def serve_snapshots(self, make: Callable[[], tuple[str, int]]) -> None:
+    def serve_snapshots(self, make: Callable[[], tuple[str, int]], ready: Callable[[], bool]) -> None:
         """Answer peers' snapshot requests with ``make()`` -> (tar file path, sequence it
-        reflects), run in a worker thread; the file is removed once uploaded."""
+        reflects), run in a worker thread; the file is removed once uploaded. While not
+        ``ready()`` (bootstrapping, lagging), requests go unanswered: the peer asks again,
+        and the queue group gives the request to another replica."""
         js = self._connected()
         stream_created = self.stream_state().created
 
         async def handle(message: Any) -> None:
+            if not ready():
+                return
             try:
-                ready = json.loads(message.data)["ready"]
+                inbox = json.loads(message.data)["ready"]
             except (ValueError, KeyError, TypeError):
                 return
             name = f"snapshot-{uuid.uuid4().hex}"
@@ -400,7 +416,7 @@ class ObservationLog:
             except Exception as failure:
                 log.exception("snapshot for a peer failed")
                 answer = {"error": str(failure)}
-            await self._nc.publish(ready, json.dumps(answer).encode())
+            await self._nc.publish(inbox, json.dumps(answer).encode())
 
         async def subscribe() -> None:
             if self._snapshot_sub is None:

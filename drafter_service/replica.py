@@ -144,7 +144,7 @@ class Replica:
             self._bootstrap(state)
         self._save()
         self._established = True
-        self.log.serve_snapshots(self.make_snapshot)
+        self.log.serve_snapshots(self.make_snapshot, lambda: self.serving)
 
     def _follow(self) -> None:
         self.log.open_reader(self.position.sequence + 1)

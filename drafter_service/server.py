@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2
 from drafter_service.admin import AdminCalls
 from drafter_service.admission import Admission, Refused
 from drafter_service.config import VOCABULARY_PATTERN, DrafterConfig
-from drafter_service.log import LogUnavailable, ObservationLog
+from drafter_service.log import LogUnavailable, MessageTooLarge, ObservationLog
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.ngram import SOURCE_CONTEXT, SOURCE_GLOBAL, SOURCE_SUCCESSOR, LayeredSource, NGramSource, successor_updates
 from drafter_service.replica import Replica
@@ -503,6 +503,8 @@ class DrafterServicer(AdminCalls, drafter_pb2_grpc.DrafterServicer):
                 _, duplicate = self.log.observe(vocabulary, scope, observe_id, sequences)  # type: ignore[union-attr]  # checked by the caller
             except LogUnavailable as away:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"{away}; retry with the same observe_id: it is stored once")
+            except MessageTooLarge as large:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(large))
         self.metrics.log_publish_seconds.observe(time.perf_counter() - started)
         self.metrics.observed_tokens.inc(0 if duplicate else sum(len(tokens) for tokens in sequences))
         return duplicate

@@ -16,6 +16,7 @@ from pathlib import Path
 CONFIG = """
 listen: 127.0.0.1:{port}
 server_name: {name}
+{extra}
 jetstream {{
   store_dir: "{store}"
   sync_interval: always
@@ -41,13 +42,14 @@ def free_port() -> int:
 class NatsServer:
     """One nats-server process; ``restart`` brings it back on the same port and storage."""
 
-    def __init__(self, folder: Path, name: str = "specdec-test") -> None:
+    def __init__(self, folder: Path, name: str = "specdec-test", extra: str = "") -> None:
+        """``extra``: more lines of nats-server configuration (``max_payload: 65536``)."""
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.store = folder / "jetstream"
         self.config = folder / "nats.conf"
-        self.config.write_text(CONFIG.format(port=self.port, name=name, store=self.store))
+        self.config.write_text(CONFIG.format(port=self.port, name=name, store=self.store, extra=extra))
         self.process: subprocess.Popen | None = None
         self.log = folder / "nats.log"
 

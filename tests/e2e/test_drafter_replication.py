@@ -134,6 +134,7 @@ def test_learning_through_one_replica_drafts_warm_on_another(replicas):
     assert [draft for draft in drafts(b, PROBES)] == [([], [])] * len(PROBES)  # cold
     for seed in range(12):
         assert observe(a, f"call-{seed}", text(seed)).applied_sequences == 1
+    caught_up(a, log_end(a))
     caught_up(b, log_end(a))
     on_b = drafts(b, PROBES)
     assert on_b == drafts(a, PROBES)
@@ -295,6 +296,7 @@ def test_the_targets_predictions_reach_every_replicas_successor_table(replicas):
     update = pb.SequenceUpdate(session_id="s-1", new_tokens=[40, 41, 42], open=True, num_draft_tokens=4, predictions=predictions)
     stub(a).Propose(pb.ProposeRequest(vocabulary=VOCABULARY, sequences=[update]), timeout=10)
     until(lambda: a.servicer.log.published_successors >= 4, "the predictions' message")
+    caught_up(a, log_end(a))
     caught_up(b, log_end(a))
     for replica in (a, b):
         store = replica.stores.find(VOCABULARY)
@@ -373,3 +375,30 @@ def test_the_publish_is_a_span_inside_observes_trace(replicas):
     assert publish.parent is not None and publish.parent.span_id == call.context.span_id
     assert publish.context.trace_id == call.context.trace_id
     assert publish.attributes["specdec.sequences"] == 1
+
+
+def test_a_call_over_the_logs_max_payload_is_refused_as_invalid_not_retried_forever(tmp_path):
+    small = NatsServer(tmp_path / "small-nats", extra="max_payload: 65536").start()
+    group = Replicas(tmp_path, small)
+    try:
+        a = group.start("a")
+        with pytest.raises(grpc.RpcError) as refused:
+            observe(a, "huge", text(1, 20_000))  # 80 KB of tokens
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_payload" in refused.value.details() and "fewer tokens per call" in refused.value.details()
+        assert observe(a, "small", text(2)).applied_sequences == 1
+    finally:
+        group.stop_all()
+        small.stop()
+
+
+def test_many_successor_predictions_reach_the_log_in_messages_within_its_payload(replicas):
+    a, b = replicas.start("a", successor_interval_s=0.05), replicas.start("b", successor_interval_s=0.05)
+    keys = 10_000  # three messages' worth of keys with 16 predictions each
+    a.servicer.log.offer_successors(VOCABULARY, "", [((token,), tuple(range(token, token + 16))) for token in range(keys)])
+    until(lambda: a.servicer.log.published_successors == keys, "every key published")
+    caught_up(b, log_end(a))
+    store = b.stores.find(VOCABULARY)
+    assert store.successors((9_999,)) == tuple(range(9_999, 10_015))
+    assert store.stats()["successor_entries"] == keys
+    assert a.servicer.log.dropped_successors == 0

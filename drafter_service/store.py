@@ -585,9 +585,9 @@ class LMDBNGramStore:
         the log stored it (not this machine's clock), so every replica applying the same log
         holds the same records however its transactions group the entries.
 
-        Returns per entry True applied, False skipped (applied before), None not stored for
-        want of room in the map even alone (logged; the sequence moves past it). Raises
-        ValueError, writing nothing, for an entry ``apply`` or ``record_successors`` refuses.
+        Per entry: True applied, False skipped (applied before), None not stored for want of
+        room in the map even alone (logged; the sequence moves past it). ValueError, writing
+        nothing, for an entry ``apply`` or ``record_successors`` refuses.
         """
         prepared = [
             (entry, [self._validate(*item) for item in entry.observations], self._successor_records(entry.successors)) for entry in entries
@@ -605,8 +605,7 @@ class LMDBNGramStore:
                     results += self._commit_log([one])
                 except lmdb.MapFullError:
                     log.error("log message %d does not fit in the %d-byte map now; skipped", one[0].sequence, self.config.map_size_bytes)
-                    with self._env.begin(write=True) as txn:
-                        self._write_log_sequence(txn, max(one[0].sequence, self._log_sequence(txn)))
+                    self._commit_log([(one[0], [], {})])  # its sequence only: the log moves on
                     results.append(None)
             return results
 
@@ -624,9 +623,6 @@ class LMDBNGramStore:
         held = txn.get(META_LOG_SEQUENCE, db=self._meta)
         return 0 if held is None else UINT64.unpack(held)[0]
 
-    def _write_log_sequence(self, txn: lmdb.Transaction, sequence: int) -> None:
-        txn.put(META_LOG_SEQUENCE, UINT64.pack(sequence), db=self._meta)
-
     def _commit_log(self, prepared: list[tuple[LogEntry, list[_Observation], dict[bytes, bytes]]]) -> list[bool | None]:
         results: list[bool | None] = []
         with self._env.begin(write=True) as txn:
@@ -643,7 +639,7 @@ class LMDBNGramStore:
                     self._store_successor_records(txn, successors)
                 held = entry.sequence
                 results.append(True)
-            self._write_log_sequence(txn, held)
+            txn.put(META_LOG_SEQUENCE, UINT64.pack(held), db=self._meta)
         return results
 
     def successors(self, key: tuple[int, ...]) -> tuple[int, ...] | None:

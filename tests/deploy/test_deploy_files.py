@@ -298,6 +298,8 @@ def test_compose_drafters_share_the_log_on_the_nats_service(validated, monkeypat
         assert drafter["depends_on"]["nats"]["condition"] == "service_healthy"
         # The drafter's flags take the log as given (a malformed URL is a usage error).
         assert drafter_refusal(drafter_container_environment(drafter["environment"]), monkeypatch, capsys) is None
+        # Admin calls (Forget among them) on the container's loopback only.
+        assert drafter["environment"]["SPECDEC_DRAFTER_ADMIN_PORT"] and "SPECDEC_DRAFTER_ADMIN_HOST" not in drafter["environment"]
     # One server holds one copy: the stream's replicas stay at the drafter's default, 1.
     assert all("SPECDEC_DRAFTER_LOG_STREAM_REPLICAS" not in services[name]["environment"] for name in COMPOSE_DRAFTERS)
     # Nothing of the log reaches the verifier.
@@ -1013,6 +1015,10 @@ def test_k8s_drafter_liveness_does_not_follow_the_log(tmp_path):
 def test_k8s_drafters_write_to_the_nats_cluster_through_its_service():
     objects = k8s_objects()
     drafter = only_container(objects[("StatefulSet", "drafter")])
+    # Admin calls (Forget among them) on the pod's loopback only: kubectl port-forward reaches them.
+    assert env_value(drafter, "SPECDEC_DRAFTER_ADMIN_PORT") and "SPECDEC_DRAFTER_ADMIN_HOST" not in {
+        item["name"] for item in drafter["env"]
+    }
     nats = objects[("StatefulSet", "nats")]
     url = env_value(drafter, "SPECDEC_DRAFTER_LOG_URL")
     service_name, port = re.fullmatch(r"nats://([\w-]+):(\d+)", url).groups()

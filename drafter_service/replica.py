@@ -65,6 +65,9 @@ from drafter_service.store import ApplyItem, LogEntry, StoreClosed
 log = logging.getLogger(__name__)
 
 POSITION_FILE = "log-position.json"
+# What a snapshot's hand-over, a bootstrap, a forget or a table swap leaves in --db while it
+# runs (hidden names no table has): a crash mid-way leaves it, and the next start removes it.
+WORK_PREFIXES = (".snapshot-", ".bootstrap-", ".replaced-", ".dropped-")
 # Seconds a fetch waits for the next message when caught up: the lag is known this often.
 FETCH_WAIT_S = 0.5
 # Seconds between retries while the disk is full or the log away.
@@ -91,6 +94,7 @@ class Replica:
         self._on_health = on_health
         self._path = Path(config.db) / POSITION_FILE
         self.position = _read_position(self._path)
+        _remove_leftovers(Path(config.db))
         self.lag_messages: int | None = None  # None: not known yet
         self.lag_seconds = 0.0
         self.applied = 0  # messages applied to a table
@@ -360,6 +364,16 @@ def _entry(message: LogMessage, delivered: Delivered, config: DrafterConfig) -> 
         counted = list(first_occurrences(sequences, config.ngram.n_min, config.ngram.n_max))
     items = [ApplyItem(f"{message.observe_id}/{index}", tokens, 0, mask) for index, (tokens, mask) in enumerate(zip(sequences, counted))]
     return LogEntry(delivered.sequence, hour, observations=items)
+
+
+def _remove_leftovers(root: Path) -> None:
+    for entry in root.iterdir():
+        if entry.name.startswith(WORK_PREFIXES):
+            log.warning("removing %s, left in --db by an interrupted snapshot, bootstrap or forget", entry.name)
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def _read_position(path: Path) -> Position:

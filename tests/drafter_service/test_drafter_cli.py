@@ -31,6 +31,9 @@ SETTINGS = {  # flag -> (config field path, a value other than its default)
     "--max-auxiliary-streams": ("connections.max_auxiliary_streams", 2),
     "--metrics-port": ("metrics_port", 9200),
     "--health-port": ("health_port", 50061),
+    "--log-url": ("log.url", "nats://nats-0.nats:4222,nats://nats-1.nats:4222"),
+    "--log-max-serving-lag": ("log.max_serving_lag", 50),
+    "--log-duplicate-window-seconds": ("log.duplicate_window_s", 30.0),
 }
 
 
@@ -51,7 +54,7 @@ def test_each_setting_reaches_the_config_from_its_flag_and_its_variable(flag, mo
 
 def test_every_field_of_the_config_is_a_flag():
     derived = {".".join(flag.path) for flag in flags(DrafterConfig)}
-    nested = ("ngram", "connections")
+    nested = ("ngram", "connections", "log")
     leaves = {f.name for f in dataclasses.fields(DrafterConfig) if f.name not in nested}
     for part in nested:
         leaves |= {f"{part}.{f.name}" for f in dataclasses.fields(getattr(DrafterConfig(), part))}
@@ -108,3 +111,24 @@ def test_a_port_already_taken_ends_the_drafter_with_one_line_naming_its_flag(fla
     last, port = start_on_a_taken_port("drafter_service", {"--port": "0", "--metrics-port": "-1", "--db": str(tmp_path / "db")}, flag)
     assert last.startswith("drafter: cannot start: cannot listen for "), last
     assert f"127.0.0.1:{port}" in last and f"({flag}: 0 takes a free port" in last, last
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--log-url", "http://nats:4222"], "is not nats://HOST:PORT"),
+        (["--log-url", "nats://nats:99999"], "port out of range"),
+        (["--log-url", " , "], "names no server"),
+        (["--log-url", "nats://n:4222", "--log-stream", "a.b"], "--log-stream"),
+        (["--log-url", "nats://n:4222", "--log-subject-prefix", "a..b"], "--log-subject-prefix"),
+        (["--log-url", "nats://n:4222", "--log-password", "p"], "--log-password needs --log-user"),
+        (["--log-url", "nats://n:4222", "--log-user", "u", "--log-nkey-file", "/k"], "give one"),
+        (["--log-url", "nats://n:4222", "--log-tls-cert", "c.pem", "--log-tls-key", "k.pem"], "--log-tls-ca"),
+        (["--log-url", "nats://n:4222", "--log-user", "u", "--log-password-file", "/nonexistent"], "cannot read --log-password-file"),
+    ],
+)
+def test_a_wrong_log_setting_is_a_usage_error_naming_its_flag(flags, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse_config(flags)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"drafter: cannot start: {error}")
     announce("drafter", config.host, drafter.port, drafter.metrics_port, f"db {config.db}", drafter.health_port)
     if drafter.admin_port is not None:
-        print(f"drafter admin on {config.admin_host}:{drafter.admin_port} (Stats, Backup)", flush=True)
+        print(f"drafter admin on {config.admin_host}:{drafter.admin_port} (Stats, Backup, Forget)", flush=True)
     wait_for_stop(stopping)
     drafter.stop()
     logging.info("stopped cleanly")

@@ -343,3 +343,25 @@ def test_every_option_a_benchmark_reads_is_one_it_declares():
         declared = declared_in(source) | (form_flags if "add_form_flags(parser)" in source else set())
         read = set(re.findall(r"\bargs\.(\w+)", source))
         assert read <= declared, f"{program.name} reads args.{sorted(read - declared)} but declares no such flag"
+
+
+def test_the_replication_bench_reports_each_phase_and_its_replicas_end_in_agreement(tmp_path):
+    from bench.bench_replication import main as bench_replication
+
+    out = tmp_path / "results"
+    flags = ["--seconds", "1", "--rounds", "1", "--propose-steps", "8", "--lag-seconds", "1", "--sim-seconds", "3"]
+    report = bench_replication([*flags, "--out", str(out)])
+    assert json.loads((out / "replication.json").read_text()) == report
+    assert set(report) >= {"machine", "settings", "propose", "observe", "apply", "lag", "simulation", "table"}
+    for phase in ("propose", "observe"):
+        assert set(report[phase]) >= {"without_log", "with_log", "p50_ratio"}
+    # The same text taught directly and through the log: the same tables, the same drafts.
+    assert report["propose"]["drafts_equal"] is True
+    assert report["apply"]["log_messages"] > 0 and report["lag"]["samples"] > 0
+    simulation = report["simulation"]
+    assert simulation["verifiers_per_replica"] == [3, 3, 2] and simulation["observe_ms"]["calls"] > 0
+    # Once the traffic stopped, every replica applied the whole log and holds the same tables.
+    assert simulation["positions_after"] == [simulation["log_messages"]] * 3
+    assert len({json.dumps(tables, sort_keys=True) for tables in simulation["tables_after"]}) == 1
+    assert simulation["converged"] is True
+    assert report["table"].startswith("| measure | without log | with log | ratio | target |")

@@ -48,6 +48,7 @@ import os
 import platform
 import queue
 import re
+import signal
 import sys
 import tempfile
 import threading
@@ -351,12 +352,10 @@ def bench_observe(direct: Drafter, logged: Drafter, tokens: list[int], seconds: 
     return report
 
 
-def bench_apply(root: Path, url: str, end: LogEnd, observed_from: int, direct_tokens_per_s: float) -> tuple[Drafter, dict]:
-    """A fresh replica applies the whole log; its rate over the Observe messages (after
-    ``observed_from``, each SEQUENCE_TOKENS tokens) against the direct-write rate."""
+def bench_apply(replica: Drafter, end: LogEnd, started: float, observed_from: int, direct_tokens_per_s: float) -> dict:
+    """``replica``, started on empty tables at ``started``, applies the whole log: its rate over the
+    Observe messages (after ``observed_from``, each SEQUENCE_TOKENS tokens) against the direct-write rate."""
     last = end.last()
-    started = time.monotonic()
-    replica = Drafter(root / "c", *log_flags(url), wait=False)  # watched from its start, not from SERVING
     trace = [(time.monotonic(), replica.position())]
     while trace[-1][1] < last:
         if time.monotonic() - started > CATCH_UP_TIMEOUT_S:
@@ -374,7 +373,7 @@ def bench_apply(root: Path, url: str, end: LogEnd, observed_from: int, direct_to
         report["tokens_per_s"] = round(messages * SEQUENCE_TOKENS / seconds)
         report["direct_write_tokens_per_s"] = direct_tokens_per_s
         report["ratio"] = round(report["tokens_per_s"] / direct_tokens_per_s, 3)
-    return replica, report
+    return report
 
 
 def bench_lag(logged: Drafter, follower: Drafter, end: LogEnd, tokens: list[int], seconds: float) -> dict:
@@ -530,15 +529,13 @@ def machine() -> dict:
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu_model": model, "python": platform.python_version()}
 
 
-def run(args: argparse.Namespace, root: Path) -> dict:
-    tokens = corpus_tokens(CORPUS_TOKENS)
-    log = LocalNatsServer(root / "nats")
+def bench_shared_log(args: argparse.Namespace, root: Path, url: str, tokens: list[int]) -> dict:
+    """Every phase but the simulation: drafters A (no log), B and C (the log at ``url``)."""
     drafters: list[Drafter] = []
-    end = None
+    end = LogEnd(url, LOGS["main"][0])
     try:
-        direct, logged = Drafter(root / "a"), Drafter(root / "b", *log_flags(log.url))
+        direct, logged = Drafter(root / "a"), Drafter(root / "b", *log_flags(url))
         drafters += [direct, logged]
-        end = LogEnd(log.url, LOGS["main"][0])
         teach(direct, tokens)
         teach(logged, tokens)
         taught = wait_until_applied([logged], end)
@@ -549,21 +546,29 @@ def run(args: argparse.Namespace, root: Path) -> dict:
         wait_until_applied([logged], end)
         direct.stop()  # its part is done: its CPU goes to the replicas
         progress("a fresh replica applies the log")
-        follower, report["apply"] = bench_apply(root, log.url, end, taught, report["observe"]["without_log"]["tokens_per_s"])
+        started = time.monotonic()
+        follower = Drafter(root / "c", *log_flags(url), wait=False)  # watched from its start, not from SERVING
         drafters.append(follower)
+        report["apply"] = bench_apply(follower, end, started, taught, report["observe"]["without_log"]["tokens_per_s"])
         progress(f"the replica's lag under {CLIENTS} Observe clients")
         report["lag"] = bench_lag(logged, follower, end, tokens, args.lag_seconds)
+        return report
     finally:
         for drafter in drafters:
             drafter.stop()
-        if end is not None:
-            end.close()
-    progress(f"{SIM_VERIFIERS} simulated verifiers on {SIM_REPLICAS} replicas")
+        end.close()
+
+
+def run(args: argparse.Namespace, root: Path) -> dict:
+    tokens = corpus_tokens(CORPUS_TOKENS)
+    log = LocalNatsServer(root / "nats")
     try:
+        report = bench_shared_log(args, root, log.url, tokens)
+        progress(f"{SIM_VERIFIERS} simulated verifiers on {SIM_REPLICAS} replicas")
         report["simulation"] = bench_simulation(root, log.url, tokens, args.sim_seconds, args.sim_step_ms / 1000)
+        return report
     finally:
         log.stop()
-    return report
 
 
 def ratios_table(report: dict) -> str:
@@ -621,6 +626,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.rounds < 1 or min(args.seconds, args.lag_seconds, args.sim_seconds, args.sim_step_ms) <= 0 or args.propose_steps < 4:
         parser.error("--rounds must be positive, the durations above 0 and --propose-steps at least 4")
+    # SIGTERM (a timeout, a CI job cancelled) unwinds as an exception: every process started is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with tempfile.TemporaryDirectory(prefix="bench-replication-") as folder:
         report = {
             "machine": machine(),

@@ -30,6 +30,7 @@ then tells the requester's inbox the object's name and the log sequence it refle
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -177,7 +178,8 @@ class ObservationLog:
         config = self.config
 
         async def disconnected() -> None:
-            log.warning("observation log: disconnected from NATS; reconnecting")
+            if not self._closing:
+                log.warning("observation log: disconnected from NATS; reconnecting")
 
         async def reconnected() -> None:
             self.reconnects += 1
@@ -243,12 +245,13 @@ class ObservationLog:
     def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run ``coroutine`` on the log's loop; LogUnavailable when it does not finish in ``timeout``."""
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        try:
-            return future.result(timeout)
-        except TimeoutError:
+        done, _ = concurrent.futures.wait([future], timeout)
+        if not done:  # this call's own deadline: a timeout inside the call is the call's failure, below
             future.cancel()
-            raise LogUnavailable(f"the observation log did not answer within {timeout:g} s") from None
-        except (nats.errors.Error, nats.js.errors.Error, OSError, asyncio.TimeoutError) as failure:
+            raise LogUnavailable(f"the observation log did not answer within {timeout:g} s")
+        try:
+            return future.result()
+        except (nats.errors.Error, nats.js.errors.Error, OSError, TimeoutError) as failure:
             raise LogUnavailable(f"the observation log failed: {type(failure).__name__}: {failure}") from None
 
     def _connected(self) -> Any:
@@ -333,7 +336,7 @@ class ObservationLog:
         async def fetch() -> list[Delivered]:
             try:
                 messages = await sub.fetch(batch, timeout=wait_s)
-            except nats.errors.TimeoutError:
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either when none came
                 await self._js.consumer_info(self.config.stream, sub._consumer)  # NotFoundError: the reader is gone
                 return []
             delivered = []

@@ -44,6 +44,15 @@ class LogConfig:
     publish_timeout_s: float = setting(
         5.0, minimum=0.001, help="seconds Observe waits for the log's acknowledgement; beyond, UNAVAILABLE (retry with the same id)"
     )
+    # Acknowledging costs NATS a fraction of what applying costs a replica: without a bound, a
+    # burst of Observe would put replicas minutes behind. Half a second keeps what one verifier
+    # teaches in another's drafts within about a second.
+    max_publish_lag_s: float = setting(
+        0.5,
+        minimum=0.0,
+        help="seconds this replica may be behind the log and still publish at once; beyond, Observe waits for it (up to "
+        "--log-publish-timeout-seconds, then RESOURCE_EXHAUSTED): the log grows no faster than replicas apply it",
+    )
     # About a second of a busy drafter's writes: drafts from a replica this close are as warm.
     max_serving_lag: int = setting(1000, minimum=0, help="log messages a replica may be behind and still say SERVING (health, readiness)")
     bootstrap_wait_s: float = setting(

@@ -70,6 +70,9 @@ POSITION_FILE = "log-position.json"
 WORK_PREFIXES = (".snapshot-", ".bootstrap-", ".replaced-", ".dropped-")
 # Seconds a fetch waits for the next message when caught up: the lag is known this often.
 FETCH_WAIT_S = 0.5
+# Payload bytes one transaction applies at most (~16K tokens, ~0.2 s here): under load the
+# lag is known, and Observe's backpressure released, at least this often.
+APPLY_GROUP_BYTES = 64 << 10
 # Seconds between retries while the disk is full or the log away.
 RETRY_S = 1.0
 NS_PER_HOUR = 3600 * 10**9
@@ -159,9 +162,11 @@ class Replica:
                 continue
             if delivered[0].sequence > self.position.sequence + 1 and self._left_behind():
                 return  # bootstrapped from a peer: _start reopens the reader where it stands now
-            self._apply(delivered)
+            for group in _groups(delivered, APPLY_GROUP_BYTES):
+                self._set_lag(group[-1].pending + len(group), _age(group[0]))  # its first is the oldest not applied
+                self._apply(group)
             last = delivered[-1]
-            self._set_lag(last.pending, max(0.0, time.time() - last.stored_ns / 1e9) if last.pending else 0.0)
+            self._set_lag(last.pending, _age(last) if last.pending else 0.0)
 
     def _left_behind(self) -> bool:
         """Whether the log's retention dropped messages after the position (a purge's gaps are fine)."""
@@ -257,8 +262,25 @@ class Replica:
     # -- lag and health
 
     def _set_lag(self, messages: int, seconds: float) -> None:
-        self.lag_messages, self.lag_seconds = messages, seconds
+        with self._advanced:
+            self.lag_messages, self.lag_seconds = messages, seconds
+            self._advanced.notify_all()
         self._set_serving(self._established and messages <= self.config.log.max_serving_lag)
+
+    def admits_writes(self, timeout_s: float) -> bool:
+        """Whether this replica is within --log-max-publish-lag-seconds of the log's end, waiting
+        up to ``timeout_s`` for it: the backpressure that keeps the log from growing faster
+        than replicas apply it (acknowledging is cheaper than applying). A lag not known yet,
+        or a log away, holds nothing back: the publish itself answers then."""
+        bound = self.config.log.max_publish_lag_s
+        deadline = time.monotonic() + timeout_s
+        with self._advanced:
+            while self.lag_messages and self.lag_seconds > bound:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._advanced.wait(left)
+        return True
 
     def _set_serving(self, serving: bool) -> None:
         if serving != self.serving:
@@ -351,6 +373,25 @@ class Replica:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, self._path)
+
+
+def _groups(delivered: list[Delivered], max_bytes: int) -> list[list[Delivered]]:
+    """``delivered`` in order, cut into runs of at most ``max_bytes`` of payload (a message
+    larger than that alone): sizes [40K, 40K, 10K, 90K], 64K -> [[40K], [40K, 10K], [90K]]."""
+    groups: list[list[Delivered]] = []
+    size = 0
+    for message in delivered:
+        if not groups or size + len(message.data) > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(message)
+        size += len(message.data)
+    return groups
+
+
+def _age(message: Delivered) -> float:
+    """Seconds since the log stored ``message``."""
+    return max(0.0, time.time() - message.stored_ns / 1e9)
 
 
 def _entry(message: LogMessage, delivered: Delivered, config: DrafterConfig) -> LogEntry:

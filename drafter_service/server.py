@@ -493,14 +493,23 @@ class DrafterServicer(AdminCalls, drafter_pb2_grpc.DrafterServicer):
     def _publish(self, vocabulary: str, scope: str, observe_id: str, sequences: list[list[int]], context) -> bool:
         """One call's sequences into the log, answered once the log holds them (acknowledged
         means durable there); whether the log already held them (a retry)."""
+        log_link, replica, settings = self.log, self.replica, self.config.log
+        assert log_link is not None and replica is not None, "publishing needs a log"
         try:
             self.stores.check_room(vocabulary, scope)  # the bound every replica applies
         except TooManyVocabularies as full:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(full))
+        remaining = context.time_remaining()
+        if not replica.admits_writes(settings.publish_timeout_s if remaining is None else min(remaining, settings.publish_timeout_s)):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this replica is {replica.lag_seconds:.1f} s behind the observation log (--log-max-publish-lag-seconds "
+                f"{settings.max_publish_lag_s:g}); retry with backoff and the same observe_id",
+            )
         started = time.perf_counter()
         with self.tracing.tracer.start_as_current_span("specdec.drafter.log_publish", attributes={"specdec.sequences": len(sequences)}):
             try:
-                _, duplicate = self.log.observe(vocabulary, scope, observe_id, sequences)  # type: ignore[union-attr]  # checked by the caller
+                _, duplicate = log_link.observe(vocabulary, scope, observe_id, sequences)
             except LogUnavailable as away:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"{away}; retry with the same observe_id: it is stored once")
             except MessageTooLarge as large:

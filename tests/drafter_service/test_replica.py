@@ -64,3 +64,13 @@ def test_a_message_of_several_sequences_is_one_call_counting_each_pair_once():
     assert alone.observations[0].counted is None  # a call by itself: the store counts each pair once in it
     successors = _entry(decode(encode_successors(VOCABULARY, "", [((7,), (8,))])), Delivered(11, 0, 0, "s", b""), config)
     assert successors.successors == [((7,), (8,))] and not successors.observations
+
+
+def test_a_fetched_batch_is_applied_in_runs_of_bounded_payload():
+    from drafter_service.replica import _groups
+
+    sizes = [40, 40, 10, 90, 5]
+    delivered = [Delivered(index + 1, 0, 0, "s", b"x" * size) for index, size in enumerate(sizes)]
+    runs = _groups(delivered, 64)
+    assert [[len(message.data) for message in run] for run in runs] == [[40], [40, 10], [90], [5]]
+    assert [message.sequence for run in runs for message in run] == [1, 2, 3, 4, 5]  # in log order, none lost

@@ -5,6 +5,7 @@ before every acknowledgement) on loopback: the drafters run in this process, eac
 from __future__ import annotations
 
 import random
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -270,6 +271,7 @@ def test_with_no_peer_a_replica_left_behind_is_not_serving_until_it_applied_what
     status = b.health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), None).status
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     until(lambda: b.servicer.replica.serving, "b to serve from what the log holds")
+    caught_up(b, log_end(b))  # serving within --log-max-serving-lag messages of the end; now at it
     assert b.servicer.replica.bootstraps == 1
     assert b.health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), None).status == health_pb2.HealthCheckResponse.SERVING
     # It holds what it had, and what the log still held: the latest calls.
@@ -402,3 +404,19 @@ def test_many_successor_predictions_reach_the_log_in_messages_within_its_payload
     assert store.successors((9_999,)) == tuple(range(9_999, 10_015))
     assert store.stats()["successor_entries"] == keys
     assert a.servicer.log.dropped_successors == 0
+
+
+def test_observe_waits_while_its_replica_lags_and_refuses_with_backoff_when_it_stays_behind(replicas):
+    a = replicas.start("a", publish_timeout_s=1.0)
+    replica = a.servicer.replica
+    replica.stop()  # it follows the log no more: its lag stays what the test sets
+    with replica._advanced:
+        replica.lag_messages, replica.lag_seconds = 40, 3.0
+    with pytest.raises(grpc.RpcError) as refused:
+        observe(a, "held-back", text(1))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "3.0 s behind the observation log (--log-max-publish-lag-seconds 0.5)" in refused.value.details()
+    assert a.servicer.log.stream_state().last == 0  # nothing was published
+    # The replica catches up while a call waits: the call goes through.
+    threading.Timer(0.3, replica._set_lag, (0, 0.0)).start()
+    assert observe(a, "held-back", text(1)).applied_sequences == 1

@@ -352,9 +352,12 @@ def test_the_replication_bench_reports_each_phase_and_its_replicas_end_in_agreem
     flags = ["--seconds", "1", "--rounds", "1", "--propose-steps", "8", "--lag-seconds", "1", "--sim-seconds", "3"]
     report = bench_replication([*flags, "--out", str(out)])
     assert json.loads((out / "replication.json").read_text()) == report
-    assert set(report) >= {"machine", "settings", "propose", "observe", "apply", "lag", "simulation", "table"}
-    for phase in ("propose", "observe"):
+    phases = {"propose", "observe", "observe_saturated", "apply", "lag", "lag_saturated", "simulation"}
+    assert set(report) >= {"machine", "settings", "table"} | phases
+    for phase in ("propose", "observe", "observe_saturated"):
         assert set(report[phase]) >= {"without_log", "with_log", "p50_ratio"}
+    # The paced load is half what the drafter without a log took at most.
+    assert report["observe"]["rate_per_s"] == pytest.approx(report["observe_saturated"]["without_log"]["tokens_per_s"] / 2 / 384, rel=0.01)
     # The same text taught directly and through the log: the same tables, the same drafts.
     assert report["propose"]["drafts_equal"] is True
     assert report["apply"]["log_messages"] > 0 and report["lag"]["samples"] > 0

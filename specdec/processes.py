@@ -44,6 +44,7 @@ NATS_LOG_TAIL_CHARS = 2_000
 # drafter acknowledged survives the machine's crash, not only the process's.
 NATS_CONFIG = """listen: 127.0.0.1:{port}
 server_name: {name}
+{extra}
 jetstream {{
   store_dir: "{store}"
   sync_interval: always
@@ -231,13 +232,20 @@ class LocalNatsServer:
     under ``folder`` (kept between runs: the log outlives a restart as the replicas' tables do),
     fsync before every acknowledgement (``NATS_CONFIG``). Started by the constructor."""
 
-    def __init__(self, folder: Path, name: str = "specdec", timeout_s: float = NATS_START_TIMEOUT_S) -> None:
+    def __init__(self, folder: Path, name: str = "specdec", timeout_s: float = NATS_START_TIMEOUT_S, extra: str = "") -> None:
+        """``extra``: more lines of nats-server configuration (``max_payload: 65536``)."""
         folder.mkdir(parents=True, exist_ok=True)
         self.folder, self.port = folder, free_port()
         self.log_path = folder / "nats-server.log"
         config = folder / "nats-server.conf"
-        config.write_text(NATS_CONFIG.format(port=self.port, name=name, store=folder.resolve()))  # JetStream keeps folder/jetstream
+        config.write_text(
+            NATS_CONFIG.format(port=self.port, name=name, store=folder.resolve(), extra=extra)
+        )  # JetStream keeps folder/jetstream
         self.command = [nats_server_binary(), "-c", str(config)]
+        self.start(timeout_s)
+
+    def start(self, timeout_s: float = NATS_START_TIMEOUT_S) -> None:
+        """Start it (again, after ``stop`` or ``kill``: the same port, configuration and storage)."""
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=log)
         try:
@@ -245,6 +253,12 @@ class LocalNatsServer:
         except BaseException:
             self.stop()
             raise
+
+    def kill(self) -> None:
+        """SIGKILL: nothing flushed, as in a crash."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
     @property
     def url(self) -> str:

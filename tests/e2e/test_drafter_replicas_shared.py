@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import time
 
+from specdec.processes import LocalNatsServer
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc
 from specdec.v1 import verifier_pb2 as pb
 from specdec.v1 import verifier_pb2_grpc as rpc
-from tests.nats_server import NatsServer
 
 from processes import ServiceProcess, running_tiny_verifier
 
@@ -33,7 +33,7 @@ def stats(drafter: ServiceProcess) -> drafter_pb2.StatsResponse:
     return drafter_pb2_grpc.DrafterStub(drafter.channel).Stats(drafter_pb2.StatsRequest(), timeout=10)
 
 
-def replica(tmp_path, nats: NatsServer, name: str) -> ServiceProcess:
+def replica(tmp_path, nats: LocalNatsServer, name: str) -> ServiceProcess:
     drafter = ServiceProcess("drafter_service", "--port", "0", "--metrics-port", "-1", "--db", str(tmp_path / name), "--log-url", nats.url)
     drafter.wait_until_serving("", STARTUP_S)
     return drafter
@@ -53,7 +53,7 @@ def learned(drafters: list[ServiceProcess]) -> None:
 
 
 def test_what_a_verifier_teaches_its_replica_drafts_warm_for_a_verifier_on_another(tiny_model_dir, tmp_path):
-    nats = NatsServer(tmp_path / "nats").start()
+    nats = LocalNatsServer(tmp_path / "nats")
     drafters: list[ServiceProcess] = []
     try:
         drafters = [replica(tmp_path, nats, name) for name in ("a", "b")]
@@ -80,7 +80,7 @@ def test_what_a_verifier_teaches_its_replica_drafts_warm_for_a_verifier_on_anoth
 
 
 def test_a_verifier_whose_replica_is_killed_keeps_serving_with_warm_drafts_on_the_survivor(tiny_model_dir, tmp_path):
-    nats = NatsServer(tmp_path / "nats").start()
+    nats = LocalNatsServer(tmp_path / "nats")
     drafters: list[ServiceProcess] = []
     try:
         drafters = [replica(tmp_path, nats, name) for name in ("a", "b")]

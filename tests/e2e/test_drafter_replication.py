@@ -19,10 +19,10 @@ from drafter_service.config import DrafterConfig
 from drafter_service.log_config import LogConfig
 from drafter_service.log_format import encode_observe, table_subject
 from drafter_service.server import SERVICE_NAME, DrafterServer, create_server
+from specdec.processes import LocalNatsServer
 from specdec.v1 import drafter_pb2 as pb
 from specdec.v1 import drafter_pb2_grpc
 from tests.metrics_reference import documented_metrics, exposed_metrics
-from tests.nats_server import NatsServer
 
 VOCABULARY = "0123456789abcdef"
 SCOPE_X, SCOPE_Y = "aa" * 16, "bb" * 16
@@ -30,8 +30,8 @@ WAIT_S = 30.0
 
 
 @pytest.fixture
-def nats(tmp_path) -> Iterator[NatsServer]:
-    server = NatsServer(tmp_path / "nats-server").start()
+def nats(tmp_path) -> Iterator[LocalNatsServer]:
+    server = LocalNatsServer(tmp_path / "nats-server")
     yield server
     server.stop()
 
@@ -39,7 +39,7 @@ def nats(tmp_path) -> Iterator[NatsServer]:
 class Replicas:
     """Drafters sharing the test's log; each stopped at the end."""
 
-    def __init__(self, root: Path, nats: NatsServer) -> None:
+    def __init__(self, root: Path, nats: LocalNatsServer) -> None:
         self.root, self.nats = root, nats
         self.running: dict[str, DrafterServer] = {}
 
@@ -380,7 +380,7 @@ def test_the_publish_is_a_span_inside_observes_trace(replicas):
 
 
 def test_a_call_over_the_logs_max_payload_is_refused_as_invalid_not_retried_forever(tmp_path):
-    small = NatsServer(tmp_path / "small-nats", extra="max_payload: 65536").start()
+    small = LocalNatsServer(tmp_path / "small-nats", extra="max_payload: 65536")
     group = Replicas(tmp_path, small)
     try:
         a = group.start("a")

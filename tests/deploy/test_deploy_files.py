@@ -57,6 +57,8 @@ VERIFIER_METRICS = {
     "specdec_verifier_kv_cache_usage_perc": "gauge",
     "specdec_verifier_kv_cache_slot_usage_perc": "gauge",
     "specdec_verifier_drafter_fallbacks_total": "counter",
+    "specdec_verifier_drafter_failovers_total": "counter",
+    "specdec_verifier_drafter_replica": "gauge",
     # OpenTelemetry's GenAI server metrics, as its Prometheus exporter names them.
     "gen_ai_server_time_to_first_token_seconds": "histogram",
     "gen_ai_server_time_per_output_token_seconds": "histogram",
@@ -77,7 +79,21 @@ DRAFTER_METRICS = {
     "specdec_drafter_accepted_tokens_total": "counter",
     "specdec_drafter_propose_seconds": "histogram",
 }
-KNOWN_METRICS = VERIFIER_METRICS | DRAFTER_METRICS
+# What a drafter replica (one started with --log-url) exports besides DRAFTER_METRICS.
+DRAFTER_REPLICA_METRICS = {
+    "specdec_drafter_log_publish_seconds": "histogram",
+    "specdec_drafter_log_position": "gauge",
+    "specdec_drafter_log_lag_messages": "gauge",
+    "specdec_drafter_log_lag_seconds": "gauge",
+    "specdec_drafter_log_serving": "gauge",
+    "specdec_drafter_log_messages_applied_total": "counter",
+    "specdec_drafter_log_messages_skipped_total": "counter",
+    "specdec_drafter_log_bootstraps_total": "counter",
+    "specdec_drafter_log_publish_failures_total": "counter",
+    "specdec_drafter_log_successors_dropped_total": "counter",
+    "specdec_drafter_log_reconnects_total": "counter",
+}
+KNOWN_METRICS = VERIFIER_METRICS | DRAFTER_METRICS | DRAFTER_REPLICA_METRICS
 
 # What the drafter image installs besides the project itself (--no-deps).
 DRAFTER_IMAGE_DEPENDENCIES = {
@@ -1251,6 +1267,11 @@ def test_dashboard_queries_a_templated_prometheus_datasource():
         "Drafter table size",
         "Drafter hit rate by source",
         "Drafter acceptance by source",
+        "Drafter replica lag (messages)",
+        "Drafter replica lag (seconds)",
+        "Drafter Observe publish latency",
+        "Drafter replicas serving",
+        "Verifier drafter failovers",
     ):
         assert wanted in titles
 
@@ -1280,14 +1301,15 @@ def exported_families(registry) -> dict[str, str]:
 
 
 def test_the_known_metrics_are_what_the_services_export(tmp_path):
+    from drafter_service.log_config import LogConfig
     from drafter_service.server import DrafterConfig, create_server
     from verifier_service.serving.metrics import VerifierMetrics
 
     verifier = VerifierMetrics("a-model")
-    # Counters kept elsewhere are added by the server through watch(); the names it watches:
+    # Counters and gauges kept elsewhere are added by the server through watch() and watch_gauge(); the names it watches:
     source = "\n".join(path.read_text() for path in (REPO / "verifier_service").rglob("*.py"))
-    for name in re.findall(r"\.watch\(\s*\"(\w+)\"", source):
-        verifier.watch(name, name, lambda: 0.0)
+    for method, name in re.findall(r"\.(watch|watch_gauge)\(\s*\"(\w+)\"", source):
+        getattr(verifier, method)(name, name, lambda: 0.0)
     exported = exported_families(verifier.registry)
     assert {name: exported.get(name) for name in VERIFIER_METRICS} == VERIFIER_METRICS
 
@@ -1297,3 +1319,13 @@ def test_the_known_metrics_are_what_the_services_export(tmp_path):
     finally:
         drafter.stop(grace=0)
     assert {name: exported.get(name) for name in DRAFTER_METRICS} == DRAFTER_METRICS
+    assert not exported.keys() & DRAFTER_REPLICA_METRICS.keys()  # a drafter without a log has no replica series
+
+    # A replica exports its series from the start, before its log answers (nothing listens on port 1).
+    log = LogConfig(url="nats://127.0.0.1:1")
+    replica = create_server(DrafterConfig(port=0, db=str(tmp_path / "replica"), metrics_port=None, log=log))
+    try:
+        exported = exported_families(replica.servicer.registry)
+    finally:
+        replica.stop(grace=0)
+    assert {name: exported.get(name) for name in DRAFTER_METRICS | DRAFTER_REPLICA_METRICS} == DRAFTER_METRICS | DRAFTER_REPLICA_METRICS

@@ -17,7 +17,7 @@ from faulty_link import FaultyLink
 from processes import ServiceProcess, free_port
 
 STREAMS = 16
-TOKENS = 1500
+TOKENS = 2500  # long enough that every stream outlives the six faults, however soon drafts resume after each
 CONTEXT = 4096
 CALL_TIMEOUT_S = 600
 PHASE_S = 1.0  # how long each fault lasts

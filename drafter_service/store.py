@@ -394,8 +394,7 @@ class ApplyItem(NamedTuple):
 
 
 class LogEntry(NamedTuple):
-    """One message of the shared observation log for this table (``apply_log``): one
-    Observe call's sequences, or successor-table predictions."""
+    """One log message for this table (``apply_log``): an Observe call's sequences, or successor-table predictions."""
 
     sequence: int  # the log's sequence number: entries come in increasing order
     hour: int  # hours since the Unix epoch when the log stored it: the de-duplication window's clock
@@ -585,29 +584,33 @@ class LMDBNGramStore:
         the log stored it (not this machine's clock), so every replica applying the same log
         holds the same records however its transactions group the entries.
 
-        Per entry: True applied, False skipped (applied before), None not stored for want of
-        room in the map even alone (logged; the sequence moves past it). ValueError, writing
-        nothing, for an entry ``apply`` or ``record_successors`` refuses.
+        Per entry: True applied, False skipped (applied before), None not stored: refused alone
+        (a token id outside uint32, predictions it cannot hold), or without room in the map
+        even alone; logged, and the sequence moves past it.
         """
-        prepared = [
-            (entry, [self._validate(*item) for item in entry.observations], self._successor_records(entry.successors)) for entry in entries
-        ]
-        if not prepared:
-            return []
+        prepared, refused = [], set()
+        for index, entry in enumerate(entries):
+            try:
+                prepared.append((entry, [self._validate(*item) for item in entry.observations], self._successor_records(entry.successors)))
+            except ValueError as error:
+                log.error("log message %d skipped: %s", entry.sequence, error)
+                prepared.append((entry, [], {}))  # its sequence only
+                refused.add(index)
         with self._use(), self._write_lock:
             try:
-                return self._commit_log(prepared)
+                results = self._commit_log(prepared)
             except lmdb.MapFullError:
                 self.check_readers()
-            results: list[bool | None] = []
-            for one in prepared:  # one transaction each: those that fit are stored
-                try:
-                    results += self._commit_log([one])
-                except lmdb.MapFullError:
-                    log.error("log message %d does not fit in the %d-byte map now; skipped", one[0].sequence, self.config.map_size_bytes)
-                    self._commit_log([(one[0], [], {})])  # its sequence only: the log moves on
-                    results.append(None)
-            return results
+                results = [self._commit_alone(one) for one in prepared]  # those that fit are stored
+        return [None if index in refused and result else result for index, result in enumerate(results)]
+
+    def _commit_alone(self, one: tuple[LogEntry, list[_Observation], dict[bytes, bytes]]) -> bool | None:
+        try:
+            return self._commit_log([one])[0]
+        except lmdb.MapFullError:
+            log.error("log message %d does not fit in the %d-byte map now; skipped", one[0].sequence, self.config.map_size_bytes)
+            self._commit_log([(one[0], [], {})])  # its sequence only: the log moves on
+            return None
 
     def log_sequence(self) -> int:
         """The sequence of the last log message applied to this table (0: none)."""
@@ -632,9 +635,7 @@ class LMDBNGramStore:
                     results.append(False)
                     continue
                 if observations:
-                    meta = self._read_meta(txn)
-                    self._merge_call(txn, meta, observations, entry.hour)
-                    self._write_meta(txn, meta)
+                    self._merge_call(txn, observations, entry.hour)
                 if successors:
                     self._store_successor_records(txn, successors)
                 held = entry.sequence
@@ -662,8 +663,7 @@ class LMDBNGramStore:
         return len(records)
 
     def _successor_records(self, updates: Iterable[tuple[tuple[int, ...], Sequence[int]]]) -> dict[bytes, bytes]:
-        """Packed key -> packed tokens, the newest per key in the order last given, at most the
-        bound (a call's last keys); ValueError for a key or prediction list the table cannot hold."""
+        """Packed key -> packed tokens, the newest per key, at most the bound (the last); ValueError for what the table cannot hold."""
         records: dict[bytes, bytes] = {}
         for key, tokens in updates:
             packer = SUCCESSOR_KEYS.get(len(key))
@@ -971,13 +971,11 @@ class LMDBNGramStore:
 
     def _commit_batch(self, observations: list[_Observation]) -> list[bool]:
         with self._env.begin(write=True) as txn:
-            meta = self._read_meta(txn)
-            results = self._merge_call(txn, meta, observations, int(self.config.clock() // 3600))
-            self._write_meta(txn, meta)
-        return results
+            return self._merge_call(txn, observations, int(self.config.clock() // 3600))
 
-    def _merge_call(self, txn: lmdb.Transaction, meta: _Meta, observations: list[_Observation], hour: int) -> list[bool]:
+    def _merge_call(self, txn: lmdb.Transaction, observations: list[_Observation], hour: int) -> list[bool]:
         """Steps 1-5 of *Merging an apply* in ``txn``, with ``hour`` as the ids' clock; per item, whether it was new."""
+        meta = self._read_meta(txn)
         self._expire_ids(txn, meta, hour - self.config.dedup_window_hours)
         results = self._claim_ids(txn, observations, meta, hour)
         fresh = [(item.tokens, item.packed, item.start, item.counted) for item, new in zip(observations, results) if new]
@@ -992,6 +990,7 @@ class LMDBNGramStore:
         # Same transaction: no crash leaves the table above the high-water mark.
         config = self.config
         self._evict(txn, meta, config.low_water_bytes, config.eviction_chunk_records, config.high_water_bytes)
+        self._write_meta(txn, meta)
         return results
 
     def _claim_ids(self, txn: lmdb.Transaction, observations: list[_Observation], meta: _Meta, hour: int) -> list[bool]:

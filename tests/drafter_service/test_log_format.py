@@ -132,3 +132,17 @@ def test_a_table_with_a_log_mark_passes_the_start_up_walk(tmp_path):
     store.apply_log(ENTRIES)
     store.close()
     assert walk_table(tmp_path / "t", None).problem is None
+
+
+def test_an_entry_no_table_can_hold_is_skipped_alone_whatever_the_grouping(tmp_path):
+    # A token id outside uint32 in the middle of a run: the entries around it are applied, and the
+    # table is the one a replica that fetched them one at a time holds.
+    bad = LogEntry(3, 480_001, observations=[ApplyItem("bad/0", [1, 2, 2**32, 4])])
+    entries = [ENTRIES[0], bad, ENTRIES[2]]
+    together, apart = _store(tmp_path / "together"), _store(tmp_path / "apart")
+    assert together.apply_log(entries) == [True, None, True]
+    assert [apart.apply_log([entry])[0] for entry in entries] == [True, None, True]
+    assert _records(together) == _records(apart)
+    assert together.log_sequence() == 4
+    assert together.apply_log([bad]) == [False]  # a replay skips it by its sequence, as any other
+    assert together.continuations((2, 3, 4)) == {5: 1, 9: 1}

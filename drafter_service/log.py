@@ -390,13 +390,15 @@ class ObservationLog:
 
     # -- snapshots between replicas
 
-    def serve_snapshots(self, make: Callable[[], tuple[str, int]], ready: Callable[[], bool]) -> None:
+    def serve_snapshots(self, make: Callable[[], tuple[str, int, str]], ready: Callable[[], bool]) -> None:
         """Answer peers' snapshot requests with ``make()`` -> (tar file path, sequence it
-        reflects), run in a worker thread; the file is removed once uploaded. While not
+        reflects, creation time of the stream it follows), run in a worker thread; the file is
+        removed once uploaded. Once: later calls change nothing. While not
         ``ready()`` (bootstrapping, lagging), requests go unanswered: the peer asks again,
         and the queue group gives the request to another replica."""
+        if self._snapshot_sub is not None:
+            return
         js = self._connected()
-        stream_created = self.stream_state().created
 
         async def handle(message: Any) -> None:
             if not ready():
@@ -408,14 +410,14 @@ class ObservationLog:
             name = f"snapshot-{uuid.uuid4().hex}"
             await message.respond(json.dumps({"object": name}).encode())
             try:
-                path, sequence = await asyncio.get_running_loop().run_in_executor(None, make)
+                path, sequence, created = await asyncio.get_running_loop().run_in_executor(None, make)
                 try:
                     store = await self._snapshot_store(js)
                     with open(path, "rb") as handle:
                         await store.put(name, handle)
                 finally:
                     os.unlink(path)
-                answer = {"object": name, "sequence": sequence, "created": stream_created}
+                answer = {"object": name, "sequence": sequence, "created": created}
             except Exception as failure:
                 log.exception("snapshot for a peer failed")
                 answer = {"error": str(failure)}

@@ -332,12 +332,12 @@ class Replica:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
-    def make_snapshot(self) -> tuple[str, int]:
-        """A tar file of every table's compact copy, and the position they reflect (a peer's
-        bootstrap). The position is read between batches; tables copied later may hold more,
+    def make_snapshot(self) -> tuple[str, int, str]:
+        """A tar file of every table's compact copy, the position they reflect, and the log's
+        creation time (a peer's bootstrap). The position is read between batches; tables copied later may hold more,
         which their own marks make the peer skip."""
         with self._applying:
-            sequence, tables = self.position.sequence, self.stores.all()
+            sequence, created, tables = self.position.sequence, self.position.created, self.stores.all()
         root = Path(self.config.db)
         work = root / f".snapshot-out-{uuid.uuid4().hex}"
         try:
@@ -352,7 +352,7 @@ class Replica:
                     archive.add(folder / "data.mdb", arcname=f"{folder.name}/data.mdb")
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        return path, sequence
+        return path, sequence, created
 
     def _reset_marks(self) -> None:
         for store in self.stores.all().values():

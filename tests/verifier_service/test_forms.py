@@ -4,6 +4,7 @@ hardware, the fastest exact one kept, inexact ones left out, and the choice stor
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def test_int4_weights_where_the_kernel_does_not_run_are_refused_naming_the_flag(
 def test_one_candidate_is_taken_without_measuring(monkeypatch, tiny_tokenizer):
     monkeypatch.setattr(forms, "time_forms", unmeasured)
     choice = choose_form(build(torch.float32), tiny_tokenizer, [Form("bfloat16", "int4", 1)], CONFIG)
-    assert choice.form == Form("bfloat16", "int4", 1) and choice.timings == {}
+    assert choice.form == Form("bfloat16", "int4", 1) and choice.speeds == {}
     assert weights_form(choice.model) == "int4" and next(choice.model.parameters()).dtype == torch.bfloat16
 
 
@@ -84,14 +85,19 @@ def unmeasured(*args, **kwargs):
     raise AssertionError("measured")
 
 
-def seconds_by_form(timings: dict[Form, float]):
-    """A ``time_pass`` answering each form's seconds, told apart by its engine's model."""
+def seconds_by_form(timings: dict[Form, float], calls: list | None = None):
+    """A ``time_pass`` answering each form's seconds, told apart by its engine's model: a pass
+    costs its tokens a row times the form's seconds (``timings[form]`` may also be a function
+    of tokens and rows). Each call's (form, tokens, rows, cached) goes into ``calls``."""
 
-    def time_pass(engine, tokens: int, rows: int) -> float:
+    def time_pass(engine, tokens: int, rows: int, cached: int) -> float:
         model = engine.model
         threads = torch.get_num_threads()
         form = Form(str(next(model.parameters()).dtype).removeprefix("torch."), weights_form(model), threads)
-        return timings[form] * tokens / rows
+        if calls is not None:
+            calls.append((form, tokens, rows, cached))
+        cost = timings[form]
+        return cost(tokens, rows) if callable(cost) else cost * tokens / rows
 
     return time_pass
 
@@ -106,11 +112,14 @@ def test_the_fastest_form_is_chosen_then_its_thread_count_and_the_choice_is_kept
     # float32 at one thread would be fastest of all, but the thread counts are weighed for the
     # fastest form at torch's count only: bfloat16, then at one thread.
     assert choice.form == Form("bfloat16", "float", 1)
-    assert set(choice.timings) == {FOUR[0], FOUR[2], FOUR[3]}
-    assert choice.timings[FOUR[3]] < choice.timings[FOUR[2]] < choice.timings[FOUR[0]]
+    assert set(choice.speeds) == {FOUR[0], FOUR[2], FOUR[3]}
+    assert choice.speeds[FOUR[3]].score("balanced") > choice.speeds[FOUR[2]].score("balanced") > choice.speeds[FOUR[0]].score("balanced")
     assert next(choice.model.parameters()).dtype == torch.bfloat16
     [stored] = tmp_path.glob("form-*.json")
-    assert json.loads(stored.read_text())["form"] == {"dtype": "bfloat16", "weights": "float", "threads": 1}
+    content = json.loads(stored.read_text())
+    assert content["form"] == {"dtype": "bfloat16", "weights": "float", "threads": 1}
+    # What each form promised is kept beside it: a pass of one token in 0.02 s is 50 tokens/s.
+    assert content["tokens_per_second"][str(FOUR[3])] == {"one_stream": pytest.approx(50.0), "batch": pytest.approx(200.0), "rows": 4}
 
     monkeypatch.setattr(forms, "time_forms", unmeasured)  # a later start takes it at once
     again = choose_form(build(torch.float32), tiny_tokenizer, FOUR, CONFIG, tmp_path)
@@ -142,7 +151,7 @@ def test_a_bfloat16_form_whose_passes_would_not_be_invariant_is_left_out(monkeyp
     monkeypatch.setattr(forms, "time_pass", seconds_by_form(seconds))
     monkeypatch.setattr("verifier_service.core.engine.choose_invariance", tiled)
     choice = choose_form(build(torch.float32), tiny_tokenizer, [FOUR[0], FOUR[2]], CONFIG)
-    assert choice.form == FOUR[0] and set(choice.timings) == {FOUR[0]}
+    assert choice.form == FOUR[0] and set(choice.speeds) == {FOUR[0]}
     # Named by the flags with --batch-invariant off, it is weighed all the same.
     free = EngineConfig(max_batch_size=4, batch_invariant="off")
     assert choose_form(build(torch.float32), tiny_tokenizer, [FOUR[0], FOUR[2]], free).form == FOUR[2]
@@ -161,5 +170,64 @@ def test_the_measured_passes_are_the_engine_s_own_shapes_and_every_form_computes
         {form: forms.probe_engine(forms.in_form(build(torch.float32), form), tiny_tokenizer, CONFIG) for form in FOUR[::2]},
         forms.pass_shapes(CONFIG),
     )
-    assert set(timed) == set(FOUR[::2]) and all(seconds > 0 for seconds in timed.values())
     assert forms.pass_shapes(CONFIG) == [(1, 1), (4, 4), (9, 1), (16, 4)]
+    assert set(timed) == set(FOUR[::2])
+    assert all(set(times) == set(forms.pass_shapes(CONFIG)) and min(times.values()) > 0 for times in timed.values())
+    speeds = [forms.decode_speed(times, CONFIG) for times in timed.values()]
+    assert all(speed.one_stream > 0 and speed.batch > 0 and speed.rows == 4 for speed in speeds)
+
+
+# One stream, a pass of t tokens: flat (extra tokens free, as on a GPU) or t times one token's.
+FLAT = {(1, 1): 0.01, (9, 1): 0.01, (4, 4): 0.02, (16, 4): 0.02}
+LINEAR = {(1, 1): 0.01, (9, 1): 0.09, (4, 4): 0.02, (16, 4): 0.08}
+
+
+def test_a_form_whose_extra_tokens_are_cheap_is_credited_with_what_speculation_yields_there():
+    flat, linear = forms.decode_speed(FLAT, CONFIG), forms.decode_speed(LINEAR, CONFIG)
+    # Linear cost: drafts never pay, so plain decoding's 100 tokens/s (and 4 rows / 0.02 s).
+    assert linear.one_stream == pytest.approx(100.0) and linear.batch == pytest.approx(200.0)
+    # Flat cost: a chain of 8 drafts, kept with odds 1/2 each, yields 2 - 1/256 tokens a pass;
+    # the batch's 4 rows of 3 drafts each 4 * 1.875 a pass.
+    assert flat.one_stream == pytest.approx(100.0 * (2 - 0.5**8)) and flat.batch == pytest.approx(4 * 1.875 / 0.02)
+    # Counts between the timed ones cost by interpolation: with 9 tokens at 0.03 s, a pass of
+    # one draft costs 0.0125 s and yields 1.5 tokens, the best depth (two: 1.75 in 0.015 s).
+    halfway = forms.decode_speed({**LINEAR, (9, 1): 0.03}, CONFIG)
+    assert halfway.one_stream == pytest.approx(1.5 / 0.0125)
+
+
+ONE_STREAM_FAST = lambda tokens, rows: 0.01 * tokens if rows == 1 else 0.05 * tokens / rows  # noqa: E731
+BATCH_FAST = lambda tokens, rows: 0.02 * tokens if rows == 1 else 0.01 * tokens / rows  # noqa: E731
+
+
+@pytest.mark.parametrize(("mix", "expected"), [("latency", FOUR[0]), ("throughput", FOUR[2]), ("balanced", FOUR[2])])
+def test_optimize_for_names_the_mix_the_forms_are_ranked_by_and_keys_the_stored_choice(monkeypatch, tiny_tokenizer, tmp_path, mix, expected):
+    # float32 decodes one stream at 100 tokens/s and 4 rows at 80; bfloat16 50 and 400.
+    seconds = {FOUR[0]: ONE_STREAM_FAST, FOUR[2]: BATCH_FAST}
+    monkeypatch.setattr(forms, "time_pass", seconds_by_form(seconds))
+    config = EngineConfig(max_batch_size=4, optimize_for=mix)
+    choice = choose_form(build(torch.float32), tiny_tokenizer, [FOUR[0], FOUR[2]], config, tmp_path)
+    assert choice.form == expected and not choice.stored
+    assert choice.speeds[FOUR[0]] == forms.Speed(pytest.approx(100.0), pytest.approx(80.0), 4)
+    assert choice.speeds[FOUR[2]] == forms.Speed(pytest.approx(50.0), pytest.approx(400.0), 4)
+    # Another mix is another key: measured again, never the choice stored for this one.
+    other = "throughput" if mix == "latency" else "latency"
+    again = choose_form(build(torch.float32), tiny_tokenizer, [FOUR[0], FOUR[2]], replace(config, optimize_for=other), tmp_path)
+    assert not again.stored and again.form == {"latency": FOUR[0], "throughput": FOUR[2]}[other]
+    assert choose_form(build(torch.float32), tiny_tokenizer, [FOUR[0], FOUR[2]], config, tmp_path).stored
+
+
+def test_past_two_rounds_and_to_weigh_thread_counts_the_forms_are_timed_only_while_the_budget_lasts(monkeypatch, tiny_tokenizer):
+    shapes = len(forms.pass_shapes(CONFIG))
+    for budget, rounds in ((0.0, forms.MIN_ROUNDS), (600.0, forms.ROUNDS)):
+        calls: list = []
+        monkeypatch.setattr(forms, "time_pass", seconds_by_form(dict.fromkeys(FOUR, 0.01), calls))
+        choice = choose_form(build(torch.float32), tiny_tokenizer, FOUR, replace(CONFIG, form_budget_s=budget))
+        # A warm-up pass of each shape, then a pass of each a round, per form; every row reads the probe's context.
+        by_form = {form: sum(call[0] == form for call in calls) for form in FOUR}
+        assert by_form[FOUR[2]] == shapes * (1 + rounds)
+        assert {cached for *_, cached in calls} == {forms.PROBE_CONTEXT}
+        # The budget spent, float32's other thread count is not weighed (else both are, float32
+        # at torch's count once more beside it).
+        assert by_form[FOUR[1]] == (0 if budget == 0 else shapes * (1 + rounds))
+        assert by_form[FOUR[0]] == shapes * (1 + rounds) * (1 if budget == 0 else 2)
+        assert choice.form == FOUR[0] and set(choice.speeds) == ({FOUR[0], FOUR[2]} if budget == 0 else {FOUR[0], FOUR[1], FOUR[2]})

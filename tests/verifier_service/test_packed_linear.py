@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from verifier_service.core import packed_linear
 from verifier_service.core.calibration import calibration_key
 from verifier_service.core.forms import Form, in_form
 from verifier_service.core.invariance import Invariance, _probed_layers, invariant_pass, lone_row_invariant
@@ -55,7 +56,7 @@ def test_rows_are_the_linear_layers_products_within_bfloat16(bias):
 
 def test_the_output_layer_stays_tied_to_the_embeddings_and_the_float32_model_is_left_alone():
     model = tied_llama().to(torch.bfloat16)
-    assert use_packed_output(model)
+    assert use_packed_output(model, measure=False)
     output = model.get_output_embeddings()
     assert isinstance(output, PackedLinear) and output.weight is model.model.embed_tokens.weight
     assert output_kernel(model) == "laid out"
@@ -64,7 +65,8 @@ def test_the_output_layer_stays_tied_to_the_embeddings_and_the_float32_model_is_
     assert type(float_model.get_output_embeddings()) is nn.Linear and output_kernel(float_model) == "linear"
 
 
-def test_a_served_bfloat16_form_lays_its_output_layer_out_and_its_logits_follow_the_float_ones():
+def test_a_served_bfloat16_form_lays_its_output_layer_out_and_its_logits_follow_the_float_ones(monkeypatch):
+    monkeypatch.setattr(packed_linear, "laid_out_pays", lambda linear, packed: True)  # whatever this CPU times
     source = tied_llama()
     ids = torch.tensor([[3, 17, 40, 5, 88]])
     formed = in_form(source, Form("bfloat16", "float", 1), keep=True)
@@ -136,3 +138,25 @@ def test_the_row_probes_compute_each_computation_once_and_each_layer_type_of_a_s
         "Int4Linear 48 x 64 (rows)",
         "Int4Linear 48 x 64 (prefill_rows)",
     ]
+
+
+@pytest.mark.parametrize("laid_out_faster", [True, False])
+def test_the_output_layer_is_laid_out_only_where_its_calls_are_timed_faster_laid_out(monkeypatch, caplog, laid_out_faster):
+    """Timed once a process per shape: here the timings are given (the test times nothing)."""
+    timed = []
+
+    def seconds(compute, in_features):
+        laid_out = getattr(compute, "__self__", None) is not None  # PackedLinear.rows, a bound method
+        timed.append(laid_out)
+        return [0.001, 0.002] if laid_out == laid_out_faster else [0.002, 0.003]
+
+    monkeypatch.setattr(packed_linear, "_call_seconds", seconds)
+    monkeypatch.setattr(packed_linear, "_pays", {})
+    caplog.set_level("INFO", logger="verifier_service.core.packed_linear")
+    model = tied_llama().to(torch.bfloat16)
+    assert use_packed_output(model) is laid_out_faster
+    assert output_kernel(model) == ("laid out" if laid_out_faster else "linear")
+    assert sorted(timed) == [False, True]
+    assert ("laid out for oneDNN (ms" if laid_out_faster else "F.linear on its weight as it is") in caplog.text
+    # A second model of the shape takes the answer without timing again.
+    assert use_packed_output(tied_llama().to(torch.bfloat16)) is laid_out_faster and len(timed) == 2

@@ -10,7 +10,8 @@ layer took 3.7 ms by ``F.linear`` and 1.6 ms laid out (2-core AMX CPU, two threa
 rows 4.4 and 2.3 ms.
 
 Two places use it: the output layer of a bfloat16 form (``PackedLinear``: read once a pass
-at every size of pass, where the copy costs most), and the bfloat16 copies int4 layers
+at every size of pass, where the copy costs most; laid out only where a start-up timing finds
+it faster than ``F.linear`` on this machine, ``laid_out_pays``), and the bfloat16 copies int4 layers
 compute prompt rows with (``weights.Int4Linear``). Their rows are probed as the other
 layers' are (``row_probe``), every row of every count: on an AMX CPU the laid-out kernel
 gives a row the same bits at any count up to 149 rows, then rounds about one row in twelve
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -121,14 +124,67 @@ def _runs_on_cpu() -> bool:
         return False
 
 
-def use_packed_output(model: PreTrainedModel) -> bool:
+def use_packed_output(model: PreTrainedModel, measure: bool = True) -> bool:
     """Make ``model``'s output layer a ``PackedLinear`` where it is a bfloat16 ``nn.Linear`` on
-    a CPU that runs one; whether it did."""
+    a CPU that runs one and (``measure``) its calls are faster laid out here (``laid_out_pays``);
+    whether it did."""
     output = model.get_output_embeddings()
     if not isinstance(output, nn.Linear) or output.weight.dtype != torch.bfloat16 or not packed_supported(output.weight.device):
         return False
-    model.set_output_embeddings(PackedLinear(output))
+    packed = PackedLinear(output)
+    if measure and not laid_out_pays(output, packed):
+        return False
+    model.set_output_embeddings(packed)
     return True
+
+
+# Row counts the two ways of computing a layer are timed at: one stream's pass, a batch's.
+LAYOUT_ROWS = (1, 16)
+LAYOUT_REPEATS = 5
+
+
+def laid_out_pays(linear: nn.Linear, packed: PackedLinear) -> bool:
+    """Whether ``packed`` computes ``linear``'s rows faster than ``F.linear`` does on this
+    machine: the geometric mean of their best call times at LAYOUT_ROWS. Which wins is the
+    kernels' and the CPU's (oneDNN's layout was made for AMX and AVX-512; a CPU may
+    multiply a plain weight as fast). Timed once a process per shape and thread count."""
+    key = (linear.out_features, linear.in_features, linear.bias is not None, torch.get_num_threads())
+    if key not in _pays:
+        bias = None if linear.bias is None else linear.bias.detach()
+        weight = linear.weight.detach()
+        plain = _call_seconds(lambda rows: F.linear(rows, weight, bias), linear.in_features)
+        laid = _call_seconds(packed.rows, linear.in_features)
+        _pays[key] = math.prod(laid) <= math.prod(plain)
+        log.info(
+            "output layer %d x %d: %s (ms a call of %s rows: laid out for oneDNN %s, F.linear %s)",
+            linear.out_features,
+            linear.in_features,
+            "laid out for oneDNN" if _pays[key] else "F.linear on its weight as it is",
+            " and ".join(map(str, LAYOUT_ROWS)),
+            " / ".join(f"{1000 * seconds:.2f}" for seconds in laid),
+            " / ".join(f"{1000 * seconds:.2f}" for seconds in plain),
+        )
+    return _pays[key]
+
+
+def _call_seconds(compute, in_features: int) -> list[float]:
+    """``compute``'s best seconds a call over LAYOUT_REPEATS, at each of LAYOUT_ROWS (after one untimed)."""
+    generator = torch.Generator().manual_seed(11)
+    best = []
+    with torch.inference_mode():
+        for count in LAYOUT_ROWS:
+            rows = torch.randn(count, in_features, generator=generator).to(torch.bfloat16)
+            compute(rows)
+            times = []
+            for _ in range(LAYOUT_REPEATS):
+                started = time.perf_counter()
+                compute(rows)
+                times.append(time.perf_counter() - started)
+            best.append(min(times))
+    return best
+
+
+_pays: dict[tuple, bool] = {}  # (out, in, bias, threads) -> laid_out_pays
 
 
 def output_kernel(model: nn.Module) -> str:

@@ -200,7 +200,9 @@ BATCH_FAST = lambda tokens, rows: 0.02 * tokens if rows == 1 else 0.01 * tokens 
 
 
 @pytest.mark.parametrize(("mix", "expected"), [("latency", FOUR[0]), ("throughput", FOUR[2]), ("balanced", FOUR[2])])
-def test_optimize_for_names_the_mix_the_forms_are_ranked_by_and_keys_the_stored_choice(monkeypatch, tiny_tokenizer, tmp_path, mix, expected):
+def test_optimize_for_names_the_mix_the_forms_are_ranked_by_and_keys_the_stored_choice(
+    monkeypatch, tiny_tokenizer, tmp_path, mix, expected
+):
     # float32 decodes one stream at 100 tokens/s and 4 rows at 80; bfloat16 50 and 400.
     seconds = {FOUR[0]: ONE_STREAM_FAST, FOUR[2]: BATCH_FAST}
     monkeypatch.setattr(forms, "time_pass", seconds_by_form(seconds))

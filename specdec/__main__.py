@@ -148,7 +148,11 @@ def serve(argv: list[str]) -> int:
         )
         http = f"http://127.0.0.1:{verifier.announced_port('http')}"
         print(f"verifier: gRPC {verifier.address}, HTTP {http}/v1 (OpenAI API), live view {http}/", flush=True)
-        print("loading the model...", flush=True)
+        print(
+            "loading the model (a first start on this machine also converts it and measures its fastest form and step "
+            "costs, each once and bounded, the verifier's log below says how long; later starts take seconds)...",
+            flush=True,
+        )
         if wait_until_serving(verifier, services, stopping):
             example = '{"prompt": "Hello", "max_tokens": 16, "temperature": 0}'
             print(f"ready: curl {http}/v1/completions -H 'Content-Type: application/json' -d '{example}'")

@@ -57,11 +57,12 @@ class EngineConfig:
     # 256 tokens on CPU) but stall the running sequences longer; 256 costs
     # them about a 2-3 decode steps' time.
     prefill_chunk_tokens: int = setting(256, minimum=1, help="prompt tokens one step may prefill alongside the running sequences")
-    # Readiness waits on it only when no calibration is stored: ~21 s measures
-    # every count for the default model on an idle 2-core CPU; on a busy one the
-    # coarse counts come first, and real steps refine the rest (calibration.py).
+    # Readiness waits on it only when no calibration is stored: 9 s measures every
+    # count for the default model on an idle 2-core AVX512-BF16 CPU, 30 s where
+    # bfloat16 is emulated (AVX2); the coarse counts come first, later starts
+    # complete the rest and real steps refine them all (calibration.py).
     calibration_budget_s: float = setting(
-        30.0, minimum=0.0, help="seconds a start without a stored step-cost calibration may spend measuring one"
+        15.0, minimum=0.0, help="seconds a start without a stored step-cost calibration may spend measuring one"
     )
     # The target's own top predictions at every position a step scores, sent to
     # the drafter (its successor table, which drafts where n-grams find nothing).

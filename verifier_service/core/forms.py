@@ -239,9 +239,9 @@ def choose_form(
     timings: dict[Form, dict[tuple[int, int], float]] = {}  # each form's fastest pass of each shape, over every round
     mix = config.optimize_for
     log.info(
-        "measuring which form serves fastest here, once (kept for later starts%s): %s; "
+        "measuring which form serves fastest here, once (%s): %s; "
         "%d to %d rounds each, more only within %.0f s (--form-budget-seconds)",
-        f" in {folder}" if folder is not None else ", with a cache folder",
+        f"kept for later starts in {folder}" if folder is not None else "not kept: no cache folder",
         "; ".join(str(form) for form in forms if form.threads == forms[0].threads),
         MIN_ROUNDS,
         ROUNDS,

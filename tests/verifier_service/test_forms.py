@@ -144,6 +144,10 @@ def test_a_stored_choice_under_another_key_or_unreadable_is_measured_again(monke
     monkeypatch.setattr(forms, "forward_name", lambda model: "transformers")  # passes computed otherwise: another key
     assert not choose_form(build(torch.float32), tiny_tokenizer, FOUR, CONFIG, tmp_path).stored
     assert len(list(tmp_path.glob("form-*.json"))) == 3
+    # The same CPU with oneDNN held to fewer instruction sets computes otherwise: another key.
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not choose_form(build(torch.float32), tiny_tokenizer, FOUR, CONFIG, tmp_path).stored
+    assert len(list(tmp_path.glob("form-*.json"))) == 4
 
 
 def test_a_bfloat16_form_whose_passes_would_not_be_invariant_is_left_out(monkeypatch, tiny_tokenizer):

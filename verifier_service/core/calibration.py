@@ -38,6 +38,7 @@ import bisect
 import contextlib
 import hashlib
 import logging
+import os
 import platform
 import time
 import weakref
@@ -163,12 +164,21 @@ def calibration_key(engine: CostProbe) -> dict:
         "cache_reads": "per token" if engine.reads_per_token else "per row",
         "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else str(engine.device),
         "cpu": cpu_name(),
+        "kernels": cpu_kernels(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "slots": engine.slot_count,
         "capacity": engine.cache.capacity,
         "tokens": list(CALIBRATION_TOKENS),
     }
+
+
+def cpu_kernels() -> str:
+    """The instruction sets torch's kernels use here: ATen's (``ATEN_CPU_CAPABILITY`` may hold
+    it back) and oneDNN's ceiling (``ONEDNN_MAX_CPU_ISA``). One CPU name covers several, so
+    what is measured under one is not taken under another."""
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "all"
+    return f"ATen {torch.backends.cpu.get_cpu_capability()}, oneDNN {onednn}"
 
 
 def cpu_name() -> str:

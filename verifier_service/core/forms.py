@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from verifier_service.core.calibration import StepCostModel, cpu_name, time_pass
+from verifier_service.core.calibration import StepCostModel, cpu_kernels, cpu_name, time_pass
 from verifier_service.core.engine import SpeculativeEngine
 from verifier_service.core.engine_config import EngineConfig
 from verifier_service.core.keyed_file import KeyedFile
@@ -374,6 +374,7 @@ def form_key(model: PreTrainedModel, forms: list[Form], config: EngineConfig) ->
         "model": hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16],
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
         "cpu": cpu_name(),
+        "kernels": cpu_kernels(),
         "torch": torch.__version__,
         "candidates": [asdict(form) for form in forms],
         "shapes": pass_shapes(config),

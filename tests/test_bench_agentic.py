@@ -1,11 +1,15 @@
-"""The agentic benchmark's workloads: deterministic, real text, each turn resending the earlier ones."""
+"""The agentic benchmark's parts: its workloads (deterministic, real text, each turn resending
+the earlier ones) and the SuffixDecoding adapter's bookkeeping (on a fake cache, so no compiled
+extension is needed; one test uses the real cache where arctic_inference is installed)."""
 
 from __future__ import annotations
 
 import calendar
+import importlib.util
 import inspect
 import json
 import pydoc_data.topics
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,6 +26,9 @@ from bench.agentic_workloads import (
     tool_schema,
     tools,
 )
+from bench.suffix_proposer import SuffixProposer, SuffixSettings, chain_of
+from verifier_service.core.drafting import DraftRequest
+from verifier_service.core.engine import GenerationRequest, SpeculativeEngine
 
 # --- workloads -----------------------------------------------------------------------
 
@@ -144,3 +151,130 @@ def test_template_loops_fill_one_template_with_a_new_value_each_turn():
         assert len(set(requests)) == TURNS, loop.name
         assert len({request.split()[0] for request in requests}) == 1, loop.name  # one template
         assert all(len(turn) == 1 and turn[0].role == "user" for turn in loop.turns)
+
+
+# --- the SuffixDecoding adapter ------------------------------------------------------
+
+
+class FakeSuffixCache:
+    """Records every call and holds each request's prompt and response as the real cache's trees
+    would; ``speculate`` returns ``drafts[key]`` (tokens, parents) or, with a ``reference``,
+    the reference's continuation of everything the request has seen."""
+
+    def __init__(self, reference: list[int] | None = None, draft=([], [])) -> None:
+        self.calls: list[tuple] = []
+        self.sequences: dict[int, tuple[list[int], list[int]]] = {}
+        self.reference, self.draft = reference, draft
+        self.stopped: list[int] = []
+
+    def start_request(self, key, prompt_token_ids):
+        self.calls.append(("start", key, list(prompt_token_ids)))
+        self.sequences[key] = (list(prompt_token_ids), [])
+
+    def add_active_response(self, key, token_ids):
+        self.calls.append(("add", key, list(token_ids)))
+        self.sequences[key][1].extend(token_ids)
+
+    def speculate(self, key, context, max_spec_tokens=None, max_spec_factor=1.0, min_token_prob=0.1):
+        self.calls.append(("speculate", key, list(context), max_spec_tokens, max_spec_factor, min_token_prob))
+        if self.reference is not None:
+            seen = len(self.sequences[key][0]) + len(self.sequences[key][1])
+            tokens = self.reference[seen : seen + max_spec_tokens]
+            return SimpleNamespace(token_ids=tokens, parents=list(range(-1, len(tokens) - 1)))
+        return SimpleNamespace(token_ids=list(self.draft[0]), parents=list(self.draft[1]))
+
+    def stop_request(self, key):
+        self.calls.append(("stop", key))
+        self.stopped.append(key)
+
+
+def test_suffix_first_call_starts_the_request_with_its_prompt():
+    cache = FakeSuffixCache(draft=([9, 4], [-1, 0]))
+    [draft] = SuffixProposer(cache=cache).propose([DraftRequest("seq-0", [5, 6, 7, 8], 3)])
+    # The engine's first call holds the prompt and the token its prefill sampled (8).
+    assert cache.calls == [("start", 0, [5, 6, 7]), ("add", 0, [8]), ("speculate", 0, [5, 6, 7, 8], 3, 1.0, 0.1)]
+    assert draft.tokens == [9, 4]
+    assert draft.parents == []  # a chain
+
+
+def test_suffix_later_calls_add_only_new_tokens_and_match_the_last_tree_depth_tokens():
+    cache = FakeSuffixCache()
+    proposer = SuffixProposer(SuffixSettings(max_tree_depth=3, max_spec_tokens=5), cache)
+    proposer.propose([DraftRequest("seq-0", [5, 6, 7, 8], 3)])
+    cache.calls.clear()
+    proposer.propose([DraftRequest("seq-0", [5, 6, 7, 8, 9, 10], 8)])
+    # K 8 is capped at max_spec_tokens 5; the context is the last max_tree_depth (3) tokens.
+    assert cache.calls == [("add", 0, [9, 10]), ("speculate", 0, [8, 9, 10], 5, 1.0, 0.1)]
+    proposer.propose([DraftRequest("seq-0", [5, 6, 7, 8, 9, 10], 2)])  # nothing new: nothing added
+    assert cache.calls[-1] == ("speculate", 0, [8, 9, 10], 2, 1.0, 0.1) and len(cache.calls) == 3
+
+
+def test_suffix_asked_for_no_tokens_learns_them_but_does_not_speculate():
+    # The cache reads max_spec_tokens 0 as "up to the tree depth": it must not be asked.
+    cache = FakeSuffixCache(draft=([3], [-1]))
+    [draft] = SuffixProposer(cache=cache).propose([DraftRequest("seq-0", [5, 6, 7], 0)])
+    assert draft.tokens == []
+    assert [call[0] for call in cache.calls] == ["start", "add"]
+
+
+def test_suffix_close_adds_the_last_tokens_then_stops_the_request():
+    cache = FakeSuffixCache()
+    proposer = SuffixProposer(cache=cache)
+    proposer.propose([DraftRequest("seq-0", [5, 6, 7, 8], 3)])
+    proposer.close([("seq-0", [5, 6, 7, 8, 9, 1]), ("never-asked", [1, 2])])
+    assert cache.calls[-2:] == [("add", 0, [9, 1]), ("stop", 0)]
+    assert cache.sequences[0] == ([5, 6, 7], [8, 9, 1])
+    calls = len(cache.calls)
+    proposer.close([("seq-0", [5, 6, 7, 8, 9, 1])])  # closed already: nothing
+    assert len(cache.calls) == calls
+
+
+def test_suffix_session_ids_used_again_get_a_new_request():
+    # Every engine counts its sessions from seq-0: a second engine's seq-0 must not be the first's.
+    cache = FakeSuffixCache()
+    proposer = SuffixProposer(cache=cache)
+    proposer.propose([DraftRequest("seq-0", [5, 6], 2)])
+    proposer.close([("seq-0", [5, 6])])
+    proposer.propose([DraftRequest("seq-0", [7, 8], 2)])
+    assert [call[:2] for call in cache.calls if call[0] == "start"] == [("start", 0), ("start", 1)]
+
+
+def test_suffix_tree_drafts_are_cut_at_their_first_branch():
+    assert chain_of([7, 8, 9], [-1, 0, 0]) == [7, 8]
+    assert chain_of([7, 8, 9], [-1, 0, 1]) == [7, 8, 9]
+    assert chain_of([7, 8], []) == [7, 8]
+
+
+def _plain_output(model, tokenizer, prompt, new):
+    [result] = SpeculativeEngine(model, tokenizer).generate([GenerationRequest(prompt, new, num_speculative_tokens=0)])
+    return result.token_ids
+
+
+@pytest.mark.parametrize("oracle", [True, False])
+def test_suffix_in_the_engine_sees_exactly_the_sequence_and_changes_nothing(tiny_model, tiny_tokenizer, oracle):
+    prompt, new, k = [2, 3, 4, 5, 6, 7], 20, 4
+    plain = _plain_output(tiny_model, tiny_tokenizer, prompt, new)
+    # Drafts that are always right (plain's own output), or always wrong (a token plain never emits).
+    wrong = next(token for token in range(2, 64) if token not in plain)
+    cache = FakeSuffixCache(reference=prompt + plain) if oracle else FakeSuffixCache(draft=([wrong] * k, list(range(-1, k - 1))))
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, SuffixProposer(cache=cache))
+    [result] = engine.generate([GenerationRequest(prompt, new, num_speculative_tokens=k)])
+    assert result.token_ids == plain
+    # The cache held exactly the prompt, then exactly the output, and the request was stopped.
+    assert cache.sequences == {0: (prompt, plain)} and cache.stopped == [0]
+    if oracle:  # every draft accepted: k + 1 tokens a pass after the prefill's one
+        assert result.stats.target_forward_passes == 1 + -(-(len(plain) - 1) // (k + 1))
+    else:
+        assert result.stats.accepted_tokens == 0 and result.stats.draft_tokens > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("arctic_inference") is None, reason="arctic-inference is not installed (the bench extra)")
+def test_the_real_suffix_cache_drafts_a_repeated_request_from_its_first_answer(tiny_model, tiny_tokenizer):
+    prompt, new = [2, 3, 4, 5, 6, 7], 40
+    plain = _plain_output(tiny_model, tiny_tokenizer, prompt, new)
+    engine = SpeculativeEngine(tiny_model, tiny_tokenizer, SuffixProposer())
+    first, second = (engine.generate([GenerationRequest(prompt, new, num_speculative_tokens=8)])[0] for _ in range(2))
+    assert first.token_ids == second.token_ids == plain
+    # The global tree holds the first answer: the second is drafted from it, in fewer passes.
+    assert second.stats.accepted_tokens > 0
+    assert second.stats.target_forward_passes < first.stats.target_forward_passes

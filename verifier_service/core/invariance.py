@@ -27,8 +27,9 @@ batch size, a batch-invariant pass fixes the shapes (``Invariance``):
 * linear layers run the decode rows in tiles of ``linear_tile`` rows, and the prefill
   rows in tiles of ``prefill_tile`` (padding the last), or, where a start-up probe finds
   the library's GEMM invariant from two rows on (``library_row_limit``), in calls of as
-  many rows as it keeps so (all of them, or ``linear_rows``), a lone row padded to two,
-  and the prefill rows then in calls of ``prefill_rows`` aligned to the prompt's
+  many rows as it keeps so (all of them, or ``linear_rows``), a lone row padded to two
+  unless a probe finds it computed alone as it is among others (``lone_row``), and the
+  prefill rows then in calls of ``prefill_rows`` aligned to the prompt's
   positions where a probe finds a row past the limit depends only on its place and the
   call's count (``aligned_rows_invariant``);
 * decode attention gives each token a call entry of its own, where a start-up probe finds
@@ -126,12 +127,17 @@ class Invariance:
     # depends on its place and the call's count only; 0: calls of ``linear_rows``.
     prefill_rows: int = 0
     prefill_query_tile: int = PREFILL_QUERY_TILE  # prefill attention's positions a call, aligned to the prompt's
+    # Library calls: a lone row is computed alone, where ``lone_rows_invariant`` finds the
+    # library gives it what it gives it among others (else it is padded to two rows: a
+    # one-row call may take a matrix-vector kernel that sums otherwise).
+    lone_row: bool = False
 
     def describe(self) -> str:
         if self.linear_tile:
             rows = f"tiles of {self.linear_tile} (prefill {self.prefill_tile})"
         else:
-            rows = f"calls of 2 to {self.linear_rows} rows" if self.linear_rows else "one call, from two rows"
+            least = "one row" if self.lone_row else "two rows"
+            rows = f"calls of {least} to {self.linear_rows}" if self.linear_rows else f"one call, from {least}"
             if self.prefill_rows:
                 rows += f" (prefill {self.prefill_rows} aligned to the prompt)"
         if not self.token_attention:
@@ -196,8 +202,9 @@ def invariant_rows(flat: torch.Tensor, compute: Rows, pass_: InvariantPass, deco
     invariance = pass_.invariance
     decode = min(pass_.decode if decode is None else decode, flat.shape[0])
     parts = []
+    lone = invariance.lone_row
     if decode:
-        parts.append(_rows(flat[:decode], compute, invariance.linear_tile, invariance.linear_rows))
+        parts.append(_rows(flat[:decode], compute, invariance.linear_tile, invariance.linear_rows, lone))
     if decode < flat.shape[0]:
         prefill = flat[decode:]
         if invariance.linear_tile:
@@ -205,7 +212,7 @@ def invariant_rows(flat: torch.Tensor, compute: Rows, pass_: InvariantPass, deco
         elif invariance.prefill_rows and sum(length for _, length in pass_.chunks) == prefill.shape[0]:
             parts.append(_aligned_rows(prefill, compute, invariance.prefill_rows, pass_.chunks))
         else:
-            parts.append(_rows(prefill, compute, 0, invariance.linear_rows))
+            parts.append(_rows(prefill, compute, 0, invariance.linear_rows, lone))
     return torch.cat(parts) if len(parts) > 1 else parts[0] if parts else compute(flat)
 
 
@@ -229,12 +236,12 @@ def _aligned_rows(rows: torch.Tensor, compute: Rows, tile: int, chunks: Chunks) 
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
-def _rows(rows: torch.Tensor, compute: Rows, tile: int, most: int = 0) -> torch.Tensor:
+def _rows(rows: torch.Tensor, compute: Rows, tile: int, most: int = 0, lone: bool = False) -> torch.Tensor:
     count = rows.shape[0]
-    if not tile:  # the library's rows are invariant from two on (up to ``most``, if not 0)
+    if not tile:  # the library's rows are invariant from two on (up to ``most``, if not 0), or from one (``lone``)
         if most and count > most:
-            return torch.cat([_rows(rows[start : start + most], compute, 0) for start in range(0, count, most)])
-        return compute(torch.cat([rows, rows]))[:1] if count == 1 else compute(rows)
+            return torch.cat([_rows(rows[start : start + most], compute, 0, 0, lone) for start in range(0, count, most)])
+        return compute(torch.cat([rows, rows]))[:1] if count == 1 and not lone else compute(rows)
     padding = (-count) % tile
     if padding:
         rows = torch.cat([rows, rows.new_zeros(padding, rows.shape[1])])
@@ -333,6 +340,21 @@ def aligned_rows_invariant(model: nn.Module, tile: int = PREFILL_ALIGNED_ROWS) -
                 if not torch.equal(compute(filling)[place], result[place]):
                     log.info("linear rows of %s in a %d-row call depend on the call's other rows", name, tile)
                     return False
+    return True
+
+
+@torch.inference_mode()
+def lone_rows_invariant(model: nn.Module, rows: int = 8) -> bool:
+    """Whether every linear layer shape of ``model`` (and every layer that probes itself,
+    through each of its computations) gives a row computed alone bitwise what a call of two
+    rows gives it, for ``rows`` random rows: then a lone row need not be padded to two."""
+    generator = torch.Generator().manual_seed(6)
+    for name, in_features, dtype, device, compute in _probed_layers(model, generator, ("rows", "prefill_rows")):
+        inputs = torch.randn(rows, in_features, generator=generator).to(dtype=dtype, device=device)
+        for row in range(rows):
+            if not torch.equal(compute(inputs[row : row + 1])[0], compute(inputs[[row, (row + 1) % rows]])[0]):
+                log.info("a lone row of %s computed alone differs from the same row among others", name)
+                return False
     return True
 
 
@@ -480,8 +502,16 @@ def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> In
             if aligned not in _probed:
                 _probed[aligned] = aligned_rows_invariant(model)
             prefill = PREFILL_ALIGNED_ROWS if _probed[aligned] else 0
+        lone = ("lone rows", key)
+        if lone not in _probed:
+            _probed[lone] = lone_rows_invariant(model)
         invariance = Invariance(
-            linear_tile=0, linear_rows=rows, token_attention=_probed[attention], entry_tokens=shared, prefill_rows=prefill
+            linear_tile=0,
+            linear_rows=rows,
+            token_attention=_probed[attention],
+            entry_tokens=shared,
+            prefill_rows=prefill,
+            lone_row=_probed[lone],
         )
     else:
         invariance = Invariance(linear_tile=DECODE_LINEAR_TILE, token_attention=_probed[attention], entry_tokens=shared)

@@ -1,6 +1,7 @@
 """The agentic benchmark's parts: its workloads (deterministic, real text, each turn resending
-the earlier ones) and the SuffixDecoding adapter's bookkeeping (on a fake cache, so no compiled
-extension is needed; one test uses the real cache where arctic_inference is installed)."""
+the earlier ones), the SuffixDecoding adapter's bookkeeping (on a fake cache, so no compiled
+extension is needed; one test uses the real cache where arctic_inference is installed), and
+the driver's turn loop and summary."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from bench.agentic_workloads import (
     tool_schema,
     tools,
 )
+from bench.bench_agentic import Run, TurnRecord, markdown_tables, run_phase, summarise
 from bench.suffix_proposer import SuffixProposer, SuffixSettings, chain_of
 from verifier_service.core.drafting import DraftRequest
 from verifier_service.core.engine import GenerationRequest, SpeculativeEngine
@@ -278,3 +280,73 @@ def test_the_real_suffix_cache_drafts_a_repeated_request_from_its_first_answer(t
     # The global tree holds the first answer: the second is drafted from it, in fewer passes.
     assert second.stats.accepted_tokens > 0
     assert second.stats.target_forward_passes < first.stats.target_forward_passes
+
+
+# --- the driver ----------------------------------------------------------------------
+
+
+class StubTokenizer:
+    """A prompt's ids: [its number of messages]; an answer's text names its tokens."""
+
+    chat_template = "any"
+
+    def __init__(self) -> None:
+        self.sent: list[list[dict]] = []
+
+    def apply_chat_template(self, messages, **_):
+        self.sent.append(messages)
+        return [len(messages)]
+
+    def decode(self, tokens, skip_special_tokens=False):
+        return f"answer {tokens}"
+
+
+def test_run_phase_resends_plains_answers_and_compares_each_method_to_its_reference():
+    loop = agentic_loops(1, 2)[0]
+    prompts: list[list[int]] = []
+
+    def plain(ids):
+        prompts.append(ids)
+        return Run([ids[0], 9], 1.0, 2)
+
+    runners = {
+        "plain": plain,
+        "adaptive": lambda ids: Run([ids[0], 9], 0.5, 1),
+        "suffix": lambda ids: Run([ids[0], 8], 0.5, 1),  # differs from plain
+        "hf-greedy": lambda ids: Run([5], 1.0, 1),
+        "hf-pld": lambda ids: Run([5], 0.5, 1),
+    }
+    tokenizer = StubTokenizer()
+    records = run_phase("cold", [loop], runners, tokenizer)
+    # Turn 0: system + user; turn 1 adds plain's answer and the next user message.
+    assert prompts == [[2], [4]]
+    assert tokenizer.sent[1][2] == {"role": "assistant", "content": "answer [2, 9]"}
+    assert [r.runs["adaptive"]["identical"] for r in records] == [True, True]
+    assert [r.runs["suffix"]["identical"] for r in records] == [False, False]
+    assert records[0].runs["hf-pld"]["identical"] is True  # against transformers' greedy, not plain
+
+
+def test_summary_rates_speedups_and_identical_turns():
+    def cell(tokens, seconds, passes, identical=None, drafted=0, accepted=0):
+        counts = {"tokens": tokens, "seconds": seconds, "passes": passes, "drafted": drafted, "accepted": accepted}
+        return counts | ({} if identical is None else {"identical": identical})
+
+    records = [
+        TurnRecord("cold", "code_edit", "code_edit/a", 0, 10, {"plain": cell(10, 1.0, 10), "adaptive": cell(10, 0.5, 4, True, 10, 6)}),
+        TurnRecord("cold", "code_edit", "code_edit/a", 1, 20, {"plain": cell(30, 3.0, 30), "adaptive": cell(30, 1.5, 12, False, 20, 18)}),
+        TurnRecord("cold", "template", "template/b", 0, 10, {"plain": cell(20, 1.0, 20), "adaptive": cell(20, 1.0, 20, True)}),
+    ]
+    summary = summarise(records)
+    code_edit = summary["cold"]["code_edit"]["adaptive"]
+    assert code_edit["tokens_per_s"] == 20.0  # 40 tokens in 2 s
+    assert code_edit["speedup_vs_plain"] == 2.0  # plain: 40 tokens in 4 s
+    assert code_edit["tokens_per_pass"] == 2.5  # 40 tokens in 16 passes
+    assert (code_edit["identical_turns"], code_edit["turns"]) == (1, 2)
+    assert code_edit["acceptance_rate"] == 0.8  # 24 of 30 draft tokens
+    assert summary["cold"]["code_edit"]["plain"]["acceptance_rate"] is None  # drafted none
+    everything = summary["cold"]["all"]["adaptive"]
+    assert everything["speedup_vs_plain"] == round((60 / 3.0) / (60 / 5.0), 3)
+    assert "warm" not in summary or summary["warm"] == {}
+    table = markdown_tables({"cold": summary["cold"]})
+    assert "| cold | code_edit | 10.0 (×1.00) | 20.0 (×2.00) |" in table
+    assert "adaptive 1/2" in table

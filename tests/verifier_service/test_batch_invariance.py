@@ -26,7 +26,7 @@ from verifier_service.core.invariance import (
     entry_tokens,
     invariant_linear,
     library_row_limit,
-    lone_rows_invariant,
+    lone_linear_shapes,
     tokens_attention_invariant,
 )
 from verifier_service.core.kv_cache import (
@@ -247,22 +247,27 @@ def test_calls_of_limited_rows_give_each_row_what_a_call_of_its_own_part_gives(m
     assert torch.equal(out[0], torch.cat([original(part, weight) for part in parts])[torch.arange(22) != 9])
 
 
-def test_a_lone_row_is_computed_alone_only_where_the_probe_finds_it_comes_out_as_among_others(monkeypatch):
+def test_a_lone_row_is_computed_alone_only_for_the_shapes_the_probe_finds_it_comes_out_as_among_others(monkeypatch):
     torch.manual_seed(0)
-    weight, hidden = torch.randn(48, 32), torch.randn(1, 9, 32)
+    weight, other, hidden = torch.randn(48, 32), torch.randn(40, 32), torch.randn(1, 9, 32)
     calls: list[int] = []
     original = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or original(x, w, b))
-    lone = invariant_linear(hidden[:, :1], weight, None, InvariantPass(Invariance(linear_tile=0, lone_row=True), 1))
+    invariance = Invariance(linear_tile=0, lone_shapes=frozenset({(48, 32, "torch.float32")}))
+    lone = invariant_linear(hidden[:, :1], weight, None, InvariantPass(invariance, 1))
+    invariant_linear(hidden[:, :1], other, None, InvariantPass(invariance, 1))  # another shape: padded to two
     # Calls of at most 4: the decode rows' last part is one row, computed as it is.
-    invariant_linear(hidden, weight, None, InvariantPass(Invariance(linear_tile=0, linear_rows=4, lone_row=True), 9))
-    assert calls == [1, 4, 4, 1]
+    invariant_linear(hidden, weight, None, InvariantPass(dataclasses.replace(invariance, linear_rows=4), 9))
+    assert calls == [1, 2, 4, 4, 1]
     assert torch.equal(lone[0, 0], original(hidden[0, :1], weight)[0])
-    # The probe: a library whose one-row calls sum otherwise (a matrix-vector kernel) keeps the padding.
-    monkeypatch.setattr(torch.nn.functional, "linear", row_by_row)
-    assert lone_rows_invariant(torch.nn.Linear(8, 8))
-    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, weight, bias=None: row_by_row(x, weight, bias) + (x.shape[0] == 1) * 1e-2)
-    assert not lone_rows_invariant(torch.nn.Linear(8, 8))
+    # The probe: a library whose one-row calls sum otherwise for 16 inputs (a matrix-vector kernel) keeps their padding.
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "linear",
+        lambda x, weight, bias=None: row_by_row(x, weight, bias) + (x.shape[0] == 1 and x.shape[1] == 16) * 1e-2,
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(16, 4))
+    assert lone_linear_shapes(model) == {(8, 8, "torch.float32")}
 
 
 def test_a_library_that_switches_kernels_past_some_rows_keeps_a_tokens_logits(tiny_tokenizer, monkeypatch):

@@ -360,7 +360,7 @@ def template_loops() -> list[AgentLoop]:
             "exception",
             "You explain Python's built-in exceptions to programmers.",
             [
-                f"Explain when Python raises `{error.__name__}` (a subclass of `{error.__base__.__name__}`), "
+                f"Explain when Python raises `{error.__name__}` (a subclass of `{error.__mro__[1].__name__}`), "
                 f'whose docstring is "{first_paragraph(error.__doc__)}". Then give a one-line example that raises it.'
                 for error in TEMPLATE_EXCEPTIONS
             ],

@@ -239,8 +239,7 @@ def choose_form(
     timings: dict[Form, dict[tuple[int, int], float]] = {}  # each form's fastest pass of each shape, over every round
     mix = config.optimize_for
     log.info(
-        "measuring which form serves fastest here, once (%s): %s; "
-        "%d to %d rounds each, more only within %.0f s (--form-budget-seconds)",
+        "measuring which form serves fastest here, once (%s): %s; " "%d to %d rounds each, more only within %.0f s (--form-budget-seconds)",
         f"kept for later starts in {folder}" if folder is not None else "not kept: no cache folder",
         "; ".join(str(form) for form in forms if form.threads == forms[0].threads),
         MIN_ROUNDS,

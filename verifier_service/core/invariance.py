@@ -512,16 +512,15 @@ def choose_invariance(model: nn.Module, most_rows: int = max(PROBED_ROWS)) -> In
             if aligned not in _probed:
                 _probed[aligned] = aligned_rows_invariant(model)
             prefill = PREFILL_ALIGNED_ROWS if _probed[aligned] else 0
-        lone = ("lone rows", key)
-        if lone not in _lone_shapes:
-            _lone_shapes[lone] = lone_linear_shapes(model)
+        if key not in _lone_shapes:
+            _lone_shapes[key] = lone_linear_shapes(model)
         invariance = Invariance(
             linear_tile=0,
             linear_rows=rows,
             token_attention=_probed[attention],
             entry_tokens=shared,
             prefill_rows=prefill,
-            lone_shapes=_lone_shapes[lone],
+            lone_shapes=_lone_shapes[key],
         )
     else:
         invariance = Invariance(linear_tile=DECODE_LINEAR_TILE, token_attention=_probed[attention], entry_tokens=shared)

@@ -52,16 +52,6 @@ NEEDS = {"native": set(), "avx512_core_bf16": {"avx512_bf16"}, "avx2": {"avx2"}}
 FORMS = (("float32", "float"), ("bfloat16", "float"), ("bfloat16", "int4"))
 
 
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def worker(args: argparse.Namespace) -> dict:
     """One instruction set's measurements, in this process (its variables already set)."""
     import torch
@@ -154,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         print("REPORT " + json.dumps(worker(args)), flush=True)
         return
+
+    from verifier_service.core.model_loading import cpu_flags  # torch loads here; each worker sets its own variables first
 
     flags = cpu_flags()
     report: dict = {

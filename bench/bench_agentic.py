@@ -157,6 +157,9 @@ class TurnRecord:
     loop: str
     turn: int
     prompt_tokens: int
+    # The machine's 1-minute load average as the turn began: on a shared machine, what else ran
+    # (above the cores the threads use, the turn's seconds measure the neighbours too).
+    load_average: float
     runs: dict[str, dict]  # method -> {tokens, seconds, passes, identical}
 
 
@@ -167,6 +170,7 @@ def run_phase(phase: str, loops: list[AgentLoop], runners: dict[str, Runner], to
         answers: list[str] = []
         for turn in range(len(loop.turns)):
             prompt_ids = chat_ids(tokenizer, conversation(loop, turn, answers))
+            load = os.getloadavg()[0]
             runs = {name: runner(prompt_ids) for name, runner in runners.items()}
             cells = {
                 name: {
@@ -179,7 +183,7 @@ def run_phase(phase: str, loops: list[AgentLoop], runners: dict[str, Runner], to
                 }
                 for name, run in runs.items()
             }
-            records.append(TurnRecord(phase, loop.kind, loop.name, turn, len(prompt_ids), cells))
+            records.append(TurnRecord(phase, loop.kind, loop.name, turn, len(prompt_ids), round(load, 2), cells))
             print(f"{phase} {loop.name} turn {turn} ({len(prompt_ids)} prompt tokens): " + _turn_line(cells), flush=True)
             answers.append(tokenizer.decode(runs["plain"].tokens, skip_special_tokens=True))
     return records
@@ -292,6 +296,7 @@ def main(argv=None) -> None:
         "torch_threads": torch.get_num_threads(),
         "machine": platform.platform(),
         "cpu_count": os.cpu_count(),
+        "load_average_max": {phase: max(r.load_average for r in records if r.phase == phase) for phase in PHASES},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"meta": meta, "summary": summary, "turns": [dataclasses.asdict(record) for record in records]}
@@ -299,6 +304,12 @@ def main(argv=None) -> None:
     mismatched = sorted({f"{r.loop} turn {r.turn}: {n}" for r in records for n in EXACT if n in r.runs and not r.runs[n]["identical"]})
     if mismatched:
         print("\nOUTPUT MISMATCH (greedy speculative decoding must not change the output):\n" + "\n".join(mismatched))
+    busy = {phase: load for phase, load in meta["load_average_max"].items() if load > torch.get_num_threads() + 0.5}
+    if busy:
+        print(
+            f"\nTHE MACHINE WAS BUSY (1-minute load average up to {busy}, {torch.get_num_threads()} threads here): "
+            "tokens/s and speedups measure the neighbours too"
+        )
     print("\n" + markdown_tables(summary))
 
 

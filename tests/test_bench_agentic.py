@@ -332,9 +332,11 @@ def test_summary_rates_speedups_and_identical_turns():
         return counts | ({} if identical is None else {"identical": identical})
 
     records = [
-        TurnRecord("cold", "code_edit", "code_edit/a", 0, 10, {"plain": cell(10, 1.0, 10), "adaptive": cell(10, 0.5, 4, True, 10, 6)}),
-        TurnRecord("cold", "code_edit", "code_edit/a", 1, 20, {"plain": cell(30, 3.0, 30), "adaptive": cell(30, 1.5, 12, False, 20, 18)}),
-        TurnRecord("cold", "template", "template/b", 0, 10, {"plain": cell(20, 1.0, 20), "adaptive": cell(20, 1.0, 20, True)}),
+        TurnRecord("cold", "code_edit", "code_edit/a", 0, 10, 0.5, {"plain": cell(10, 1.0, 10), "adaptive": cell(10, 0.5, 4, True, 10, 6)}),
+        TurnRecord(
+            "cold", "code_edit", "code_edit/a", 1, 20, 0.5, {"plain": cell(30, 3.0, 30), "adaptive": cell(30, 1.5, 12, False, 20, 18)}
+        ),
+        TurnRecord("cold", "template", "template/b", 0, 10, 0.5, {"plain": cell(20, 1.0, 20), "adaptive": cell(20, 1.0, 20, True)}),
     ]
     summary = summarise(records)
     code_edit = summary["cold"]["code_edit"]["adaptive"]

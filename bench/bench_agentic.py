@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from bench.agentic_workloads import KINDS, LOOPS_PER_KIND, TURNS, AgentLoop, agentic_loops, conversation
+from bench.bench_core import run_hf
 from bench.served import add_form_flags, load_form
 from bench.suffix_proposer import SuffixProposer, SuffixSettings
 from drafter_service.sessions import NGramDrafter
@@ -89,26 +90,14 @@ def engine_runner(engine: SpeculativeEngine, max_new_tokens: int, k: int | None)
 def hf_runner(model, max_new_tokens: int, pld_k: int | None = None) -> Runner:
     """transformers ``generate``, greedy, with prompt lookup when ``pld_k`` is set; its forward calls are counted."""
 
-    @torch.inference_mode()
     def run(prompt_ids: list[int]) -> Run:
         calls = [0]
         hook = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        input_ids = torch.tensor([prompt_ids], device=model.device)
-        extra = {"prompt_lookup_num_tokens": pld_k} if pld_k else {}
         try:
-            started = time.perf_counter()
-            output = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=model.generation_config.eos_token_id,
-                **extra,
-            )
-            seconds = time.perf_counter() - started
+            tokens, _, seconds = run_hf(model, prompt_ids, max_new_tokens, pld_k)
         finally:
             hook.remove()
-        return Run(output[0, len(prompt_ids) :].tolist(), seconds, calls[0])
+        return Run(tokens, seconds, calls[0])
 
     return run
 

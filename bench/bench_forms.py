@@ -17,8 +17,9 @@ weights``), on torch's thread count, as a verifier serves it (batch-invariant pa
 the start-up probe finds them, ``--batch-invariant auto``):
 
 * one stream: each workload's first prompt (``bench.workloads``), ``--max-new-tokens``,
-  decoded plain (K=0) and with adaptive K and the n-gram drafter (a fresh drafter per
-  request, the engine kept): tokens/s over the prompts together, prefill included;
+  decoded plain (K=0) and with adaptive K and the n-gram drafter (``bench_core.run_fresh``:
+  a fresh drafter per request, the engine kept): tokens/s over the prompts together,
+  prefill included;
 * a batch: ``--batch`` prompts of grounded text (``bench.workloads.service_prompts``)
   prefilled, then only their decoding timed, plain and adaptive;
 * every speculative output checked against plain's in its form (greedy);
@@ -38,7 +39,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 # What each --isas entry holds oneDNN and ATen to (nothing: as the CPU is).
@@ -56,7 +56,7 @@ def worker(args: argparse.Namespace) -> dict:
     """One instruction set's measurements, in this process (its variables already set)."""
     import torch
 
-    from bench.bench_core import decode_batch
+    from bench.bench_core import decode_batch, run_fresh
     from bench.workloads import service_prompts, workloads
     from drafter_service.sessions import NGramDrafter
     from verifier_service.core.drafting import SessionProposer
@@ -80,13 +80,10 @@ def worker(args: argparse.Namespace) -> dict:
         with torch.inference_mode():
             engine.generate([GenerationRequest(singles[0][:16], 4, num_speculative_tokens=0)])  # warm-up
             for name, k in (("plain", 0), ("adaptive", None)):
-                started, produced, outputs[name] = time.perf_counter(), 0, []
-                for ids in singles:
-                    engine.proposer = SessionProposer(NGramDrafter()) if k is None else None
-                    [result] = engine.generate([GenerationRequest(ids, args.max_new_tokens, num_speculative_tokens=k)])
-                    outputs[name].append(result.token_ids)
-                    produced += len(result.token_ids)
-                cell[f"one_stream_{name}_tokens_per_s"] = round(produced / (time.perf_counter() - started), 2)
+                runs = [run_fresh(engine, ids, args.max_new_tokens, k, repeated=False) for ids in singles]
+                outputs[name] = [tokens for tokens, _, _ in runs]
+                produced, seconds = sum(len(tokens) for tokens, _, _ in runs), sum(seconds for *_, seconds in runs)
+                cell[f"one_stream_{name}_tokens_per_s"] = round(produced / seconds, 2)
             for name, k in (("plain", 0), ("adaptive", None)):
                 engine.proposer = SessionProposer(NGramDrafter()) if k is None else None
                 tokens, seconds, _ = decode_batch(engine, batch, args.max_new_tokens, k)

@@ -25,15 +25,20 @@ later tie does not displace it), the rule of ``InMemoryNGramTable.extend``:
 when the (n+1)-gram ``key + t`` occurs, it displaces the best only with
 strictly more occurrences than the best's (n+1)-gram.
 
+Two more arrays, by position, chain the occurrences of each n_max-gram, newest
+first (``longest_copy``): ``latest`` (by id: where it last ended) and
+``earlier`` (by end position: where the same n-gram ended before, 0 if
+nowhere).
+
 Memory, with L = n_max - n_min + 2 lengths and N tokens: 4 bytes per token
-for the tokens and for each of the 3L - 2 per-id arrays, and 4 bytes per
+for the tokens and for each of the 3L per-id arrays, and 4 bytes per
 slot; a table doubles before it is half full, and two consecutive lengths
 hold at most 1.5 (N + 1) n-grams in slots (see ``max_bytes_for_lengths``);
 every array carries CPython's 1/16 growth slack. For the default n 2..4, at
-131,072 tokens: at most 4.3 + 42.5 + 51 = 97.9 bytes per token (plus ~6 KB
-per index); measured with tracemalloc, 63.8 on random ids, 65.9 on the
-standard library's source, 46.8 on a short pattern repeated, 55.3 on a text
-repeated twice, 68.0 on 2-grams followed by many tokens (an
+131,072 tokens: at most 4.3 + 51.0 + 51 = 106.4 bytes per token (plus ~6 KB
+per index); measured with tracemalloc, 72.3 on random ids, 74.4 on the
+standard library's source, 55.3 on a short pattern repeated, 63.8 on a text
+repeated twice, 76.5 on 2-grams followed by many tokens (an
 InMemoryNGramTable takes ~550 on random ids, ~270 on text).
 
 The walk (``_walk``) and the per-token loop share one rule: the n-gram ending
@@ -95,6 +100,12 @@ GROWTH_MARGIN_TOKENS = 16
 # which a new salt fixes.
 COLLISIONS_PER_PROBE = 8
 COLLISION_ALLOWANCE = 4096
+# Copies: the earlier occurrences of the last n_max tokens tried, newest first, and the
+# longest match counted (a match that long picks one version of a text over another; a
+# longer one would only cost comparisons). Compared MATCH_BLOCK tokens at a time.
+COPY_CANDIDATES = 16
+COPY_LONGEST = 256
+MATCH_BLOCK = 16
 SALT_BYTES = 16  # a secret SipHash prefix: not guessable, one SipHash block more
 # Bytes of Python objects an index holds besides its arrays' buffers (the
 # object, its lists, the row tuples its loops unpack), per index and per
@@ -212,6 +223,8 @@ class CompactNGramIndex:
         "probes",
         "_allowance",
         "_bulk_min_tokens",
+        "_latest",
+        "_earlier",
     )
 
     def __init__(self, n_min: int, n_max: int, *, salt: bytes | None = None, bulk_min_tokens: int = BULK_INDEX_MIN_TOKENS) -> None:
@@ -231,6 +244,10 @@ class CompactNGramIndex:
         self._occurrences = [array("I") for _ in levels]  # L x [positions + 1], by id
         self._best = [array("I") for _ in levels[:-1]]  # (L - 1) x [positions + 1]: the best continuation's id
         self._links = [array("I") for _ in levels]  # L x [positions + 1]: the suffix's id ([0] stays empty)
+        # The occurrences of each n_max-gram, newest first (``occurrences_of``): by id, where
+        # it last ended; by end position, where the same n-gram ended before (0: nowhere).
+        self._latest = array("I")  # [positions + 1]
+        self._earlier = array("I")  # [positions + 1]
         self._slots = [array("I", bytes(TOKEN_BYTES * MIN_SLOTS)) for _ in levels]  # L x [capacity]
         self._distinct = [0 for _ in levels]  # n-grams holding a slot, per length
         self._suffix = [0 for _ in levels]  # ids of the n-grams ending the sequence (0: shorter than n)
@@ -249,7 +266,7 @@ class CompactNGramIndex:
         return len(self.tokens)
 
     def _per_id_arrays(self) -> tuple[array, ...]:
-        return (*self._occurrences, *self._best, *self._links[1:])
+        return (*self._occurrences, *self._best, *self._links[1:], self._latest, self._earlier)
 
     # --- memory -------------------------------------------------------------------
 
@@ -263,7 +280,7 @@ class CompactNGramIndex:
     def max_bytes_for_lengths(tokens: int, n_min: int, n_max: int) -> int:
         """The most ``nbytes()`` can be once ``tokens`` tokens are indexed, however they arrived.
 
-        Per id, 3L - 2 arrays of 4 bytes (with their growth slack). Slots: a table
+        Per id, 3L arrays of 4 bytes (with their growth slack). Slots: a table
         is at most half full, so at most 4 slots per n-gram it holds (a few more
         while small). Two consecutive lengths hold at most 1.5 (N + 1) n-grams
         between them: the longer one's either hold no slot, or belong to a
@@ -273,7 +290,7 @@ class CompactNGramIndex:
         once, which leaves at most 2 (N + 1) - 2d occurrences to continue.
         """
         lengths = len(range(n_min, n_max + 2))
-        per_id = _array_bytes_bound(tokens + 1 + RESERVE_MIN_POSITIONS, TOKEN_BYTES) * (3 * lengths - 2)
+        per_id = _array_bytes_bound(tokens + 1 + RESERVE_MIN_POSITIONS, TOKEN_BYTES) * (3 * lengths)
         held = (tokens + 1) * 3 * (lengths // 2) // 2 + (tokens + 1) * (lengths % 2)  # n-grams in all tables
         margin = 2 * GROWTH_MARGIN_TOKENS * lengths  # a table grows that much ahead
         slots = 2 * MAX_LOAD_DENOMINATOR * (held + margin) // MAX_LOAD_NUMERATOR + 2 * MIN_SLOTS * lengths
@@ -298,6 +315,33 @@ class CompactNGramIndex:
         # The sequence's own last n-gram has not been followed yet.
         total = self._occurrences[level][found] - (found == self._suffix[level])
         return self.tokens[chosen - 1], self._occurrences[level + 1][chosen], total
+
+    def longest_copy(self, candidates: int = COPY_CANDIDATES, longest: int = COPY_LONGEST) -> tuple[int, int]:
+        """(end, length): where the sequence's longest suffix occurred before, as the end
+        position of that occurrence, and how many tokens long it is (at most ``longest``);
+        (0, 0) when the sequence's last n_max tokens never occurred before.
+
+        The candidates are the newest ``candidates`` earlier occurrences of the last n_max
+        tokens (the occurrence chain); of those matching longest, the newest wins, so a
+        text returned with edits is copied from its latest version.
+
+        tokens [7, 1, 2, 3, 4, 8, 9, 1, 2, 3, 4, 5, 9, 1, 2, 3, 4], n 2..4: the last 4-gram
+        (1, 2, 3, 4) ended at 11 and at 5 before; ending at 11 it is preceded by 9 as the
+        sequence's is, so (11, 5): tokens[11] = 5 comes next in the copy.
+        """
+        size = len(self.tokens)
+        if not self._suffix[len(self._lengths) - 2]:
+            return 0, 0
+        toks, earlier = self.tokens, self._earlier
+        end, found, matched = earlier[size], 0, 0
+        for _ in range(candidates):
+            if not end:
+                break
+            length = _match_back(toks, end, size, self.n_max, min(longest, end))
+            if length > matched:
+                found, matched = end, length
+            end = earlier[end]
+        return found, matched
 
     def walk(self, context: object, drafted: list[int]) -> Callable[[Sequence[int]], tuple[int, int, int] | None] | None:
         """For ``propose_chain``: a ``best`` that walks ``context`` (when it is this
@@ -471,6 +515,7 @@ class CompactNGramIndex:
         toks, find, insert, salt, distinct = self.tokens, self._find, self._insert, self._salt, self._distinct
         rows, downward, upward, counts_of, chosen_of_level, links_of = self._index_rows
         n_min, collisions = self.n_min, 0
+        latest, earlier, key_level = self._latest, self._earlier, len(counts_of) - 2
         base_slots = self._slots[0]
         base_mask = len(base_slots) - 1
         base_counts = counts_of[0]
@@ -557,6 +602,10 @@ class CompactNGramIndex:
                     chosen = chosen_of[prefix]
                     if chosen != gram and count > counts[chosen]:
                         chosen_of[prefix] = gram
+            gram = current[key_level]  # the n_max-gram ending here, newest of its occurrences
+            if gram:
+                earlier[end] = latest[gram]
+                latest[gram] = end
             previous, current = current, previous
         self._suffix = previous
         self.collisions += collisions
@@ -592,8 +641,24 @@ class CompactNGramIndex:
         self.collisions = self.probes = 0
         for level, n in enumerate(self._lengths):
             self._install(level, n, grams[n], grams.get(n + 1), size)
+        self._install_occurrences(grams[self.n_max], size)
         self._fill_allocation()
         self._refresh_rows()
+
+    def _install_occurrences(self, grams: _Grams | None, size: int) -> None:
+        """``_latest`` and ``_earlier`` of the rebuilt n_max-grams: each occurrence's
+        predecessor in its n-gram's run of end positions, and each run's last."""
+        latest, earlier = np.zeros(size + 1, dtype=np.uint32), np.zeros(size + 1, dtype=np.uint32)
+        if grams is not None:
+            ends = np.arange(self.n_max, size + 1)
+            ids = grams.id_at[ends].astype(np.int64)
+            order = np.lexsort((ends, ids))  # by n-gram, then by end position
+            ends, ids = ends[order], ids[order]
+            same = ids[1:] == ids[:-1]
+            earlier[ends[1:][same]] = ends[:-1][same]
+            lasts = np.r_[~same, True]
+            latest[ids[lasts]] = ends[lasts]
+        self._latest, self._earlier = _to_array(latest), _to_array(earlier)
 
     def _install(self, level: int, n: int, grams: _Grams | None, longer: _Grams | None, size: int) -> None:
         """Replace one length's arrays by those of the rebuilt ``grams`` (and, for a
@@ -625,6 +690,22 @@ class CompactNGramIndex:
             self._links[level] = _to_array(links)
         self._distinct[level] = len(in_table)
         self._slots[level] = self._table(level, in_table, capacity_for(len(in_table)))
+
+
+def _match_back(tokens: array, end: int, size: int, known: int, most: int) -> int:
+    """How many tokens ending at ``end`` equal those ending at ``size`` (end < size), given
+    that the last ``known`` do, at most ``most``: compared a block at a time, then token by
+    token in the block that differs."""
+    matched = known
+    while matched < most:
+        block = min(most, matched + MATCH_BLOCK)
+        if tokens[end - block : end - matched] == tokens[size - block : size - matched]:
+            matched = block
+            continue
+        while tokens[end - matched - 1] == tokens[size - matched - 1]:
+            matched += 1
+        break
+    return matched
 
 
 UNKNOWN = -1  # a walk's n-gram id not worked out (0: known not to occur)

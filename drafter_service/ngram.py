@@ -11,7 +11,7 @@ Two sources of n-grams are consulted, in this order at each suffix length:
 
 * ``context``: the request's own prompt and generated text (prompt lookup).
   It is indexed incrementally, each step adding only the new tokens, in a
-  ``ContextIndex`` (compact arrays, under 98 bytes a token: context_index.py).
+  ``ContextIndex`` (compact arrays, under 107 bytes a token: context_index.py).
 * ``global``: a table learned from earlier requests' outputs. Anything with
   ``continuations`` and ``observe`` (the ``NGramSource`` protocol) can serve
   as the global table: ``InMemoryNGramTable`` here, an LMDB-backed store in
@@ -213,6 +213,7 @@ def propose_chain(
     k: int,
     config: NGramConfig,
     prefix: Sequence[int] = (),
+    run: int = 0,
 ) -> Draft:
     """Up to ``k`` draft tokens continuing ``context`` (then ``prefix``, tokens taken
     as already drafted: a tree's branch), one lookup per link.
@@ -226,6 +227,13 @@ def propose_chain(
     needs ``min_global_count`` sightings unless its suffix is at least
     ``global_trusted_match_length`` long. This loop runs per draft token on
     the service's hot path, so the lookup is written inline.
+
+    A global-table link on an n_max-token key reports as its match the suffix
+    along which the table's best continuations chain: n_max + the links before
+    it that did the same + ``run``, the context's own last tokens that did
+    (``ContextIndex.global_run``). Where the context repeats a text the table
+    learned whole (a request sent again), that length grows token by token, as
+    a copy's does, and the planner trusts it as far as it has been right.
     """
     n_max, min_global, trusted = config.n_max, config.min_global_count, config.global_trusted_match_length
     tokens: list[int] = list(prefix)
@@ -238,6 +246,7 @@ def propose_chain(
     tail = (tuple(context[-n_max:]) + tuple(prefix))[-n_max:]  # slices of a tuple are the keys themselves
     lengths = range(min(n_max, len(tail)), config.n_min - 1, -1)  # longest suffix first
     evidence: list[Evidence] = []
+    streak = run if not prefix else 0  # the links so far along the global table's best continuations
     for _ in range(k):
         hit = None
         for n in lengths:
@@ -253,7 +262,12 @@ def propose_chain(
             break
         token, count, total = hit
         tokens.append(token)
-        evidence.append(Evidence(name, n, count, total))
+        if is_global and n == n_max:
+            evidence.append(Evidence(name, n + streak, count, total))
+            streak += 1
+        else:
+            evidence.append(Evidence(name, n, count, total))
+            streak = 0
         tail = (tail + (token,))[-n_max:]
         if len(tail) > lengths.start:  # a short context grew: longer suffixes exist now
             lengths = range(len(tail), config.n_min - 1, -1)
@@ -362,6 +376,7 @@ def propose_chain_or_successors(
     k: int,
     config: NGramConfig,
     prefix: Sequence[int] = (),
+    run: int = 0,
 ) -> Draft:
     """``propose_chain``, where each link the n-gram sources cannot make is the successor
     table's top prediction (the global source's ``successors``, when it has them): the
@@ -371,7 +386,7 @@ def propose_chain_or_successors(
     evidence: list[Evidence] = []
     tail = list(context[-config.n_max :]) + list(prefix)
     while len(tokens) < k:
-        link = propose_chain(context, sources, k - len(tokens), config, prefix=[*prefix, *tokens])
+        link = propose_chain(context, sources, k - len(tokens), config, prefix=[*prefix, *tokens], run=run)
         tokens += link.tokens
         evidence += link.evidence
         if len(tokens) >= k:
@@ -399,6 +414,8 @@ def propose_tree(
     k: int,
     max_nodes: int,
     config: NGramConfig,
+    chain: Draft | None = None,
+    run: int = 0,
 ) -> Draft:
     """A tree of at most ``max_nodes`` draft tokens, none deeper than ``k``.
 
@@ -416,8 +433,12 @@ def propose_tree(
     chain is [4, 7] ((9, 1, 2) went to 4, then (1, 2, 4) to 7); the shorter
     (1, 2) first went to 3, so 3 is a sibling of 4, followed by 9 (after
     (2, 3)): tokens [4, 7, 3, 9], parents [-1, 0, -1, 2].
+
+    ``chain``: the chain to branch from instead (a copy of an earlier occurrence);
+    ``run``: ``propose_chain``'s, for the chain.
     """
-    chain = propose_chain_or_successors(context, sources, k, config)
+    if chain is None:
+        chain = propose_chain_or_successors(context, sources, k, config, run=run)
     tokens, evidence = list(chain.tokens), list(chain.evidence)
     parents = list(range(-1, len(tokens) - 1))
     if max_nodes <= len(tokens):
@@ -444,29 +465,38 @@ def propose_tree(
     return Draft(tokens, evidence, parents)
 
 
+# ``ContextIndex.global_run`` counts at most this many tokens back: past it, a longer
+# run says nothing more to the planner (whose longest match bucket is 32).
+GLOBAL_RUN_LONGEST = 64
+
+
 class ContextIndex(CompactNGramIndex):
     """One request's own tokens (prompt and output), indexed as they arrive.
 
     A ``CompactNGramIndex`` of the config's n_min..n_max (``tokens``, ``extend``,
     ``best``) that drafts with ``propose``, with the same drafts as indexing the
-    context in an ``InMemoryNGramTable`` (kept as the reference in the tests).
+    context in an ``InMemoryNGramTable`` (kept as the reference in the tests)
+    where it does not copy (``copy``).
 
     Memory, for the service's per-caller budget: ``nbytes()`` bounds what an
     index holds now, in O(1); ``max_bytes_for(tokens, config)`` what one may
     hold once it has ``tokens`` tokens, so that a call can be refused before it
-    is indexed. For the default n 2..4 the bound is 97.9 bytes per token at
-    131,072 tokens (plus ~6 KB per index); measured, 47-68 (an
+    is indexed. For the default n 2..4 the bound is 106.4 bytes per token at
+    131,072 tokens (plus ~6 KB per index); measured, 55-77 (an
     ``InMemoryNGramTable`` takes ~270 on text, ~550 on random ids).
 
     context [1, 2, 3, 4, 2, 3], n 2..2: propose(empty table, 3) -> [4, 2, 3],
     each token once of once from the context.
     """
 
-    __slots__ = ("config",)
+    __slots__ = ("config", "_run", "_run_checked", "_run_table")
 
     def __init__(self, config: NGramConfig, *, bulk_min_tokens: int = BULK_INDEX_MIN_TOKENS) -> None:
         super().__init__(config.n_min, config.n_max, bulk_min_tokens=bulk_min_tokens)
         self.config = config
+        self._run = 0  # ``global_run`` as of position _run_checked, against _run_table
+        self._run_checked = 0
+        self._run_table: object = None
 
     @staticmethod
     def max_bytes_for(tokens: int, config: NGramConfig) -> int:  # type: ignore[override]
@@ -475,11 +505,59 @@ class ContextIndex(CompactNGramIndex):
         return CompactNGramIndex.max_bytes_for_lengths(tokens, config.n_min, config.n_max)
 
     def propose(self, global_table: NGramSource, k: int, max_nodes: int = 0) -> Draft:
-        """A chain of up to ``k`` tokens from this context first, then the global table;
-        with ``max_nodes``, a tree of that many nodes at most (``propose_tree``)."""
+        """A chain of up to ``k`` tokens: the copy (``copy``) where the context's suffix
+        matched longer than n_max tokens, else from this context first, then the global
+        table; with ``max_nodes``, a tree of that many nodes at most (``propose_tree``)."""
         if k <= 0:
             return Draft([], [])
         sources = ((SOURCE_CONTEXT, self), (SOURCE_GLOBAL, global_table))
+        copied = self.copy(k)
+        run = self.global_run(global_table)
+        if copied.tokens and self.n_max + run >= copied.evidence[0].match_length:
+            copied = Draft([])  # the table has followed the text at least as long: its chain
         if max_nodes:
-            return propose_tree(self.tokens, sources, k, max_nodes, self.config)
-        return propose_chain(self.tokens, sources, k, self.config)
+            return propose_tree(self.tokens, sources, k, max_nodes, self.config, copied if copied.tokens else None, run)
+        return copied if copied.tokens else propose_chain(self.tokens, sources, k, self.config, run=run)
+
+    def global_run(self, table: BestSource) -> int:
+        """How many of the context's last tokens were each the best continuation ``table``
+        gives their n_max tokens before (at most GLOBAL_RUN_LONGEST): how far the context
+        has followed a text the table learned. Worked out for the tokens added since the
+        last call (the last GLOBAL_RUN_LONGEST of them), one lookup each.
+
+        table learned [1, 2, 3, 4, 5, 6]; context [9, 1, 2, 3, 4, 5, 6], n 2..4: 5 and 6
+        followed their 4-grams as the table's best, 4 did not (9, 1, 2, 3 is unknown): 2.
+        """
+        toks, n_max, size = self.tokens, self.n_max, len(self.tokens)
+        if table is not self._run_table:  # another table: start over
+            self._run_table, self._run, self._run_checked = table, 0, 0
+        start = max(self._run_checked, size - GLOBAL_RUN_LONGEST, n_max)
+        if start > self._run_checked:
+            self._run = 0  # the skipped tokens are not checked
+        run, best = self._run, table.best
+        for position in range(start, size):
+            hit = best(tuple(toks[position - n_max : position]))
+            run = run + 1 if hit is not None and hit[0] == toks[position] else 0
+        self._run, self._run_checked = min(run, GLOBAL_RUN_LONGEST), max(size, self._run_checked)
+        return self._run
+
+    def copy(self, k: int) -> Draft:
+        """``k`` tokens copied from after the latest earlier occurrence of the context's
+        longest suffix (``longest_copy``), when it is longer than n_max: where the context
+        repeats a text (a file returned with an edit, a quoted tool result), n-grams of
+        n_max tokens cannot tell its versions apart, and a copy follows one. Token i's
+        evidence is the match it extends, length + i tokens, seen once.
+
+        context [7, 1, 2, 3, 4, 8, 9, 1, 2, 3, 4, 5, 9, 1, 2, 3, 4], n 2..4, k 3: the
+        suffix (9, 1, 2, 3, 4) occurred ending at 11, so the copy is [5, 9, 1].
+        A copy that reaches the context's end goes on from its own first tokens (a text
+        repeating itself: [1, 2] * 6 + [1], k 3 -> [2, 1, 2]).
+        """
+        end, length = self.longest_copy()
+        if length <= self.n_max:
+            return Draft([])
+        toks, size = self.tokens, len(self.tokens)
+        tokens: list[int] = []
+        for at in range(end, end + k):
+            tokens.append(toks[at] if at < size else tokens[at - size])
+        return Draft(tokens, [Evidence(SOURCE_CONTEXT, length + i, 1, 1) for i in range(k)])

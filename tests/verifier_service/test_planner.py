@@ -26,7 +26,9 @@ from verifier_service.core.planner import (
         (DraftEvidence("context", 4, 3, 3), 0, ("context", 4, 2, 0)),  # the docstring example
         (DraftEvidence("context", 4, 1, 1), 1, ("context", 4, 1, 1)),  # unanimous but seen once
         (DraftEvidence("context", 2, 2, 5), 2, ("context", 2, 0, 2)),  # other continuations followed too
-        (DraftEvidence("global", 7, 9, 9), 6, ("global", 4, 2, 3)),  # long matches and late positions share a bucket
+        (DraftEvidence("global", 7, 9, 9), 6, ("global", 5, 2, 3)),  # matches of 5-7 and late positions share a bucket
+        (DraftEvidence("context", 40, 1, 1), 9, ("context", 32, 1, 3)),  # copies of 32 tokens and more share one
+        (DraftEvidence("context", 16, 1, 1), 0, ("context", 16, 1, 0)),
         (None, 5, ("", 0, 0, 3)),  # a proposer without evidence
     ],
 )

@@ -116,7 +116,10 @@ REALISM_RETENTION = 0.95
 REALISM_WEIGHT = 4.0
 # Positions past this share a bucket: acceptance barely changes beyond it.
 POSITION_BUCKETS = 4
-MATCH_LENGTH_BUCKETS = 4
+# Match lengths 1-4 (n-gram keys) bucket apart; past that, copies of an earlier
+# occurrence bucket by octave (5-7, 8-15, 16-31, 32+): the further a copy has
+# matched, the likelier its next token, and a long copy's deep drafts pay.
+MATCH_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 8, 16, 32)
 
 SOURCE_CONTEXT = "context"  # the request's own prompt and output (the drafter's names for its sources)
 SOURCE_GLOBAL = "global"  # the table learned across requests
@@ -159,10 +162,15 @@ def evidence_bucket(evidence, position: int, branch: bool = False) -> tuple:
         confidence = 1 if evidence.count == 1 else 2
     return (
         evidence.source,
-        min(evidence.match_length, MATCH_LENGTH_BUCKETS),
+        match_bucket(evidence.match_length),
         confidence,
         min(position, POSITION_BUCKETS - 1),
     )
+
+
+def match_bucket(length: int) -> int:
+    """The lower end of ``length``'s bucket in MATCH_LENGTH_BUCKETS: 3 -> 3, 6 -> 5, 40 -> 32."""
+    return max((bound for bound in MATCH_LENGTH_BUCKETS if bound <= length), default=0)
 
 
 def draft_buckets(evidence: Sequence, parents: Sequence[int]) -> list[tuple]:

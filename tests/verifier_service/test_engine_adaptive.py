@@ -11,6 +11,7 @@ from verifier_service.core.drafting import DraftRequest, FinishedSequence, Propo
 from verifier_service.core.engine import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
+    EngineConfig,
     GenerationRequest,
     SpeculativeEngine,
     reference_greedy,
@@ -97,8 +98,8 @@ def always_wrong(model):
     return lambda prompt, done, k: [(t + 1) % 64 for t in truth(model, prompt)[done : done + k]]
 
 
-def engine_for(model, tokenizer, proposer, step_cost=None) -> SpeculativeEngine:
-    engine = SpeculativeEngine(model, tokenizer, proposer, step_cost=step_cost)
+def engine_for(model, tokenizer, proposer, step_cost=None, **config) -> SpeculativeEngine:
+    engine = SpeculativeEngine(model, tokenizer, proposer, EngineConfig(**config), step_cost=step_cost)
     engine.eos_token_ids = NO_EOS  # random weights: keep sequences running to max_new_tokens
     return engine
 
@@ -125,7 +126,7 @@ def test_adaptive_k_single_requests_equal_plain_decoding(tiny_model, tiny_tokeni
 
 def test_flat_cost_and_oracle_verify_the_whole_adaptive_draft(tiny_model, tiny_tokenizer):
     proposer = RecordingProposer(oracle(tiny_model))
-    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost({1: 1.0, 1024: 1.0}))
+    engine = engine_for(tiny_model, tiny_tokenizer, proposer, FrozenStepCost({1: 1.0, 1024: 1.0}), max_adaptive_k=8)
     [result] = engine.generate([GenerationRequest(PROMPTS[0], 28, num_speculative_tokens=None)])
     assert result.token_ids == truth(tiny_model, PROMPTS[0])[:28]
     # Every step costs the same, so each verifies all max_adaptive_k = 8 drafts:
@@ -137,7 +138,8 @@ def test_flat_cost_and_oracle_verify_the_whole_adaptive_draft(tiny_model, tiny_t
 
 
 def test_flat_cost_and_oracle_in_a_batch_need_fewer_passes_than_tokens(tiny_model, tiny_tokenizer):
-    engine = engine_for(tiny_model, tiny_tokenizer, RecordingProposer(oracle(tiny_model)), FrozenStepCost({1: 1.0, 1024: 1.0}))
+    flat = FrozenStepCost({1: 1.0, 1024: 1.0})
+    engine = engine_for(tiny_model, tiny_tokenizer, RecordingProposer(oracle(tiny_model)), flat, max_adaptive_k=8)
     results = engine.generate([GenerationRequest(p, 40, num_speculative_tokens=None) for p in PROMPTS])
     for prompt, result in zip(PROMPTS, results):
         assert result.token_ids == truth(tiny_model, prompt)[:40]
@@ -216,7 +218,8 @@ def test_always_wrong_drafts_at_batch_16_cost_at_most_5_percent_over_plain(tiny_
 
 
 def test_learned_odds_follow_the_drafts(tiny_model, tiny_tokenizer):
-    engine = engine_for(tiny_model, tiny_tokenizer, RecordingProposer(always_wrong(tiny_model)), FrozenStepCost({1: 1.0, 1024: 1.0}))
+    flat = FrozenStepCost({1: 1.0, 1024: 1.0})
+    engine = engine_for(tiny_model, tiny_tokenizer, RecordingProposer(always_wrong(tiny_model)), flat, max_adaptive_k=8)
     engine.generate([GenerationRequest(PROMPTS[1], 20, num_speculative_tokens=None)])
     first_token, fourth_token = ("", 0, 0, 0), ("", 0, 0, 3)  # drafts without evidence
     assert engine.planner.acceptance.hazard(first_token) < 0.1
@@ -291,7 +294,7 @@ def results_of(outcomes) -> dict:
 
 def test_cancel_ends_a_sequence_at_the_next_step_and_the_others_stay_exact(tiny_model, tiny_tokenizer):
     proposer = RecordingProposer(oracle(tiny_model))
-    engine = engine_for(tiny_model, tiny_tokenizer, proposer)
+    engine = engine_for(tiny_model, tiny_tokenizer, proposer, max_adaptive_k=8)  # the adaptive row still runs after 2 steps
     sequences = add_all(engine, [GenerationRequest(p, 30, num_speculative_tokens=k) for p, k in zip(PROMPTS[:3], [2, None, 0])])
     for _ in range(2):
         assert all(o.result is None for o in engine.step())

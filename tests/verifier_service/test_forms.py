@@ -18,7 +18,7 @@ from verifier_service.core.weights import weights_form
 CPU = torch.device("cpu")
 NATIVE_BF16 = frozenset({"avx2", "avx512f", "avx512_bf16"})
 AVX2_ONLY = frozenset({"avx2", "fma"})
-CONFIG = EngineConfig(max_batch_size=4)
+CONFIG = EngineConfig(max_batch_size=4, max_adaptive_k=8)  # chains of 8 drafts: the arithmetic below
 
 
 @pytest.fixture

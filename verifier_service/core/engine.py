@@ -134,7 +134,8 @@ class SpeculativeEngine:
         if self.config.batch_invariant != "off":
             # The largest pass: every slot verifying its most drafts, beside a full prefill chunk
             # and some padding tokens.
-            most_rows = self.config.max_batch_size * (1 + self.config.max_speculative_tokens) + self.config.prefill_chunk_tokens + 64
+            drafts = max(self.config.max_speculative_tokens, self.config.max_adaptive_k, self.config.max_adaptive_nodes)
+            most_rows = self.config.max_batch_size * (1 + drafts) + self.config.prefill_chunk_tokens + 64
             invariance = choose_invariance(model, most_rows)
             if self.config.batch_invariant == "on" or not invariance.linear_tile:
                 self.target.invariance = invariance

@@ -24,9 +24,12 @@ class EngineConfig:
     # Hard cap on K per step: the verify pass widens with K, and on CPU the
     # cost of scoring more than ~9 tokens a row stops being nearly free.
     max_speculative_tokens: int = setting(16, minimum=0, help="the most draft tokens a request may ask to verify per step")
-    # n-gram chains past ~8 tokens are rarely all right (bench: K=8 ~ best K).
+    # n-gram chains past ~8 tokens are rarely all right, but a copy of a long
+    # earlier occurrence (a file returned with an edit, an answer asked for
+    # again) often is for dozens: the planner verifies as deep as the measured
+    # acceptance at that match length pays for. The drafter's own cap is 32.
     max_adaptive_k: int = setting(
-        8, minimum=1, formerly=["adaptive-max-k"], help="draft depth asked for when K is adaptive; the planner verifies what pays"
+        32, minimum=1, formerly=["adaptive-max-k"], help="draft depth asked for when K is adaptive; the planner verifies what pays"
     )
     # The planner picks from these by expected tokens per second of step, so
     # asking for more costs the drafter's time, not the target's: on a GPU a

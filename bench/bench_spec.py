@@ -20,6 +20,9 @@ prompt (so the machine's drift hits them alike), whole requests timed
 * ``head``: the defaults plus the trained draft head (``--draft-head``; auto:
   the one ``python -m verifier_service.head.train`` stored for this model),
   when there is one;
+* ``suffix`` (opt-in, ``--methods``; the bench extra): SuffixDecoding's drafts
+  (``bench.suffix_proposer``, vLLM's defaults) verified whole by our engine, a
+  fresh cache per request as our drafter is;
 * ``hf-pld-3``, ``hf-pld-10``: transformers' prompt lookup; the faster of the
   two per group is the baseline ``×PLD`` compares against.
 
@@ -51,25 +54,36 @@ import torch
 from bench.bench_core import decode_batch, run_hf
 from bench.served import add_form_flags, load_form
 from bench.spec_bench import geometric_mean, load_groups
+from bench.suffix_proposer import SuffixProposer, SuffixSettings
 from drafter_service.sessions import NGramDrafter
-from verifier_service.core.drafting import SessionProposer
+from verifier_service.core.drafting import DraftProposer, SessionProposer
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids
 from verifier_service.head.model import DEFAULT_HEAD_VOCABULARY, HeadDrafter, find_head
 from verifier_service.head.proposer import DEFAULT_HEAD_DEPTH, HeadProposer
 
+SUFFIX = SuffixSettings()
 OURS = {
     "plain": (EngineConfig(), 0),
     "chain": (EngineConfig(max_adaptive_nodes=0), None),
     "default": (EngineConfig(), None),
     "head": (EngineConfig(), None),  # with the draft head, when one is found
+    # SuffixDecoding's drafts verified whole, as vLLM does (its K is its max_spec_tokens).
+    "suffix": (EngineConfig(max_speculative_tokens=max(16, SUFFIX.max_spec_tokens)), SUFFIX.max_spec_tokens),
 }
 PLD_KS = (3, 10)
 ALL_METHODS = (*OURS, *(f"hf-pld-{k}" for k in PLD_KS))
+# What runs unless --methods says otherwise: suffix needs the bench extra (arctic-inference).
+DEFAULT_METHODS = tuple(name for name in ALL_METHODS if name != "suffix")
 
 
-def run_ours(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int, k: int | None):
-    engine.proposer = SessionProposer(NGramDrafter())
+def new_proposer(name: str) -> DraftProposer:
+    """A fresh drafter for one request: SuffixDecoding's cache for suffix, else ours."""
+    return SuffixProposer(SUFFIX) if name == "suffix" else SessionProposer(NGramDrafter())
+
+
+def run_ours(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int, k: int | None, name: str = "default"):
+    engine.proposer = new_proposer(name)
     started = time.perf_counter()
     [result] = engine.generate([GenerationRequest(ids, max_new_tokens, num_speculative_tokens=k)])
     return result.token_ids, result.stats, time.perf_counter() - started
@@ -99,7 +113,7 @@ def measure_single(
                 reference = None
                 for name in names:
                     if name in OURS:
-                        tokens, stats, seconds = run_ours(engines[name], ids, max_new_tokens, OURS[name][1])
+                        tokens, stats, seconds = run_ours(engines[name], ids, max_new_tokens, OURS[name][1], name)
                     else:
                         tokens, stats, seconds = run_hf(model, ids, max_new_tokens, int(name.rsplit("-", 1)[1]))
                     reference = tokens if reference is None else reference
@@ -145,7 +159,7 @@ def measure_batch(
         ids_list = [chat_prompt_ids(tokenizer, prompt) for prompt in prompts]
         cells, reference = {}, None
         for name in [name for name in OURS if name in methods]:
-            engine = engine_for(model, tokenizer, name, head, SessionProposer(NGramDrafter()))
+            engine = engine_for(model, tokenizer, name, head, new_proposer(name))
             tokens, seconds, stats = decode_batch(engine, ids_list, max_new_tokens, OURS[name][1])
             reference = tokens if reference is None else reference
             decoded = sum(map(len, tokens)) - len(tokens)
@@ -264,7 +278,9 @@ def main(argv=None) -> None:
     parser.add_argument("--single", action=argparse.BooleanOptionalAction, default=True, help="run the single-stream part")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument(
-        "--methods", default=",".join(ALL_METHODS), help="comma-separated, from %(default)s (head: only when a head is found)"
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help="comma-separated, from %(default)s and suffix (SuffixDecoding, the bench extra; head: only when a head is found)",
     )
     parser.add_argument("--draft-head", default="auto", help="the head for the head method: a folder, auto (the cache's), none")
     parser.add_argument("--draft-head-vocabulary", type=int, default=DEFAULT_HEAD_VOCABULARY, help="draft tokens the head keeps (0: all)")
@@ -294,7 +310,7 @@ def main(argv=None) -> None:
             "head": None if head is None else str(head.manifest),
         }
     }
-    full = set(ALL_METHODS) - {"head"} <= set(methods)  # what the standing tables and the plot show
+    full = set(DEFAULT_METHODS) - {"head"} <= set(methods)  # what the standing tables and the plot show
     if args.single:
         groups = load_groups(args.questions, args.per_group)
         result["single"] = measure_single(model, tokenizer, groups, args.max_new_tokens, args.rounds, methods, head)

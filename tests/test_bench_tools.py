@@ -4,6 +4,7 @@ run's abusers and tables, and bench_drafter's scoped calls."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 
@@ -368,3 +369,17 @@ def test_the_replication_bench_reports_each_phase_and_its_replicas_end_in_agreem
     assert len({json.dumps(tables, sort_keys=True) for tables in simulation["tables_after"]}) == 1
     assert simulation["converged"] is True
     assert report["table"].startswith("| measure | without log | with log | ratio | target |")
+
+
+def test_spec_bench_verifies_suffix_decodings_drafts_whole_and_ours_adaptively():
+    from bench.bench_spec import DEFAULT_METHODS, OURS, SUFFIX, new_proposer
+    from bench.suffix_proposer import SuffixProposer
+    from verifier_service.core.drafting import SessionProposer
+
+    config, k = OURS["suffix"]
+    assert k == SUFFIX.max_spec_tokens <= config.max_speculative_tokens  # every token it drafts is verified
+    assert OURS["default"][1] is None  # adaptive
+    assert "suffix" not in DEFAULT_METHODS  # it needs the bench extra
+    assert isinstance(new_proposer("default"), SessionProposer)
+    if importlib.util.find_spec("arctic_inference") is not None:
+        assert isinstance(new_proposer("suffix"), SuffixProposer)

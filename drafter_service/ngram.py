@@ -489,14 +489,13 @@ class ContextIndex(CompactNGramIndex):
     each token once of once from the context.
     """
 
-    __slots__ = ("config", "_run", "_run_checked", "_run_table")
+    __slots__ = ("config", "_run", "_run_checked")
 
     def __init__(self, config: NGramConfig, *, bulk_min_tokens: int = BULK_INDEX_MIN_TOKENS) -> None:
         super().__init__(config.n_min, config.n_max, bulk_min_tokens=bulk_min_tokens)
         self.config = config
-        self._run = 0  # ``global_run`` as of position _run_checked, against _run_table
+        self._run = 0  # ``global_run`` as of position _run_checked
         self._run_checked = 0
-        self._run_table: object = None
 
     @staticmethod
     def max_bytes_for(tokens: int, config: NGramConfig) -> int:  # type: ignore[override]
@@ -506,8 +505,10 @@ class ContextIndex(CompactNGramIndex):
 
     def propose(self, global_table: NGramSource, k: int, max_nodes: int = 0) -> Draft:
         """A chain of up to ``k`` tokens: the copy (``copy``) where the context's suffix
-        matched longer than n_max tokens, else from this context first, then the global
-        table; with ``max_nodes``, a tree of that many nodes at most (``propose_tree``)."""
+        matched longer than n_max tokens and longer than the global table has followed
+        the context (``global_run``), else from this context first, then the global table
+        (the table first once it has followed the context's last n_max tokens or more);
+        with ``max_nodes``, a tree of that many nodes at most (``propose_tree``)."""
         if k <= 0:
             return Draft([], [])
         sources = ((SOURCE_CONTEXT, self), (SOURCE_GLOBAL, global_table))
@@ -515,6 +516,8 @@ class ContextIndex(CompactNGramIndex):
         run = self.global_run(global_table)
         if copied.tokens and self.n_max + run >= copied.evidence[0].match_length:
             copied = Draft([])  # the table has followed the text at least as long: its chain
+        if run >= self.n_max:  # the context is following a text the table learned: the table leads
+            sources = ((SOURCE_GLOBAL, global_table), (SOURCE_CONTEXT, self))
         if max_nodes:
             return propose_tree(self.tokens, sources, k, max_nodes, self.config, copied if copied.tokens else None, run)
         return copied if copied.tokens else propose_chain(self.tokens, sources, k, self.config, run=run)
@@ -523,14 +526,14 @@ class ContextIndex(CompactNGramIndex):
         """How many of the context's last tokens were each the best continuation ``table``
         gives their n_max tokens before (at most GLOBAL_RUN_LONGEST): how far the context
         has followed a text the table learned. Worked out for the tokens added since the
-        last call (the last GLOBAL_RUN_LONGEST of them), one lookup each.
+        last call (the last GLOBAL_RUN_LONGEST of them), one lookup each, against the table
+        of each call: a session's table is its scope's, read through a new snapshot each
+        call, and learning as it is read; the run is evidence for the planner, not a draft.
 
         table learned [1, 2, 3, 4, 5, 6]; context [9, 1, 2, 3, 4, 5, 6], n 2..4: 5 and 6
         followed their 4-grams as the table's best, 4 did not (9, 1, 2, 3 is unknown): 2.
         """
         toks, n_max, size = self.tokens, self.n_max, len(self.tokens)
-        if table is not self._run_table:  # another table: start over
-            self._run_table, self._run, self._run_checked = table, 0, 0
         start = max(self._run_checked, size - GLOBAL_RUN_LONGEST, n_max)
         if start > self._run_checked:
             self._run = 0  # the skipped tokens are not checked

@@ -135,6 +135,8 @@ class ReferenceContextIndex:
         if copied.tokens and copied.evidence[0].match_length > self.config.n_max + run:
             return copied
         sources = ((SOURCE_CONTEXT, self.table), (SOURCE_GLOBAL, global_table))
+        if run >= self.config.n_max:
+            sources = sources[::-1]
         return reference_propose_chain(self.tokens, sources, k, self.config, run)
 
 
@@ -582,3 +584,19 @@ def test_ids_that_collide_under_python_int_hashing_do_not_collide_here():
     for start in range(0, len(tokens), 4):
         index.extend(tokens[start : start + 4])
     assert index.collisions <= index.probes
+
+
+def test_once_the_table_has_followed_the_context_it_drafts_before_the_context():
+    """The context's (5, 6, 7, 8) was followed by 50; the table learned it followed by 9, and has
+    predicted each of the context's last 4 tokens: the table's continuation comes first."""
+    table = InMemoryNGramTable(2, 4)
+    table.observe([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    index = ContextIndex(NGramConfig())
+    index.extend([5, 6, 7, 8, 50, 1, 2, 3, 4, 5, 6, 7, 8])
+    assert index.global_run(table) == 4
+    assert index.propose(table, 1) == Draft([9], [Evidence(SOURCE_GLOBAL, 4 + 4, 1, 1)])
+    # The same end after a token the table never saw there: no run, the context's own first.
+    other = ContextIndex(NGramConfig())
+    other.extend([5, 6, 7, 8, 50, 1, 2, 3, 99, 5, 6, 7, 8])
+    assert other.global_run(table) == 0
+    assert other.propose(table, 1) == Draft([50], [Evidence(SOURCE_CONTEXT, 4, 1, 1)])

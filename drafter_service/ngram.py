@@ -511,7 +511,7 @@ class ContextIndex(CompactNGramIndex):
         with ``max_nodes``, a tree of that many nodes at most (``propose_tree``)."""
         if k <= 0:
             return Draft([], [])
-        sources = ((SOURCE_CONTEXT, self), (SOURCE_GLOBAL, global_table))
+        sources: tuple[tuple[str, BestSource], ...] = ((SOURCE_CONTEXT, self), (SOURCE_GLOBAL, global_table))
         copied = self.copy(k)
         run = self.global_run(global_table)
         if copied.tokens and self.n_max + run >= copied.evidence[0].match_length:

@@ -244,7 +244,7 @@ class CompactNGramIndex:
         self._occurrences = [array("I") for _ in levels]  # L x [positions + 1], by id
         self._best = [array("I") for _ in levels[:-1]]  # (L - 1) x [positions + 1]: the best continuation's id
         self._links = [array("I") for _ in levels]  # L x [positions + 1]: the suffix's id ([0] stays empty)
-        # The occurrences of each n_max-gram, newest first (``occurrences_of``): by id, where
+        # The occurrences of each n_max-gram, newest first (``longest_copy``): by id, where
         # it last ended; by end position, where the same n-gram ended before (0: nowhere).
         self._latest = array("I")  # [positions + 1]
         self._earlier = array("I")  # [positions + 1]

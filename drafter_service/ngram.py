@@ -512,10 +512,10 @@ class ContextIndex(CompactNGramIndex):
         if k <= 0:
             return Draft([], [])
         sources: tuple[tuple[str, BestSource], ...] = ((SOURCE_CONTEXT, self), (SOURCE_GLOBAL, global_table))
-        copied = self.copy(k)
+        end, length = self.longest_copy()
         run = self.global_run(global_table)
-        if copied.tokens and self.n_max + run >= copied.evidence[0].match_length:
-            copied = Draft([])  # the table has followed the text at least as long: its chain
+        # A copy where its match is longer than the table has followed the text (and so than n_max).
+        copied = self._copied(end, length, k) if length > self.n_max + run else Draft([])
         if run >= self.n_max:  # the context is following a text the table learned: the table leads
             sources = ((SOURCE_GLOBAL, global_table), (SOURCE_CONTEXT, self))
         if max_nodes:
@@ -541,7 +541,7 @@ class ContextIndex(CompactNGramIndex):
         for position in range(start, size):
             hit = best(tuple(toks[position - n_max : position]))
             run = run + 1 if hit is not None and hit[0] == toks[position] else 0
-        self._run, self._run_checked = min(run, GLOBAL_RUN_LONGEST), max(size, self._run_checked)
+        self._run, self._run_checked = min(run, GLOBAL_RUN_LONGEST), size
         return self._run
 
     def copy(self, k: int) -> Draft:
@@ -557,8 +557,10 @@ class ContextIndex(CompactNGramIndex):
         repeating itself: [1, 2] * 6 + [1], k 3 -> [2, 1, 2]).
         """
         end, length = self.longest_copy()
-        if length <= self.n_max:
-            return Draft([])
+        return self._copied(end, length, k) if length > self.n_max else Draft([])
+
+    def _copied(self, end: int, length: int, k: int) -> Draft:
+        """``k`` tokens from ``end`` on, the copy of a match of ``length`` tokens ending there."""
         toks, size = self.tokens, len(self.tokens)
         tokens: list[int] = []
         for at in range(end, end + k):

@@ -45,6 +45,7 @@ This module imports neither torch nor grpc.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -170,7 +171,8 @@ def evidence_bucket(evidence, position: int, branch: bool = False) -> tuple:
 
 def match_bucket(length: int) -> int:
     """The lower end of ``length``'s bucket in MATCH_LENGTH_BUCKETS: 3 -> 3, 6 -> 5, 40 -> 32."""
-    return max((bound for bound in MATCH_LENGTH_BUCKETS if bound <= length), default=0)
+    at = bisect.bisect_right(MATCH_LENGTH_BUCKETS, length)  # per draft token, each step
+    return MATCH_LENGTH_BUCKETS[at - 1] if at else 0
 
 
 def draft_buckets(evidence: Sequence, parents: Sequence[int]) -> list[tuple]:

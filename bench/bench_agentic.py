@@ -91,14 +91,14 @@ import torch
 from bench.agentic_service import ServicePair
 from bench.agentic_workloads import KINDS, LOOPS_PER_KIND, TURNS, AgentLoop, agentic_loops, conversation
 from bench.bench_core import run_hf
-from bench.bench_llamacpp import PLD_TOKENS, run_llama
+from bench.bench_llamacpp import PLD_TOKENS, llama_cpp, run_llama
 from bench.served import add_form_flags, load_form
 from bench.suffix_proposer import SuffixProposer, SuffixSettings
 from drafter_service.sessions import NGramDrafter
 from verifier_service.core.drafting import DraftProposer, SessionProposer
 from verifier_service.core.engine import EngineConfig, GenerationRequest, SpeculativeEngine
 from verifier_service.core.generation import GenerationResult, SequenceHandle
-from verifier_service.core.model_loading import DEFAULT_MODEL, chat_ids, chat_prompt_ids, find_default_gguf, resolve_model_path
+from verifier_service.core.model_loading import DEFAULT_MODEL, chat_ids, chat_prompt_ids, resolve_model_path
 
 PHASES = ("cold", "warm")
 # transformers' documentation uses 10; agent loops copy long spans, where longer lookups pay.
@@ -129,8 +129,6 @@ SERVICE_METHODS = ("adaptive",)
 ONE_AT_A_TIME = ("hf-pld", "llama-greedy", "llama-lookup")
 # Every loop of every kind at once; also the engine's default batch (max_batch_size 16).
 MAX_AGENTS = LOOPS_PER_KIND * len(KINDS)
-# bench_llamacpp's context: the longest agentic prompt (~2,000 tokens) and its answer fit.
-LLAMA_CONTEXT = 4096
 
 
 @dataclass(frozen=True)
@@ -242,27 +240,6 @@ def llama_runner(llm, max_new_tokens: int) -> Runner:
     return run
 
 
-def llama_model(draft: bool, threads: int):
-    """The default model's GGUF in llama.cpp, as ``bench.bench_llamacpp`` loads it (its context,
-    its lookup of ``PLD_TOKENS``), but on ``threads`` threads, ours, where that benchmark takes
-    every core: both then compute on as many cores, and on a shared machine llama.cpp's threads
-    past the free cores spin-wait (a busy 2-core machine ran its 2 threads at under 1 token/s)."""
-    from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-    return Llama(
-        model_path=str(find_default_gguf()),
-        n_ctx=LLAMA_CONTEXT,
-        n_threads=threads,
-        n_threads_batch=threads,
-        verbose=False,
-        draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PLD_TOKENS) if draft else None,
-        # With a draft model llama-cpp-python (0.3.36) keeps every position's logits, but sizes
-        # their buffer for all positions only when asked: past n_batch (512) tokens it fails.
-        logits_all=draft,
-    )
-
-
 def service_runner(pair: ServicePair, max_new_tokens: int, k: int | None) -> Runner:
     """Every prompt as a concurrent ``Generate`` call to the verifier (K: 0 plain, None adaptive)."""
 
@@ -312,9 +289,9 @@ def build_methods(model, tokenizer, max_new_tokens: int, names: list[str], suffi
         baselines["hf-greedy"] = hf_runner(model, max_new_tokens)
         baselines["hf-pld"] = hf_runner(model, max_new_tokens, pld_k)
     if "llama-greedy" in names or "llama-lookup" in names:
-        baselines["llama-greedy"] = llama_runner(llama_model(False, torch.get_num_threads()), max_new_tokens)
+        baselines["llama-greedy"] = llama_runner(llama_cpp(False, torch.get_num_threads()), max_new_tokens)
     if "llama-lookup" in names:
-        baselines["llama-lookup"] = llama_runner(llama_model(True, torch.get_num_threads()), max_new_tokens)
+        baselines["llama-lookup"] = llama_runner(llama_cpp(True, torch.get_num_threads()), max_new_tokens)
     for runner in baselines.values():
         runner([warm_ids])
     return runners | baselines

@@ -45,16 +45,23 @@ from verifier_service.core.model_loading import DEFAULT_MODEL, chat_prompt_ids, 
 PLD_TOKENS = 10  # llama-cpp-python's default for prompt lookup
 
 
-def llama_cpp(draft: bool):
+def llama_cpp(draft: bool, threads: int | None = None):
+    """The default model's GGUF in llama.cpp, on ``threads`` threads (every core by default),
+    with prompt lookup of PLD_TOKENS tokens when ``draft``."""
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+    threads = threads or os.cpu_count()
     return Llama(
         model_path=str(find_default_gguf()),
         n_ctx=4096,
-        n_threads=os.cpu_count(),
+        n_threads=threads,
+        n_threads_batch=threads,
         verbose=False,
         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=PLD_TOKENS) if draft else None,
+        # With a draft model llama-cpp-python (0.3.36) keeps every position's logits, but sizes
+        # their buffer for all positions only when asked: past n_batch (512) tokens it fails.
+        logits_all=draft,
     )
 
 
